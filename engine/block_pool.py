@@ -1,0 +1,478 @@
+"""Two slab-allocated tiers of fixed-size KV blocks and the metadata of every block.
+
+A block has a logical id (lid) that never changes while it lives; block tables hold lids. Where a
+block sits (tier, slot) is metadata, so a migration rewrites two numbers, not every table that
+shares the block. All per-block metadata lives in numpy arrays indexed by lid, so a snapshot is a
+handful of vectorized gathers and no Python object exists per block.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+from engine.codecs import Codec, Geometry, Parts, codecs_for
+from engine.config import CacheConfig
+from engine.eviction import EvictionPolicy, make_policy
+
+NO_HASH = np.uint64(0)
+HIST_K = 2  # LRU-K depth: the last K access times of each block
+
+
+class Tier(enum.IntEnum):
+    DEVICE = 0
+    HOST = 1
+
+
+class BlockState(enum.IntEnum):
+    FREE = 0
+    CACHED = 1  # no owner, kept for prefix reuse
+    IN_USE = 2
+
+
+class CacheFull(RuntimeError):
+    """A tier cannot hold what was asked of it even after eviction."""
+
+
+class IndexedSet:
+    """A set of small ints with O(1) add/remove/contains and a dense numpy view of its members."""
+
+    def __init__(self, universe: int):
+        self.items = np.empty(universe, dtype=np.int64)
+        self.where = np.full(universe, -1, dtype=np.int64)
+        self.n = 0
+
+    def add(self, x: int) -> None:
+        if self.where[x] >= 0:
+            return
+        self.items[self.n] = x
+        self.where[x] = self.n
+        self.n += 1
+
+    def discard(self, x: int) -> None:
+        i = self.where[x]
+        if i < 0:
+            return
+        last = self.items[self.n - 1]
+        self.items[i] = last
+        self.where[last] = i
+        self.where[x] = -1
+        self.n -= 1
+
+    def __contains__(self, x: int) -> bool:
+        return self.where[x] >= 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def view(self) -> np.ndarray:
+        return self.items[: self.n]
+
+
+class TierPool:
+    """One tier: K and V parts allocated once, and the metadata of each slot in numpy arrays.
+
+    Metadata is kept per slot, not per logical block, so a snapshot of a tier is a few contiguous
+    array copies (a random gather of a million entries would cost ten times more).
+    """
+
+    META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash")
+
+    def __init__(self, tier: Tier, capacity: int, k: Parts, v: Parts, block_size: int, universe: int):
+        self.tier = tier
+        self.capacity = capacity
+        self.k, self.v = k, v
+        n = capacity
+        self.lid = np.full(n, -1, dtype=np.int64)  # -1: free slot
+        self.ref = np.zeros(n, dtype=np.int32)
+        self.fill = np.zeros(n, dtype=np.int32)
+        self.owner = np.full(n, -1, dtype=np.int32)
+        self.last = np.zeros(n, dtype=np.float64)
+        self.hist = np.zeros((n, HIST_K), dtype=np.float64)
+        self.heat = np.zeros(n, dtype=np.float64)
+        self.born = np.zeros(n, dtype=np.float64)
+        self.hash = np.zeros(n, dtype=np.uint64)
+        self.tokens = np.zeros((n, block_size), dtype=np.int32)
+        self.free_slots = list(range(n - 1, -1, -1))  # stack: lowest slot first
+        self.cached = IndexedSet(max(n, 1))  # slots holding ref-0 hashed blocks
+
+    @property
+    def used(self) -> int:
+        return self.capacity - len(self.free_slots)
+
+    def nbytes(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for prefix, parts in (("k", self.k), ("v", self.v)):
+            for name, t in parts.items():
+                out[f"{prefix}_{name}"] = t.numel() * t.element_size()
+        return out
+
+    def metadata_bytes(self) -> int:
+        arrays = [getattr(self, m) for m in self.META] + [self.hist, self.tokens, self.cached.items, self.cached.where]
+        return sum(a.nbytes for a in arrays) + 8 * self.capacity  # + the free-slot stack
+
+    def copy_meta(self, dst: "TierPool", src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
+        for m in self.META + ("hist", "tokens"):
+            getattr(dst, m)[dst_slots] = getattr(self, m)[src_slots]
+
+
+def chain_hash(parent: int, tokens: np.ndarray) -> int:
+    """Hash of a full block: its parent's hash and its token ids. Never 0 (0 means "no hash")."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(int(parent).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    return int.from_bytes(h.digest(), "little") or 1
+
+
+class BlockPool:
+    """Blocks of both tiers: allocation, ref counts, hashes, heat, eviction, migration.
+
+    `tier[lid]`/`slot[lid]` say where a logical block sits; everything else about it is in its
+    tier's per-slot arrays. Free slots are a stack and cached blocks an indexed set: O(1) each.
+    """
+
+    def __init__(self, geometry_no_bs: tuple[int, int, int], config: CacheConfig, device: torch.device):
+        layers, kv_heads, head_dim = geometry_no_bs
+        self.device = device
+        self.config = config
+        self.geom = Geometry(layers, kv_heads, config.block_size, head_dim)
+        self.kcodec, self.vcodec = codecs_for(config.kv_dtype)
+        self.block_bytes = self._block_bytes(self.kcodec, self.vcodec, self.geom)
+        cap_dev = max(1, int(config.device_budget_mb * 2**20) // self.block_bytes)
+        cap_host = int(config.host_budget_mb * 2**20) // self.block_bytes
+        self.policy: EvictionPolicy = make_policy(config.policy, config.decay)
+        n = cap_dev + cap_host
+        pin = device.type == "cuda"
+        self.tiers = [self._make_tier(Tier.DEVICE, cap_dev, device, False, n),
+                      self._make_tier(Tier.HOST, cap_host, torch.device("cpu"), pin, n)]
+        self.n_lids = n
+        self.free_lids = list(range(n - 1, -1, -1))
+        self.tier = np.full(n, -1, dtype=np.int8)
+        self.slot = np.full(n, -1, dtype=np.int64)
+        self.by_hash: dict[int, int] = {}
+        # Side stream for tier copies on CUDA, so migrations overlap compute.
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.listener = None  # callable(kind, **fields) for events and counters
+
+    # -- construction -------------------------------------------------------------------------
+    @staticmethod
+    def _block_bytes(kc: Codec, vc: Codec, g: Geometry) -> int:
+        return sum(kc.block_bytes(g).values()) + sum(vc.block_bytes(g).values())
+
+    @staticmethod
+    def bytes_per_block(config: CacheConfig, layers: int, kv_heads: int, head_dim: int) -> int:
+        kc, vc = codecs_for(config.kv_dtype)
+        return BlockPool._block_bytes(kc, vc, Geometry(layers, kv_heads, config.block_size, head_dim))
+
+    def _make_tier(self, tier: Tier, cap: int, device: torch.device, pin: bool, universe: int) -> TierPool:
+        k = self.kcodec.alloc(self.geom, cap, device, pin)
+        v = self.vcodec.alloc(self.geom, cap, device, pin)
+        return TierPool(tier, cap, k, v, self.geom.block_size, universe)
+
+    # -- per-block accessors (by lid) ---------------------------------------------------------
+    def _meta(self, name: str, lids) -> np.ndarray:
+        lids = np.atleast_1d(np.asarray(lids, dtype=np.int64))
+        out = np.zeros(len(lids), dtype=getattr(self.tiers[0], name).dtype)
+        for t in self.tiers:
+            m = self.tier[lids] == t.tier
+            if m.any():
+                out[m] = getattr(t, name)[self.slot[lids[m]]]
+        return out
+
+    def ref_of(self, lid: int) -> int:
+        return int(self.tiers[self.tier[lid]].ref[self.slot[lid]])
+
+    def fill_of(self, lid: int) -> int:
+        return int(self.tiers[self.tier[lid]].fill[self.slot[lid]])
+
+    def hash_of(self, lid: int) -> int:
+        return int(self.tiers[self.tier[lid]].hash[self.slot[lid]])
+
+    def set_fill(self, lids: np.ndarray, fills: np.ndarray) -> None:
+        lids = np.asarray(lids, dtype=np.int64)
+        for t in self.tiers:
+            m = self.tier[lids] == t.tier
+            if m.any():
+                t.fill[self.slot[lids[m]]] = np.asarray(fills)[m]
+
+    def last_of(self, lids) -> np.ndarray:
+        return self._meta("last", lids)
+
+    # -- queries ------------------------------------------------------------------------------
+    def free_slots(self, tier: Tier) -> int:
+        return len(self.tiers[tier].free_slots)
+
+    def reclaimable(self, tier: Tier) -> int:
+        """Slots obtainable on `tier` without touching any block a sequence owns."""
+        t = self.tiers[tier]
+        return len(t.free_slots) + len(t.cached)
+
+    def can_allocate(self, tier: Tier, n: int) -> bool:
+        return self.reclaimable(tier) >= n
+
+    # -- allocation ---------------------------------------------------------------------------
+    def allocate(self, tier: Tier, owner: int, now: float) -> int:
+        """A fresh block with ref 1 on `tier`; evicts cold cached blocks if the tier is full."""
+        t = self.tiers[tier]
+        if not t.free_slots:
+            self.evict(tier, max(1, self.config.evict_batch), now)
+        if not t.free_slots:
+            raise CacheFull(f"{tier.name.lower()} tier full: {t.capacity} blocks, all owned by sequences")
+        s = t.free_slots.pop()
+        lid = self.free_lids.pop()
+        self.tier[lid], self.slot[lid] = tier, s
+        t.lid[s] = lid
+        t.ref[s] = 1
+        t.fill[s] = 0
+        t.owner[s] = owner
+        t.last[s] = now
+        t.hist[s] = now
+        t.heat[s] = 1.0
+        t.born[s] = now
+        t.hash[s] = NO_HASH
+        return lid
+
+    def incref(self, lid: int) -> None:
+        t, s = self.tiers[self.tier[lid]], self.slot[lid]
+        if t.ref[s] == 0:
+            t.cached.discard(s)
+        t.ref[s] += 1
+
+    def decref(self, lid: int) -> None:
+        t, s = self.tiers[self.tier[lid]], self.slot[lid]
+        assert t.ref[s] > 0, f"block {lid} freed twice"
+        t.ref[s] -= 1
+        if t.ref[s] > 0:
+            return
+        t.owner[s] = -1
+        if t.hash[s] != NO_HASH:
+            t.cached.add(s)  # lazy eviction: keep it for prefix reuse
+        else:
+            self._release(lid)
+
+    def _release(self, lid: int) -> None:
+        t, s = self.tiers[self.tier[lid]], int(self.slot[lid])
+        t.cached.discard(s)
+        h = int(t.hash[s])
+        if h and self.by_hash.get(h) == lid:
+            del self.by_hash[h]
+        t.lid[s] = -1
+        t.ref[s] = 0
+        t.fill[s] = 0
+        t.owner[s] = -1
+        t.hash[s] = NO_HASH
+        t.free_slots.append(s)
+        self.tier[lid] = -1
+        self.slot[lid] = -1
+        self.free_lids.append(lid)
+
+    # -- hashing ------------------------------------------------------------------------------
+    def set_hash(self, lid: int, h: int, tokens: np.ndarray) -> None:
+        t, s = self.tiers[self.tier[lid]], self.slot[lid]
+        if t.hash[s] != NO_HASH or h in self.by_hash:  # already hashed, or an identical block is cached
+            return
+        t.tokens[s, : len(tokens)] = tokens
+        t.hash[s] = np.uint64(h)
+        self.by_hash[h] = lid
+
+    def clear_hash(self, lid: int) -> None:
+        t, s = self.tiers[self.tier[lid]], self.slot[lid]
+        h = int(t.hash[s])
+        if h and self.by_hash.get(h) == lid:
+            del self.by_hash[h]
+        t.hash[s] = NO_HASH
+        if t.ref[s] == 0:
+            self._release(lid)
+
+    def lookup(self, h: int, tokens: np.ndarray) -> int | None:
+        """The cached block with hash h, confirmed token by token (a collision never returns a wrong block)."""
+        lid = self.by_hash.get(h)
+        if lid is None:
+            return None
+        t, s = self.tiers[self.tier[lid]], self.slot[lid]
+        if not np.array_equal(t.tokens[s, : len(tokens)], tokens):
+            return None
+        return lid
+
+    # -- access -------------------------------------------------------------------------------
+    def touch(self, lids: np.ndarray, now: float) -> None:
+        """Record an access: heat = heat*decay^dt + 1 (the MemOS rule); the LRU-K history shifts."""
+        lids = np.asarray(lids, dtype=np.int64)
+        for t in self.tiers:
+            sl = self.slot[lids[self.tier[lids] == t.tier]]
+            if len(sl) == 0:
+                continue
+            dt = np.maximum(now - t.last[sl], 0.0)
+            t.heat[sl] = t.heat[sl] * np.exp(np.log(self.config.decay) * dt) + 1.0
+            t.hist[sl, 1:] = t.hist[sl, :-1]
+            t.hist[sl, 0] = now
+            t.last[sl] = now
+
+    def current_heat(self, t: TierPool, slots: np.ndarray | slice, now: float) -> np.ndarray:
+        return t.heat[slots] * np.exp(np.log(self.config.decay) * np.maximum(now - t.last[slots], 0.0))
+
+    # -- eviction and migration ---------------------------------------------------------------
+    def evict(self, tier: Tier, n: int, now: float) -> int:
+        """Free up to n slots on `tier` from cached (unowned) blocks, coldest first.
+
+        Device victims move to the host tier when it has room (they stay cached there); host
+        victims, or device victims the host cannot take, are dropped.
+        """
+        t = self.tiers[tier]
+        cand = t.cached.view()
+        if len(cand) == 0:
+            return 0
+        victims = self.policy.victims(self, t, cand.copy(), min(n, len(cand)), now)
+        lids = t.lid[victims]
+        if tier == Tier.DEVICE and self._host_room(len(lids), now):
+            moved = self.move(lids, Tier.HOST, now, reason="evict")
+            lids = lids[moved:]
+        for lid in lids.tolist():
+            s = self.slot[lid]
+            self._emit("evict", lid=lid, tier=int(tier), age=now - t.born[s], gap=now - t.last[s])
+            self._release(lid)
+        return len(victims)
+
+    def _host_room(self, n: int, now: float) -> bool:
+        host = self.tiers[Tier.HOST]
+        if len(host.free_slots) < n and len(host.cached):
+            self.evict(Tier.HOST, max(n - len(host.free_slots), self.config.evict_batch), now)
+        return bool(host.free_slots)
+
+    def move(self, lids: np.ndarray, to: Tier, now: float, reason: str) -> int:
+        """Copy blocks to tier `to` (all layers: K, V, scales) with their metadata; free the old slots.
+
+        Returns how many moved (a prefix of lids); stops early if `to` runs out of slots.
+        """
+        lids = np.asarray(lids, dtype=np.int64)
+        lids = lids[self.tier[lids] != to]
+        if len(lids) == 0:
+            return 0
+        dst = self.tiers[to]
+        if len(dst.free_slots) < len(lids):
+            self.evict(to, max(len(lids) - len(dst.free_slots), self.config.evict_batch), now)
+        lids = lids[: len(dst.free_slots)]
+        if len(lids) == 0:
+            return 0
+        src = self.tiers[1 - to]
+        src_slots = self.slot[lids].copy()
+        dst_slots = np.asarray([dst.free_slots.pop() for _ in range(len(lids))], dtype=np.int64)
+        self._copy(src, src_slots, dst, dst_slots)
+        src.copy_meta(dst, src_slots, dst_slots)
+        for lid, so, sn in zip(lids.tolist(), src_slots.tolist(), dst_slots.tolist()):
+            if so in src.cached:
+                src.cached.discard(so)
+                dst.cached.add(sn)
+            src.lid[so] = -1
+            src.ref[so] = 0
+            src.hash[so] = NO_HASH
+            src.owner[so] = -1
+            src.free_slots.append(so)
+            self.tier[lid], self.slot[lid] = to, sn
+        kind = "promote" if to == Tier.DEVICE else "demote"
+        self._emit(kind, n=len(lids), reason=reason, nbytes=len(lids) * self.block_bytes)
+        return len(lids)
+
+    def _copy(self, src: TierPool, src_slots: np.ndarray, dst: TierPool, dst_slots: np.ndarray) -> None:
+        si = torch.as_tensor(src_slots, device=_dev_of(src))
+        di = torch.as_tensor(dst_slots, device=_dev_of(dst))
+        stream = self.copy_stream
+        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+        with ctx:
+            for sp, dp in ((src.k, dst.k), (src.v, dst.v)):
+                for name, s_t in sp.items():
+                    dp[name][:, di] = s_t[:, si].to(dp[name].device, non_blocking=stream is not None)
+        if stream is not None:
+            # Attention must not read a block before its copy lands.
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def copy_block(self, src_lid: int, dst_lid: int) -> None:
+        """Copy-on-write: dst gets src's data and fill (any tiers)."""
+        src, dst = self.tiers[self.tier[src_lid]], self.tiers[self.tier[dst_lid]]
+        ss, ds = np.array([self.slot[src_lid]]), np.array([self.slot[dst_lid]])
+        self._copy(src, ss, dst, ds)
+        dst.fill[ds] = src.fill[ss]
+
+    # -- block contents -----------------------------------------------------------------------
+    def read_blocks(self, lids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K and V of blocks (any tier): [layers, n, kv_heads, block_size, head_dim] each."""
+        g = self.geom
+        shape = (g.layers, len(lids), g.kv_heads, g.block_size, g.head_dim)
+        k = torch.zeros(shape, device=self.device)
+        v = torch.zeros(shape, device=self.device)
+        lids_np = np.asarray(lids, dtype=np.int64)
+        for t in self.tiers:
+            rows = np.flatnonzero(self.tier[lids_np] == t.tier)
+            if len(rows) == 0:
+                continue
+            slots = torch.as_tensor(self.slot[lids_np[rows]], device=_dev_of(t))
+            r = torch.as_tensor(rows, device=self.device)
+            for layer in range(g.layers):
+                k[layer, r] = self.kcodec.decode(t.k, layer, slots).to(self.device)
+                v[layer, r] = self.vcodec.decode(t.v, layer, slots).to(self.device)
+        return k, v
+
+    def write_blocks(self, lids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode fp32 K/V [layers, n, kv_heads, block_size, head_dim] into fresh blocks (any tier).
+
+        Slots at or past each block's fill are zeroed so they cannot inflate a scale.
+        """
+        lids_np = np.asarray(lids, dtype=np.int64)
+        for t in self.tiers:
+            rows = np.flatnonzero(self.tier[lids_np] == t.tier)
+            if len(rows) == 0:
+                continue
+            dev = _dev_of(t)
+            sl = self.slot[lids_np[rows]]
+            slots = torch.as_tensor(sl, device=dev)
+            r = torch.as_tensor(rows, device=k.device)
+            keep = torch.zeros(len(rows), dtype=torch.bool, device=dev)
+            fill = torch.as_tensor(t.fill[sl], device=dev)
+            mask = (torch.arange(self.geom.block_size, device=dev)[None, :] < fill[:, None]).float()[:, None, :, None]
+            for layer in range(self.geom.layers):
+                self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * mask, keep)
+                self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * mask, keep)
+
+    # -- accounting ---------------------------------------------------------------------------
+    def metadata_bytes(self) -> int:
+        return self.tier.nbytes + self.slot.nbytes + 8 * self.n_lids + sum(t.metadata_bytes() for t in self.tiers)
+
+    def check(self, owners: dict[int, int]) -> None:
+        """Invariants; `owners` maps lid -> number of block-table entries that hold it."""
+        live = set(np.flatnonzero(self.tier >= 0).tolist())
+        free = set(self.free_lids)
+        assert not (live & free), "block both free and live"
+        assert len(live) + len(free) == self.n_lids, "lost a logical block"
+        for lid in owners:
+            assert lid in live, f"a block table holds freed block {lid}"
+        for t in self.tiers:
+            used = np.flatnonzero(t.lid >= 0)
+            assert len(used) + len(t.free_slots) == t.capacity, f"{t.tier.name}: slots leaked"
+            assert not (set(used.tolist()) & set(t.free_slots)), f"{t.tier.name}: slot both free and used"
+            for s in used.tolist():
+                lid = int(t.lid[s])
+                assert self.tier[lid] == t.tier and self.slot[lid] == s, f"block {lid} not where it says"
+                assert t.ref[s] == owners.get(lid, 0), f"block {lid}: ref {t.ref[s]} != owners {owners.get(lid, 0)}"
+                if t.ref[s] == 0:
+                    assert s in t.cached and t.hash[s] != NO_HASH, f"unowned block {lid} is neither cached nor free"
+                else:
+                    assert s not in t.cached, f"owned block {lid} listed as cached"
+        for h, lid in self.by_hash.items():
+            assert self.hash_of(lid) == h, "hash index stale"
+
+    def _emit(self, kind: str, **fields) -> None:
+        if self.listener is not None:
+            self.listener(kind, **fields)
+
+
+def _dev_of(t: TierPool) -> torch.device:
+    return t.k["data"].device
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)

@@ -1,0 +1,171 @@
+"""Every cache knob in one frozen dataclass, with its valid range beside it.
+
+The CLI, the window's sliders, presets and validation all read `KNOBS`; nothing else knows a range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class KVDtype(enum.IntEnum):
+    FP32 = 0
+    FP16 = 1
+    BF16 = 2
+    INT8 = 3
+    INT8_DELTA = 4  # int8 values, keys stored as closed-loop deltas between consecutive tokens
+    FP8 = 5  # e4m3 with per-block per-head scales
+
+    @property
+    def label(self) -> str:
+        return _DTYPE_LABELS[self]
+
+    @property
+    def lossless(self) -> bool:
+        return self is KVDtype.FP32
+
+    @classmethod
+    def parse(cls, value: "str | KVDtype") -> "KVDtype":
+        if isinstance(value, KVDtype):
+            return value
+        for member, label in _DTYPE_LABELS.items():
+            if label == str(value).lower():
+                return member
+        raise ConfigError(f"kv_dtype: unknown dtype {value!r}; choose one of {', '.join(_DTYPE_LABELS.values())}")
+
+
+_DTYPE_LABELS = {
+    KVDtype.FP32: "fp32",
+    KVDtype.FP16: "fp16",
+    KVDtype.BF16: "bf16",
+    KVDtype.INT8: "int8",
+    KVDtype.INT8_DELTA: "int8-delta",
+    KVDtype.FP8: "fp8",
+}
+
+# Lossiness rank: moving to a higher rank loses information.
+DTYPE_PRECISION = {
+    KVDtype.FP32: 0,
+    KVDtype.FP16: 1,
+    KVDtype.BF16: 2,
+    KVDtype.INT8: 3,
+    KVDtype.INT8_DELTA: 3,
+    KVDtype.FP8: 4,
+}
+
+POLICIES = ("lru", "heat")
+
+
+class ConfigError(ValueError):
+    """A knob value the engine refuses; the message names the knob and its valid range."""
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    kind: type
+    lo: float | None = None
+    hi: float | None = None
+    choices: tuple[str, ...] = ()
+    unit: str = ""
+    help: str = ""
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_dtype: KVDtype = KVDtype.FP32
+    device_budget_mb: float = 256.0
+    host_budget_mb: float = 1024.0
+    policy: str = "heat"
+    decay: float = 0.9
+    demote_after_s: float = 5.0
+    prefetch_depth: int = 2
+    evict_batch: int = 8
+
+    def replace(self, **changes: Any) -> "CacheConfig":
+        """A validated copy with `changes` applied (values may be strings, as from a CLI or a TOML file)."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(changes) - fields)
+        if unknown:
+            raise ConfigError(f"unknown knob(s): {', '.join(unknown)}; knobs are {', '.join(sorted(fields))}")
+        coerced = {name: coerce(name, value) for name, value in changes.items()}
+        new = dataclasses.replace(self, **coerced)
+        new.validate()
+        return new
+
+    def validate(self) -> None:
+        for knob in KNOBS.values():
+            check(knob, getattr(self, knob.name))
+
+    def as_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["kv_dtype"] = self.kv_dtype.label
+        return d
+
+    def summary(self) -> str:
+        return (
+            f"bs={self.block_size} {self.kv_dtype.label} dev={self.device_budget_mb:g}MB "
+            f"host={self.host_budget_mb:g}MB {self.policy}(decay {self.decay:g}) "
+            f"demote>{self.demote_after_s:g}s prefetch={self.prefetch_depth} batch={self.evict_batch}"
+        )
+
+
+KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("block_size", int, 1, 1024, unit="tokens", help="tokens per block (all layers' K and V)"),
+        Knob("kv_dtype", KVDtype, choices=tuple(_DTYPE_LABELS.values()), help="storage format of cached K/V"),
+        Knob("device_budget_mb", float, 0.05, 1 << 20, unit="MB", help="device-tier pool size"),
+        Knob("host_budget_mb", float, 0.0, 1 << 22, unit="MB", help="host-tier pool size"),
+        Knob("policy", str, choices=POLICIES, help="eviction order for cold cached blocks"),
+        Knob("decay", float, 0.01, 1.0, unit="/s", help="heat decay per second: heat = heat*decay^dt + 1"),
+        Knob("demote_after_s", float, 0.0, 3600.0, unit="s", help="idle time before a block moves device -> host"),
+        Knob("prefetch_depth", int, 0, 64, unit="blocks", help="blocks promoted along with a device-tier miss"),
+        Knob("evict_batch", int, 1, 4096, unit="blocks", help="cold blocks evicted at once"),
+    )
+}
+
+
+def coerce(name: str, value: Any) -> Any:
+    knob = KNOBS.get(name)
+    if knob is None:
+        raise ConfigError(f"unknown knob {name!r}")
+    if knob.kind is KVDtype:
+        return KVDtype.parse(value)
+    if knob.kind is str:
+        return str(value)
+    try:
+        if knob.kind is int:
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            if isinstance(value, bool):
+                raise ValueError
+            return int(str(value)) if isinstance(value, str) else int(value)
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: {value!r} is not a valid {knob.kind.__name__}") from None
+
+
+def check(knob: Knob, value: Any) -> None:
+    if knob.choices and knob.kind is str and value not in knob.choices:
+        raise ConfigError(f"{knob.name}: {value!r} is not one of {', '.join(knob.choices)}")
+    if knob.lo is not None and knob.hi is not None:
+        if not isinstance(value, (int, float)) or value != value or not (knob.lo <= value <= knob.hi):
+            raise ConfigError(f"{knob.name}: {value!r} is outside [{knob.lo:g}, {knob.hi:g}] {knob.unit}".rstrip())
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """Settings fixed for an engine's lifetime (not live knobs)."""
+
+    device: str = "cpu"
+    max_batch: int = 16  # running sequences per step
+    max_batched_tokens: int = 1024  # prompt tokens computed per step (chunked prefill)
+    context_limit: int | None = None  # tokens per sequence before a context shift; None: the model's
+    n_keep: int = 0  # context shift keeps these first tokens (e.g. a system prompt)
+    n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,847 @@
+"""The engine: continuous batching over the paged, tiered block cache, with llama.cpp-style
+sequence operations and live reconfiguration.
+
+Threading: `step()` and the sequence operations run on one thread (the engine thread). Other threads
+may call `submit()` (a command run between steps), `reconfigure()` (validated at once, applied
+between steps), `snapshot()` and `take_events()`; those take the lock only briefly.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, chain_hash
+from engine.config import DTYPE_PRECISION, CacheConfig, ConfigError, EngineOptions, KVDtype
+from engine.loader import LoadedModel
+from engine.model import AttnGroup, ForwardBatch, LlamaFamily
+from engine.sequence import SamplingParams, Sequence, SeqState
+from engine.telemetry import Counters, Event, Telemetry
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve (e.g. it cannot fit in the cache); nothing was changed."""
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    seq_id: int
+    token: int
+    finished: bool
+
+
+class StepKV:
+    """The model's view of the cache for one step: where new K/V go, and the device tier to read."""
+
+    def __init__(self, pool: BlockPool, slots: torch.Tensor, offsets: torch.Tensor, write_blocks: np.ndarray,
+                 tok_block: torch.Tensor, prev_fill: np.ndarray, new_fill: np.ndarray):
+        self.pool = pool
+        self.dev = pool.tiers[Tier.DEVICE]
+        self.slots, self.offsets = slots, offsets  # [T]
+        dev = self.dev.k["data"].device
+        self.wslots = torch.as_tensor(write_blocks, device=dev)  # [U] distinct slots written
+        self.tok_block = tok_block  # [T] index into wslots
+        self.keep = torch.as_tensor(prev_fill > 0, device=dev)
+        bs = pool.geom.block_size
+        self.fill_mask = (torch.arange(bs, device=dev)[None, :] < torch.as_tensor(new_fill, device=dev)[:, None])
+        self.fill_mask = self.fill_mask.float()[:, None, :, None]  # [U, 1, bs, 1]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for codec, parts, x in ((self.pool.kcodec, self.dev.k, k), (self.pool.vcodec, self.dev.v, v)):
+            if codec.scatter(parts, layer, self.slots, self.offsets, x):
+                continue
+            blocks = codec.decode(parts, layer, self.wslots)  # [U, Hkv, bs, D]
+            blocks[self.tok_block, :, self.offsets] = x.float()
+            codec.encode(parts, layer, self.wslots, blocks * self.fill_mask, self.keep)
+
+    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, config: CacheConfig | None = None, options: EngineOptions | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.loaded = model
+        self.spec = model.spec
+        self.tokenizer = model.tokenizer
+        self.options = options or EngineOptions()
+        self.config = config or CacheConfig()
+        self.config.validate()
+        self.device = torch.device(self.options.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but torch sees no CUDA device")
+        self.clock = clock
+        self.model = LlamaFamily(self.spec, model.weights, self.device)
+        self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
+        self.lock = threading.RLock()
+        self.counters = Counters()
+        self.telemetry = Telemetry(self)
+        self.pool = self._make_pool(self.config)
+        self.seqs: dict[int, Sequence] = {}
+        self.waiting: collections.deque[int] = collections.deque()
+        self.running: list[int] = []
+        self._next_id = 0
+        self._pending: collections.deque[Callable[[], None]] = collections.deque()
+        self._pending_config: list[tuple[dict, CacheConfig]] = []
+        self.eos = set(self.spec.eos_token_ids)
+
+    # -- set-up -------------------------------------------------------------------------------
+    def _make_pool(self, config: CacheConfig) -> BlockPool:
+        if config.kv_dtype is KVDtype.FP8:
+            from engine.codecs import fp8_supported
+
+            if not fp8_supported():
+                raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
+        pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device)
+        pool.listener = self.telemetry.on_pool_event
+        return pool
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, label: str = "") -> int:
+        sampling = sampling or SamplingParams()
+        if not prompt_ids:
+            raise RequestError("empty prompt")
+        if any((t < 0 or t >= self.spec.vocab_size) for t in prompt_ids):
+            raise RequestError(f"prompt holds token ids outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        with self.lock:
+            self._check_fits(len(prompt_ids), sampling.max_new_tokens)
+            seq = self._new_seq(list(prompt_ids), sampling, label)
+            self.waiting.append(seq.id)
+            self.telemetry.emit("request", seq=seq.id, prompt_tokens=len(prompt_ids))
+            return seq.id
+
+    def _check_fits(self, prompt_len: int, max_new: int) -> None:
+        peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
+        need = blocks_for(peak, self.config.block_size)
+        cap = self.pool.tiers[Tier.DEVICE].capacity
+        if need > cap:
+            raise RequestError(
+                f"request needs {need} blocks of {self.config.block_size} tokens ({peak} tokens) but the device tier "
+                f"holds {cap}; raise device_budget_mb or shorten the prompt"
+            )
+        if prompt_len > self.context_limit:
+            raise RequestError(f"prompt of {prompt_len} tokens exceeds the context limit of {self.context_limit}")
+
+    def _new_seq(self, tokens: list[int], sampling: SamplingParams, label: str) -> Sequence:
+        sid = self._next_id
+        self._next_id += 1
+        seq = Sequence(id=sid, prompt_len=len(tokens), sampling=sampling, tokens=tokens, pos=list(range(len(tokens))),
+                       arrival=self.clock(), label=label)
+        if not sampling.greedy:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(sampling.seed if sampling.seed is not None else sid)
+            seq.rng = g
+        self.seqs[sid] = seq
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or any(self.seqs[s].state == SeqState.RUNNING for s in self.running) or self._pending
+                    or self._pending_config)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread between steps."""
+        with self.lock:
+            self._pending.append(fn)
+
+    # -- configuration ------------------------------------------------------------------------
+    def reconfigure(self, **changes) -> CacheConfig:
+        """Validate now (raises ConfigError, nothing changes); apply between steps. Returns the new config."""
+        with self.lock:
+            base = self._pending_config[-1][1] if self._pending_config else self.config
+            new = base.replace(**changes)
+            if new.kv_dtype is KVDtype.FP8:
+                from engine.codecs import fp8_supported
+
+                if not fp8_supported():
+                    raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
+            self._check_budget(new)
+            self._pending_config.append((changes, new))
+            return new
+
+    def _check_budget(self, new: CacheConfig) -> None:
+        per = BlockPool.bytes_per_block(new, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        dev = int(new.device_budget_mb * 2**20) // per
+        host = int(new.host_budget_mb * 2**20) // per
+        need_dev = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
+                                   new.block_size) for s in self.seqs.values() if not s.done), default=1)
+        if dev < need_dev:
+            raise ConfigError(
+                f"device_budget_mb {new.device_budget_mb:g} gives {dev} blocks of {per} bytes; a live sequence needs "
+                f"{need_dev}: raise the budget or finish that sequence first")
+        live = sum(blocks_for(s.num_cached, new.block_size) for s in self.seqs.values() if not s.done)
+        if dev + host < live:
+            raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {live}; nothing was changed")
+
+    def is_lossy_change(self, new_dtype: KVDtype) -> bool:
+        return DTYPE_PRECISION[new_dtype] > DTYPE_PRECISION[self.config.kv_dtype]
+
+    def _apply_pending(self) -> None:
+        while True:
+            with self.lock:
+                if not self._pending:
+                    break
+                fn = self._pending.popleft()
+            fn()
+        while True:
+            with self.lock:
+                if not self._pending_config:
+                    return
+                changes, new = self._pending_config.pop(0)
+            self._apply_config(changes, new)
+
+    def _apply_config(self, changes: dict, new: CacheConfig) -> None:
+        old = self.config
+        geometry = (new.block_size, new.kv_dtype, new.device_budget_mb, new.host_budget_mb) != (
+            old.block_size, old.kv_dtype, old.device_budget_mb, old.host_budget_mb)
+        lossy = self.is_lossy_change(new.kv_dtype)
+        try:
+            if geometry:
+                self._relayout(new)
+            else:
+                self.pool.config = new
+                from engine.eviction import make_policy
+
+                self.pool.policy = make_policy(new.policy, new.decay)
+        except (CacheFull, RuntimeError) as e:  # keep the old pool: nothing was touched before the swap
+            self.telemetry.emit("config_error", changes={k: str(v) for k, v in changes.items()}, message=str(e))
+            return
+        self.config = new
+        self.telemetry.emit("config", changes={k: str(v) for k, v in changes.items()}, lossy=lossy,
+                            summary=new.summary())
+
+    def _relayout(self, new: CacheConfig) -> None:
+        """Re-lay every live sequence's K/V into a fresh pool of the new geometry/format.
+
+        The new pool is built and filled before the old one is dropped, so a failure leaves
+        the engine exactly as it was. Shared prefixes stay shared: sequences are re-laid in order
+        and a block whose chain hash a previous sequence already wrote is reused, not copied.
+        """
+        old_pool = self.pool
+        pool = self._make_pool(new)
+        now = self.clock()
+        plans: list[tuple[Sequence, list[int], list[int]]] = []
+        written: dict[tuple, int] = {}
+        for seq in self.seqs.values():
+            if seq.done or seq.num_cached == 0:
+                plans.append((seq, [], []))
+                continue
+            k, v = self._tokens_kv(old_pool, seq)  # [L, n, Hkv, D]
+            blocks, hashes = [], []
+            bs = new.block_size
+            parent = 0
+            for b in range(blocks_for(seq.num_cached, bs)):
+                lo, hi = b * bs, min((b + 1) * bs, seq.num_cached)
+                toks = np.asarray(seq.tokens[lo:hi], dtype=np.int32)
+                full_canon = hi - lo == bs and hi <= seq.canonical
+                h = chain_hash(parent, toks) if full_canon else 0
+                parent = h
+                key = ("h", h) if h else None
+                if key is not None and key in written:
+                    lid = written[key]
+                    pool.incref(lid)
+                else:
+                    tier = Tier.DEVICE if pool.reclaimable(Tier.DEVICE) else Tier.HOST
+                    lid = pool.allocate(tier, seq.id, now)
+                    pool.set_fill([lid], [hi - lo])
+                    kb = torch.zeros((k.shape[0], 1, k.shape[2], bs, k.shape[3]), device=self.device)
+                    vb = torch.zeros_like(kb)
+                    kb[:, 0, :, : hi - lo] = k[:, lo:hi].transpose(1, 2)
+                    vb[:, 0, :, : hi - lo] = v[:, lo:hi].transpose(1, 2)
+                    pool.write_blocks([lid], kb, vb)
+                    if h:
+                        pool.set_hash(lid, h, toks)
+                        written[key] = lid
+                blocks.append(lid)
+                hashes.append(h)
+            plans.append((seq, blocks, hashes))
+        # Commit: nothing above touched the engine's state.
+        self.pool = pool
+        for seq, blocks, hashes in plans:
+            seq.blocks, seq.hashes = blocks, hashes
+        del old_pool
+
+    def _tokens_kv(self, pool: BlockPool, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K/V of a sequence's cached tokens: [L, n, Hkv, D] each."""
+        k, v = pool.read_blocks(seq.blocks)  # [L, nb, Hkv, bs, D]
+        L, nb, Hkv, bs, D = k.shape
+        k = k.permute(0, 1, 3, 2, 4).reshape(L, nb * bs, Hkv, D)[:, : seq.num_cached]
+        v = v.permute(0, 1, 3, 2, 4).reshape(L, nb * bs, Hkv, D)[:, : seq.num_cached]
+        return k, v
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenOut]:
+        self._apply_pending()
+        with self.lock:
+            t0 = time.perf_counter()
+            now = self.clock()
+            self._demote_idle(now)
+            self._admit(now)
+            sched = self._schedule(now)
+            if not sched:
+                return []
+            batch, kv, writes = self._build(sched)
+            t1 = time.perf_counter()
+        logits = self.model.forward(batch, kv)
+        with self.lock:
+            t2 = time.perf_counter()
+            outs = self._finish_step(sched, writes, logits)
+            t3 = time.perf_counter()
+            self.counters.forward_s += t2 - t1
+            self.counters.bookkeeping_s += (t1 - t0) + (t3 - t2)
+            self.counters.steps += 1
+            self.telemetry.after_step(now)
+        return outs
+
+    def _demote_idle(self, now: float) -> None:
+        """MemOS hybrid rule: device blocks idle longer than demote_after_s move to the host tier."""
+        p = self.pool
+        dev = p.tiers[Tier.DEVICE]
+        idle = dev.lid[(dev.lid >= 0) & (now - dev.last > self.config.demote_after_s)]
+        if len(idle) and p.tiers[Tier.HOST].capacity:
+            p.move(idle, Tier.HOST, now, reason="idle")
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and len(self._active()) < self.options.max_batch:
+            seq = self.seqs[self.waiting[0]]
+            if seq.state == SeqState.WAITING and seq.num_cached == 0 and not seq.blocks:
+                self._match_prefix(seq)
+            first = min(seq.pending, self.options.max_batched_tokens)
+            need = blocks_for(seq.num_cached + first, self.config.block_size) - len(seq.blocks)
+            host_blocks = int(np.sum(self.pool.tier[seq.blocks] == Tier.HOST)) if seq.blocks else 0
+            if not self.pool.can_allocate(Tier.DEVICE, need + host_blocks) and self._active():
+                return  # wait for room; running sequences will finish or shift
+            self.waiting.popleft()
+            seq.state = SeqState.RUNNING
+            self.running.append(seq.id)
+
+    def _active(self) -> list[int]:
+        return [s for s in self.running if self.seqs[s].state == SeqState.RUNNING]
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        """Reuse cached blocks for the longest cached prefix of the prompt (the last token is always computed)."""
+        bs = self.config.block_size
+        parent = 0
+        reusable = (len(seq.tokens) - 1) // bs
+        for b in range(reusable):
+            toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
+            h = chain_hash(parent, toks)
+            lid = self.pool.lookup(h, toks)
+            if lid is None:
+                break
+            self.pool.incref(lid)
+            seq.blocks.append(lid)
+            seq.hashes.append(h)
+            parent = h
+        if seq.blocks:
+            now = self.clock()
+            self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool._meta("born", seq.blocks))
+        seq.num_cached = len(seq.blocks) * bs
+        seq.canonical = seq.num_cached
+        seq.prefix_reused = seq.num_cached
+        self.counters.prompt_tokens += len(seq.tokens)
+        self.counters.prompt_reused += seq.num_cached
+
+    def _schedule(self, now: float) -> list[tuple[Sequence, int]]:
+        """Pick (sequence, tokens to compute) for this step and make their blocks resident and writable."""
+        budget = self.options.max_batched_tokens
+        active = [self.seqs[s] for s in self._active()]
+        # Decodes first (one token each), then prompt chunks in arrival order.
+        active.sort(key=lambda s: (s.pending > 1, s.arrival))
+        sched: list[tuple[Sequence, int]] = []
+        for seq in active:
+            if seq.state != SeqState.RUNNING:
+                continue  # preempted while making room for an earlier one
+            if self._needs_shift(seq):
+                self._context_shift(seq)
+            n = min(seq.pending, budget) if seq.pending > 1 else seq.pending
+            if n <= 0:
+                continue
+            if not self._make_resident(seq, n, now, sched):
+                continue
+            sched.append((seq, n))
+            budget -= n if n > 1 else 0
+            if budget <= 0 and n > 1:
+                break
+        return sched
+
+    def _needs_shift(self, seq: Sequence) -> bool:
+        return len(seq.tokens) > self.context_limit
+
+    def _make_resident(self, seq: Sequence, n: int, now: float, sched: list) -> bool:
+        """Promote the sequence's host blocks and give it room for n new tokens on the device tier."""
+        p = self.pool
+        bs = self.config.block_size
+        new_blocks = blocks_for(seq.num_cached + n, bs) - len(seq.blocks)
+        on_host = [i for i, lid in enumerate(seq.blocks) if p.tier[lid] == Tier.HOST]
+        tail_cow = 0
+        if seq.num_cached % bs and seq.blocks:
+            tail = seq.blocks[seq.num_cached // bs]
+            tail_cow = 1 if p.ref_of(tail) > 1 else 0
+        need = len(on_host) + max(new_blocks, 0) + tail_cow
+        if not self._make_room(need, now, keep={seq.id} | {s.id for s, _ in sched}):
+            self._preempt(seq, now)
+            return False
+        # Device-tier reads: a host block is a miss; promoting it brings the next prefetch_depth along.
+        reads = len(seq.blocks)
+        misses = 0
+        depth = self.config.prefetch_depth
+        for j, i in enumerate(on_host):
+            if p.tier[seq.blocks[i]] != Tier.HOST:
+                continue  # came with an earlier miss's prefetch
+            misses += 1
+            group = [seq.blocks[x] for x in on_host[j:j + 1 + depth]]
+            p.move(np.asarray(group, dtype=np.int64), Tier.DEVICE, now, reason="miss")
+        self.counters.block_reads += reads
+        self.counters.block_misses += misses
+        self.telemetry.record_reads(seq, misses, now)
+        # Copy-on-write of a shared (or cached) partial tail before writing into it.
+        if seq.num_cached % bs and seq.blocks:
+            self._ensure_writable(seq, seq.num_cached // bs, now)
+        while len(seq.blocks) < blocks_for(seq.num_cached + n, bs):
+            seq.blocks.append(p.allocate(Tier.DEVICE, seq.id, now))
+            seq.hashes.append(0)
+        return True
+
+    def _ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
+        p = self.pool
+        lid = seq.blocks[bi]
+        if p.ref_of(lid) > 1:
+            new = p.allocate(Tier.DEVICE, seq.id, now)
+            p.copy_block(lid, new)
+            p.decref(lid)
+            seq.blocks[bi] = new
+            seq.hashes[bi] = 0
+            self.telemetry.emit("cow", seq=seq.id, block=int(lid), new=int(new))
+        elif p.hash_of(lid) != NO_HASH:
+            p.clear_hash(lid)  # its content is about to change; the prefix cache must forget it
+            seq.hashes[bi] = 0
+
+    def _make_room(self, need: int, now: float, keep: set[int]) -> bool:
+        """Ensure `need` device slots are obtainable: demote idle owners' blocks, then preempt running ones."""
+        p = self.pool
+        if p.can_allocate(Tier.DEVICE, need):
+            return True
+        # 1. Blocks of sequences not running now (paused, preempted, waiting with a prefix), coldest first.
+        idle = [s for s in self.seqs.values() if s.id not in keep and not s.done and s.state != SeqState.RUNNING]
+        cand = [lid for s in idle for lid in s.blocks if p.tier[lid] == Tier.DEVICE]
+        keep_lids = {lid for sid in keep for lid in self.seqs[sid].blocks}
+        cand = [lid for lid in dict.fromkeys(cand) if lid not in keep_lids]
+        if cand:
+            arr = np.asarray(cand, dtype=np.int64)
+            arr = arr[np.argsort(p.last_of(arr), kind="stable")]
+            short = need - p.reclaimable(Tier.DEVICE)
+            p.move(arr[:max(short, 0)], Tier.HOST, now, reason="room")
+        if p.can_allocate(Tier.DEVICE, need):
+            return True
+        # 2. Preempt running sequences not yet scheduled this step, newest first.
+        for sid in reversed(self._active()):
+            if sid in keep:
+                continue
+            self._preempt(self.seqs[sid], now)
+            if p.can_allocate(Tier.DEVICE, need):
+                return True
+        return p.can_allocate(Tier.DEVICE, need)
+
+    def _preempt(self, seq: Sequence, now: float) -> None:
+        """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later."""
+        p = self.pool
+        dev = np.asarray([lid for lid in seq.blocks if p.tier[lid] == Tier.DEVICE], dtype=np.int64)
+        moved = p.move(dev, Tier.HOST, now, reason="preempt") if len(dev) else 0
+        mode = "swap"
+        if moved < len(dev) or seq.canonical < seq.num_cached and moved < len(dev):
+            mode = "recompute"
+            self._drop_kv(seq)
+        seq.state = SeqState.PREEMPTED
+        seq.preemptions += 1
+        self.counters.preemptions += 1
+        self.running.remove(seq.id)
+        self.waiting.appendleft(seq.id)
+        seq.state = SeqState.WAITING
+        self.telemetry.emit("preempt", seq=seq.id, mode=mode)
+
+    def _drop_kv(self, seq: Sequence) -> None:
+        for lid in seq.blocks:
+            self.pool.decref(lid)
+        seq.blocks, seq.hashes = [], []
+        seq.num_cached = 0
+        seq.canonical = 0
+
+    def _build(self, sched: list[tuple[Sequence, int]]):
+        bs = self.config.block_size
+        p = self.pool
+        dev = p.device
+        ids, poss, slots, offs = [], [], [], []
+        decode_rows, decode = [], []
+        groups: list[AttnGroup] = []
+        logit_rows = []
+        write_lids: dict[int, int] = {}
+        tok_block = []
+        row = 0
+        for seq, n in sched:
+            lo, hi = seq.num_cached, seq.num_cached + n
+            ids.extend(seq.tokens[lo:hi])
+            poss.extend(seq.pos[lo:hi])
+            for i in range(lo, hi):
+                lid = seq.blocks[i // bs]
+                slots.append(int(p.slot[lid]))
+                offs.append(i % bs)
+                tok_block.append(write_lids.setdefault(lid, len(write_lids)))
+            if n == 1:
+                decode.append(seq)
+                decode_rows.append(row)
+            else:
+                groups.append(self._group(seq, hi, [list(range(row, row + n))], [seq.pos[lo:hi]], dev))
+            row += n
+            logit_rows.append(row - 1)
+        if decode:
+            groups.insert(0, self._group_many(decode, decode_rows, dev))
+        wl = np.fromiter(write_lids.keys(), dtype=np.int64, count=len(write_lids))
+        # Writes are appends: the first offset written into a block is how many of its slots were
+        # already valid, and the block's fill afterwards is the last offset written + 1.
+        offs_np = np.asarray(offs, dtype=np.int64)
+        tb = np.asarray(tok_block, dtype=np.int64)
+        prev_fill = np.full(len(wl), bs, dtype=np.int64)
+        np.minimum.at(prev_fill, tb, offs_np)
+        new_fill = np.zeros(len(wl), dtype=np.int64)
+        np.maximum.at(new_fill, tb, offs_np + 1)
+        kv = StepKV(p, torch.as_tensor(slots, device=dev), torch.as_tensor(offs, device=dev), p.slot[wl],
+                    torch.as_tensor(tok_block, device=dev), prev_fill, new_fill)
+        batch = ForwardBatch(input_ids=torch.as_tensor(ids, device=dev), positions=torch.as_tensor(poss, device=dev),
+                             groups=groups, logit_rows=torch.as_tensor(logit_rows, device=dev))
+        return batch, kv, (wl, new_fill)
+
+    def _group(self, seq: Sequence, ctx: int, rows: list[list[int]], qpos: list[list[int]], dev) -> AttnGroup:
+        return self._group_many([seq], [rows[0][0]], dev, q_len=len(rows[0]), ctx=[ctx], qpos=qpos)
+
+    def _group_many(self, seqs: list[Sequence], first_rows: list[int], dev, q_len: int = 1,
+                    ctx: list[int] | None = None, qpos: list[list[int]] | None = None) -> AttnGroup:
+        bs = self.config.block_size
+        p = self.pool
+        ctx = ctx or [s.num_cached + 1 for s in seqs]
+        nb = max(blocks_for(c, bs) for c in ctx)
+        B = len(seqs)
+        table = np.zeros((B, nb), dtype=np.int64)
+        kpos = np.zeros((B, nb * bs), dtype=np.int64)
+        kvalid = np.zeros((B, nb * bs), dtype=bool)
+        qp = np.zeros((B, q_len), dtype=np.int64)
+        rows = np.zeros((B, q_len), dtype=np.int64)
+        for b, (seq, c) in enumerate(zip(seqs, ctx)):
+            k = blocks_for(c, bs)
+            table[b, :k] = p.slot[seq.blocks[:k]]
+            kpos[b, :c] = seq.pos[:c]
+            kvalid[b, :c] = True
+            qp[b] = qpos[b] if qpos is not None else [seq.pos[c - 1]]
+            rows[b] = np.arange(first_rows[b], first_rows[b] + q_len)
+        t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
+        return AttnGroup(rows=t(rows.reshape(-1)), q_len=q_len, table=t(table), kpos=t(kpos), kvalid=t(kvalid), qpos=t(qp))
+
+    def _finish_step(self, sched, writes, logits: torch.Tensor) -> list[TokenOut]:
+        p = self.pool
+        now = self.clock()
+        wl, new_fill = writes
+        p.set_fill(wl, new_fill)
+        bs = self.config.block_size
+        touched = []
+        outs = []
+        next_tokens = self._sample(sched, logits)
+        for (seq, n), tok in zip(sched, next_tokens):
+            old = seq.num_cached
+            seq.num_cached += n
+            if seq.num_cached > seq.canonical and seq.canonical == old and seq.pos[old:seq.num_cached] == list(
+                    range(old, seq.num_cached)):
+                seq.canonical = seq.num_cached
+            self._hash_full_blocks(seq, old)
+            touched.extend(seq.blocks)
+            if seq.pending > 0:  # a prompt chunk that is not the last: no token yet
+                continue
+            seq.tokens.append(tok)
+            seq.pos.append(seq.pos[-1] + 1)
+            seq.output.append(tok)
+            self.counters.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                self.telemetry.ttft(now - seq.arrival)
+            finished = (tok in self.eos and not seq.sampling.ignore_eos) or len(seq.output) >= seq.sampling.max_new_tokens
+            if finished:
+                self._finish(seq, "eos" if tok in self.eos else "length", now)
+            outs.append(TokenOut(seq.id, tok, finished))
+        if touched:
+            p.touch(np.unique(np.asarray(touched, dtype=np.int64)), now)
+        return outs
+
+    def _hash_full_blocks(self, seq: Sequence, old: int) -> None:
+        bs = self.config.block_size
+        p = self.pool
+        for b in range(old // bs, seq.num_cached // bs):
+            if (b + 1) * bs > seq.canonical or seq.hashes[b]:
+                continue
+            parent = seq.hashes[b - 1] if b else 0
+            if b and not parent:
+                break
+            toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
+            h = chain_hash(parent, toks)
+            seq.hashes[b] = h
+            p.set_hash(seq.blocks[b], h, toks)
+
+    def _sample(self, sched, logits: torch.Tensor) -> list[int]:
+        out = []
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, (seq, _) in enumerate(sched):
+            sp = seq.sampling
+            if sp.greedy:
+                out.append(greedy[i])
+                continue
+            probs = torch.softmax(logits[i].float() / sp.temperature, dim=-1).cpu()
+            if sp.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                cut = torch.cumsum(sorted_p, 0) - sorted_p > sp.top_p
+                sorted_p[cut] = 0
+                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=seq.rng)))
+        return out
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+        seq.finished_at = now
+        if seq.id in self.running:
+            self.running.remove(seq.id)
+        if seq.id in self.waiting:
+            self.waiting.remove(seq.id)
+        for lid in seq.blocks:
+            self.pool.decref(lid)
+        seq.blocks, seq.hashes = [], []
+        self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
+
+    # -- llama.cpp-style sequence operations --------------------------------------------------
+    def seq_rm(self, sid: int, p0: int, p1: int | None = None) -> None:
+        """Remove the tokens whose positions are in [p0, p1) (p1 None: to the end)."""
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            keep = [i for i, q in enumerate(seq.pos) if not (p0 <= q < p1)]
+            if len(keep) == len(seq.tokens):
+                return
+            if not keep:
+                raise RequestError("seq_rm would remove every token; finish the sequence instead")
+            self._rewrite(seq, keep, deltas=None)
+            self.telemetry.emit("seq_rm", seq=sid, p0=p0, p1=None if p1 == float("inf") else p1)
+
+    def seq_add(self, sid: int, p0: int, p1: int | None, delta: int) -> None:
+        """Shift positions in [p0, p1) by delta, re-rotating the cached keys (K-shift)."""
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            new = [q + delta if p0 <= q < p1 else q for q in seq.pos]
+            self._reposition(seq, new)
+            self.telemetry.emit("seq_add", seq=sid, p0=p0, delta=delta)
+
+    def seq_div(self, sid: int, p0: int, p1: int | None, d: int) -> None:
+        """Integer-divide positions in [p0, p1) by d (self-extend), re-rotating keys."""
+        if d < 1:
+            raise RequestError("seq_div needs d >= 1")
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            new = [q // d if p0 <= q < p1 else q for q in seq.pos]
+            self._reposition(seq, new)
+            self.telemetry.emit("seq_div", seq=sid, p0=p0, d=d)
+
+    def seq_cp(self, sid: int, sampling: SamplingParams | None = None, label: str = "") -> int:
+        """Fork: a new sequence sharing every block (ref counts); copy-on-write at the first divergent write."""
+        with self.lock:
+            src = self._live(sid)
+            dst = self._new_seq(list(src.tokens), sampling or src.sampling, label or f"fork of {sid}")
+            dst.prompt_len = src.prompt_len
+            dst.pos = list(src.pos)
+            dst.output = list(src.output)
+            dst.blocks = list(src.blocks)
+            dst.hashes = list(src.hashes)
+            dst.num_cached, dst.canonical = src.num_cached, src.canonical
+            dst.first_token_at = src.first_token_at
+            for lid in dst.blocks:
+                self.pool.incref(lid)
+            if src.state == SeqState.RUNNING:
+                dst.state = SeqState.RUNNING
+                self.running.append(dst.id)
+            else:
+                dst.state = SeqState.WAITING
+                self.waiting.append(dst.id)
+            self.telemetry.emit("seq_cp", seq=sid, new=dst.id, shared=len(dst.blocks))
+            return dst.id
+
+    def seq_keep(self, sid: int) -> None:
+        """Drop every sequence but this one."""
+        with self.lock:
+            self._live(sid)
+            for other in list(self.seqs.values()):
+                if other.id != sid and not other.done:
+                    self._finish(other, "seq_keep", self.clock())
+
+    def cancel(self, sid: int) -> None:
+        with self.lock:
+            self._finish(self._live(sid), "cancelled", self.clock())
+
+    def pause(self, sid: int) -> None:
+        with self.lock:
+            seq = self._live(sid)
+            if seq.id in self.running:
+                self.running.remove(seq.id)
+            if seq.id in self.waiting:
+                self.waiting.remove(seq.id)
+            seq.state = SeqState.PAUSED
+            self.telemetry.emit("pause", seq=sid)
+
+    def resume(self, sid: int) -> None:
+        with self.lock:
+            seq = self._live(sid)
+            if seq.state != SeqState.PAUSED:
+                return
+            seq.state = SeqState.WAITING
+            self.waiting.append(sid)
+            self.telemetry.emit("resume", seq=sid)
+
+    def extend(self, sid: int, tokens: list[int], max_new_tokens: int) -> None:
+        """Append a new user turn to a finished or paused sequence and generate again (multi-turn chat)."""
+        with self.lock:
+            seq = self.seqs[sid]
+            if seq.done:
+                raise RequestError(f"sequence {sid} has finished and released its blocks")
+            self._check_fits(len(seq.tokens) + len(tokens), max_new_tokens)
+            for t in tokens:
+                seq.tokens.append(t)
+                seq.pos.append(seq.pos[-1] + 1)
+            seq.sampling = SamplingParams(max_new_tokens=len(seq.output) + max_new_tokens,
+                                          temperature=seq.sampling.temperature, top_p=seq.sampling.top_p,
+                                          seed=seq.sampling.seed, ignore_eos=seq.sampling.ignore_eos)
+            if seq.state == SeqState.PAUSED:
+                self.resume(sid)
+
+    def _live(self, sid: int) -> Sequence:
+        seq = self.seqs.get(sid)
+        if seq is None or seq.done:
+            raise RequestError(f"no live sequence {sid}")
+        return seq
+
+    def _context_shift(self, seq: Sequence) -> None:
+        """llama.cpp context shift: keep n_keep tokens, drop the next n_discard, K-shift the rest back."""
+        n_keep = min(self.options.n_keep, len(seq.tokens) - 2)
+        n_discard = self.options.n_discard or (len(seq.tokens) - n_keep) // 2
+        n_discard = max(1, min(n_discard, len(seq.tokens) - n_keep - 1))
+        p0 = seq.pos[n_keep]
+        keep = list(range(n_keep)) + list(range(n_keep + n_discard, len(seq.tokens)))
+        self._rewrite(seq, keep, deltas=-n_discard, shift_from=n_keep)
+        seq.shifts += 1
+        self.telemetry.emit("context_shift", seq=seq.id, n_keep=n_keep, n_discard=n_discard, at=p0)
+
+    def _reposition(self, seq: Sequence, new_pos: list[int]) -> None:
+        self._rewrite(seq, list(range(len(seq.tokens))), deltas=None, new_pos=new_pos)
+
+    def _rewrite(self, seq: Sequence, keep: list[int], deltas: int | None, shift_from: int | None = None,
+                 new_pos: list[int] | None = None) -> None:
+        """Keep tokens `keep` (indices, ascending) and re-lay the changed tail into new blocks.
+
+        Positions: if new_pos is given, use it; if deltas is given, tokens at kept index >= shift_from move
+        by deltas. Keys whose position changes are re-rotated (K-shift). Shared blocks are never written:
+        the tail gets fresh blocks, which is copy-on-write for free.
+        """
+        p = self.pool
+        bs = self.config.block_size
+        now = self.clock()
+        old_pos = seq.pos
+        if new_pos is None:
+            new_pos = [old_pos[i] + (deltas if deltas is not None and shift_from is not None and j >= shift_from else 0)
+                       for j, i in enumerate(keep)]
+            src_idx = keep
+        else:
+            src_idx = keep
+        # The first kept index that differs from before: everything from there is rewritten.
+        first = 0
+        while first < len(src_idx) and src_idx[first] == first and new_pos[first] == old_pos[first]:
+            first += 1
+        b0 = first // bs
+        cached_keep = [i for i in src_idx if i < seq.num_cached]
+        k_tail = v_tail = None
+        if seq.num_cached and len(cached_keep) > b0 * bs:
+            k, v = self._tokens_kv(p, seq)  # [L, n, Hkv, D]
+            idx = torch.as_tensor(cached_keep[b0 * bs:], device=self.device)
+            k_tail, v_tail = k[:, idx], v[:, idx]
+            delta = torch.as_tensor([new_pos[j] - old_pos[i] for j, i in enumerate(src_idx)
+                                     if i < seq.num_cached][b0 * bs:], device=self.device)
+            if bool((delta != 0).any()):
+                for layer in range(k_tail.shape[0]):
+                    k_tail[layer] = self.model.shift_keys(k_tail[layer], delta)
+        # Commit the token-level change.
+        seq.tokens = [seq.tokens[i] for i in src_idx]
+        seq.pos = new_pos
+        new_cached = len(cached_keep)
+        seq.canonical = min(seq.canonical, first)
+        for lid in seq.blocks[b0:]:
+            p.decref(lid)
+        seq.blocks, seq.hashes = seq.blocks[:b0], seq.hashes[:b0]
+        seq.num_cached = b0 * bs
+        if k_tail is not None:
+            n = k_tail.shape[1]
+            nb = blocks_for(n, bs)
+            lids = []
+            for b in range(nb):
+                tier = Tier.DEVICE if p.reclaimable(Tier.DEVICE) else Tier.HOST
+                lid = p.allocate(tier, seq.id, now)
+                p.set_fill([lid], [min(bs, n - b * bs)])
+                lids.append(lid)
+            pad = nb * bs - n
+            kt = torch.nn.functional.pad(k_tail, (0, 0, 0, 0, 0, pad))  # [L, nb*bs, Hkv, D]
+            vt = torch.nn.functional.pad(v_tail, (0, 0, 0, 0, 0, pad))
+            L, _, Hkv, D = kt.shape
+            kt = kt.view(L, nb, bs, Hkv, D).transpose(2, 3)
+            vt = vt.view(L, nb, bs, Hkv, D).transpose(2, 3)
+            p.write_blocks(lids, kt, vt)
+            seq.blocks += lids
+            seq.hashes += [0] * nb
+        seq.num_cached = new_cached
+        self._hash_full_blocks(seq, 0)
+
+    # -- run helpers ----------------------------------------------------------------------------
+    def run_until_done(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        self.run_until_done()
+        return [self.seqs[i].output for i in ids]
+
+    # -- observation ----------------------------------------------------------------------------
+    def snapshot(self):
+        return self.telemetry.snapshot()
+
+    def take_events(self) -> list[Event]:
+        return self.telemetry.take_events()
+
+    def owners(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        for s in self.seqs.values():
+            for lid in s.blocks:
+                out[lid] = out.get(lid, 0) + 1
+        return out
+
+    def check_invariants(self) -> None:
+        with self.lock:
+            self.pool.check(self.owners())
+            for s in self.seqs.values():
+                assert len(s.tokens) == len(s.pos), f"seq {s.id}: tokens/positions out of step"
+                if s.done:
+                    assert not s.blocks, f"finished seq {s.id} holds blocks"
+                    continue
+                assert len(s.blocks) == blocks_for(s.num_cached, self.config.block_size) or s.state == SeqState.RUNNING, (
+                    f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
+                assert len(s.blocks) == len(s.hashes)

@@ -1,0 +1,60 @@
+"""A request being generated: its tokens, their positions, and its block table."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqState(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PAUSED = 2
+    PREEMPTED = 3
+    FINISHED = 4
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(slots=True)
+class Sequence:
+    id: int
+    prompt_len: int
+    sampling: SamplingParams
+    tokens: list[int]  # every token in cache order: kept prompt, then generated
+    pos: list[int]  # position of each token (equals its index until a shift or a seq_add)
+    blocks: list[int] = field(default_factory=list)  # lids
+    hashes: list[int] = field(default_factory=list)  # chain hash per block, 0 when not hashed
+    num_cached: int = 0  # tokens whose K/V are in blocks
+    canonical: int = 0  # leading tokens whose K/V equal a fresh prefill at positions 0..n-1
+    state: SeqState = SeqState.WAITING
+    output: list[int] = field(default_factory=list)  # generated ids (never shifted away)
+    prefix_reused: int = 0  # prompt tokens served from cached blocks
+    arrival: float = 0.0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str = ""
+    shifts: int = 0
+    preemptions: int = 0
+    label: str = ""
+    rng: object = None  # torch.Generator when sampling
+
+    @property
+    def pending(self) -> int:
+        """Tokens still to be computed (prompt not yet prefilled, or the last sampled token)."""
+        return len(self.tokens) - self.num_cached
+
+    @property
+    def done(self) -> bool:
+        return self.state == SeqState.FINISHED

@@ -1,0 +1,333 @@
+"""What the engine tells the outside: counters, an event feed, and immutable numpy snapshots.
+
+A snapshot never copies KV data: per tier it copies the per-slot metadata arrays (contiguous
+copies, a few ms at a million blocks), plus small per-sequence and time-series arrays.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import psutil
+
+if TYPE_CHECKING:
+    from engine.engine import Engine
+
+RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
+SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
+SERIES_PERIOD_S = 0.1
+WINDOW_S = 5.0  # windowed rates look this far back
+
+
+@dataclass
+class Counters:
+    steps: int = 0
+    forward_s: float = 0.0
+    bookkeeping_s: float = 0.0
+    generated: int = 0
+    prompt_tokens: int = 0
+    prompt_reused: int = 0
+    block_reads: int = 0
+    block_misses: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    promoted_bytes: int = 0
+    demoted_bytes: int = 0
+    preemptions: int = 0
+    cow_copies: int = 0
+    context_shifts: int = 0
+    config_changes: int = 0
+
+    @property
+    def device_hit_rate(self) -> float:
+        return 1.0 - self.block_misses / self.block_reads if self.block_reads else 0.0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prompt_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["device_hit_rate"] = self.device_hit_rate
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        return d
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float
+    kind: str
+    fields: dict
+
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """One entry per slot of a tier. state: 0 free, 1 cached (no owner), 2 in use."""
+
+    name: str
+    capacity: int
+    block_bytes: int
+    state: np.ndarray  # uint8
+    owner: np.ndarray  # int32, -1 none (the sequence that allocated it)
+    ref: np.ndarray  # int32
+    fill: np.ndarray  # int32 tokens
+    heat: np.ndarray  # float32, decayed to the snapshot time
+    age: np.ndarray  # float32 seconds since last access
+    hashed: np.ndarray  # bool: full block in the prefix cache
+
+    @property
+    def used(self) -> int:
+        return int(np.count_nonzero(self.state))
+
+
+@dataclass(frozen=True)
+class SeqTable:
+    id: np.ndarray
+    state: np.ndarray  # SeqState values
+    tokens: np.ndarray  # tokens in cache order (prompt kept + generated)
+    generated: np.ndarray
+    blocks_device: np.ndarray
+    blocks_host: np.ndarray
+    tokens_per_s: np.ndarray
+    ttft: np.ndarray  # seconds, nan until the first token
+    prefix_reused: np.ndarray
+    labels: tuple[str, ...]
+    block_tier: tuple[np.ndarray, ...]  # per sequence: tier of each of its blocks
+    block_slot: tuple[np.ndarray, ...]  # per sequence: slot of each of its blocks
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    t: float
+    model: dict
+    config: dict
+    tiers: tuple[TierSnapshot, ...]
+    seqs: SeqTable
+    counters: dict
+    windowed: dict
+    memory: dict
+    series: dict[str, np.ndarray]
+    residency: dict[str, np.ndarray]
+    timing: dict = field(default_factory=dict)
+
+
+class Telemetry:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
+        self.history: collections.deque[tuple] = collections.deque()
+        self.series: collections.deque[tuple] = collections.deque(maxlen=SERIES_LEN)
+        self.residency = {k: collections.deque(maxlen=RESIDENCY_SAMPLES)
+                          for k in ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime")}
+        self.ttfts: collections.deque[float] = collections.deque(maxlen=RESIDENCY_SAMPLES)
+        self._last_series = 0.0
+        self._proc = psutil.Process(os.getpid())
+        self._nvml = None
+        self._nvml_error = ""
+
+    # -- inputs -------------------------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        self.events.append(Event(time.time(), kind, fields))
+        c = self.engine.counters
+        if kind == "context_shift":
+            c.context_shifts += 1
+        elif kind == "cow":
+            c.cow_copies += 1
+        elif kind == "config":
+            c.config_changes += 1
+
+    def on_pool_event(self, kind: str, **f) -> None:
+        c = self.engine.counters
+        if kind == "evict":
+            c.evictions += 1
+            self.residency["age_at_eviction"].append(f["age"])
+            self.residency["lifetime"].append(f["age"])
+            return  # too frequent for the feed one by one; batched below
+        if kind == "promote":
+            c.promotions += f["n"]
+            c.promoted_bytes += f["nbytes"]
+        elif kind == "demote":
+            c.demotions += f["n"]
+            c.demoted_bytes += f["nbytes"]
+        self.emit(kind, **f)
+
+    def record_prefix_hit(self, gaps: np.ndarray, ages: np.ndarray) -> None:
+        self.residency["reuse_gap"].extend(gaps.tolist())
+        self.residency["age_at_hit"].extend(ages.tolist())
+
+    def record_reads(self, seq, misses: int, now: float) -> None:
+        pass  # per-sequence read accounting lives in the counters; hook kept for the trace recorder
+
+    def ttft(self, seconds: float) -> None:
+        self.ttfts.append(seconds)
+
+    def after_step(self, now: float) -> None:
+        c = self.engine.counters
+        point = (now, c.block_reads, c.block_misses, c.prompt_tokens, c.prompt_reused, c.evictions, c.promotions,
+                 c.demotions, c.generated)
+        self.history.append(point)
+        while self.history and now - self.history[0][0] > WINDOW_S:
+            self.history.popleft()
+        if now - self._last_series >= SERIES_PERIOD_S:
+            self._last_series = now
+            w = self._windowed(now)
+            pool = self.engine.pool
+            self.series.append((now, w["device_hit_rate"], w["prefix_hit_rate"], c.device_hit_rate, c.prefix_hit_rate,
+                                w["evictions_per_s"], w["promotions_per_s"], w["demotions_per_s"], w["tokens_per_s"],
+                                pool.tiers[0].used * pool.block_bytes, pool.tiers[1].used * pool.block_bytes,
+                                self._proc.memory_info().rss))
+
+    # -- outputs ------------------------------------------------------------------------------
+    def take_events(self) -> list[Event]:
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def _windowed(self, now: float) -> dict[str, float]:
+        if len(self.history) < 2:
+            return {"device_hit_rate": 0.0, "prefix_hit_rate": 0.0, "evictions_per_s": 0.0, "promotions_per_s": 0.0,
+                    "demotions_per_s": 0.0, "tokens_per_s": 0.0}
+        a, b = self.history[0], self.history[-1]
+        dt = max(b[0] - a[0], 1e-6)
+        reads, misses = b[1] - a[1], b[2] - a[2]
+        prompt, reused = b[3] - a[3], b[4] - a[4]
+        return {
+            "device_hit_rate": 1.0 - misses / reads if reads else 1.0,
+            "prefix_hit_rate": reused / prompt if prompt else 0.0,
+            "evictions_per_s": (b[5] - a[5]) / dt,
+            "promotions_per_s": (b[6] - a[6]) / dt,
+            "demotions_per_s": (b[7] - a[7]) / dt,
+            "tokens_per_s": (b[8] - a[8]) / dt,
+        }
+
+    def snapshot(self) -> Snapshot:
+        e = self.engine
+        with e.lock:
+            now = e.clock()
+            pool = e.pool
+            tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
+            seqs = self._seqs(now)
+            counters = e.counters.as_dict()
+            counters["ttft_p50"] = float(np.median(self.ttfts)) if self.ttfts else float("nan")
+            windowed = self._windowed(now)
+            memory = self.memory()
+            names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
+                     "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
+                     "host_used_bytes", "rss_bytes")
+            arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
+            series = {n: arr[:, i].copy() for i, n in enumerate(names)}
+            residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
+            spec = e.spec
+            model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
+                     "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                     "device": str(e.device), "context_limit": e.context_limit}
+            steps = max(e.counters.steps, 1)
+            timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
+                      "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
+            return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
+                            windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
+
+    def _tier(self, pool, t, now: float) -> TierSnapshot:
+        live = t.lid >= 0
+        state = live.astype(np.uint8) + (t.ref > 0).astype(np.uint8)  # 0 free, 1 cached, 2 in use
+        age = (now - t.last).astype(np.float32)
+        heat = pool.current_heat(t, slice(None), now).astype(np.float32)
+        heat[~live] = 0
+        age[~live] = 0
+        return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
+                            owner=t.owner.copy(), ref=t.ref.copy(), fill=t.fill.copy(), heat=heat, age=age,
+                            hashed=t.hash != 0)
+
+    def _seqs(self, now: float) -> SeqTable:
+        e = self.engine
+        pool = e.pool
+        rows = [s for s in e.seqs.values()]
+        tiers, slots = [], []
+        dev, host = [], []
+        for s in rows:
+            lids = np.asarray(s.blocks, dtype=np.int64)
+            tr = pool.tier[lids] if len(lids) else np.zeros(0, np.int8)
+            tiers.append(tr)
+            slots.append(pool.slot[lids] if len(lids) else np.zeros(0, np.int64))
+            dev.append(int(np.count_nonzero(tr == 0)))
+            host.append(int(np.count_nonzero(tr == 1)))
+
+        def tps(s) -> float:
+            if s.first_token_at is None or len(s.output) < 2:
+                return 0.0
+            end = s.finished_at if s.finished_at is not None else now
+            return (len(s.output) - 1) / max(end - s.first_token_at, 1e-6)
+
+        return SeqTable(
+            id=np.asarray([s.id for s in rows], dtype=np.int32),
+            state=np.asarray([int(s.state) for s in rows], dtype=np.int8),
+            tokens=np.asarray([len(s.tokens) for s in rows], dtype=np.int32),
+            generated=np.asarray([len(s.output) for s in rows], dtype=np.int32),
+            blocks_device=np.asarray(dev, dtype=np.int32),
+            blocks_host=np.asarray(host, dtype=np.int32),
+            tokens_per_s=np.asarray([tps(s) for s in rows], dtype=np.float32),
+            ttft=np.asarray([(s.first_token_at - s.arrival) if s.first_token_at is not None else np.nan for s in rows],
+                            dtype=np.float32),
+            prefix_reused=np.asarray([s.prefix_reused for s in rows], dtype=np.int32),
+            labels=tuple(s.label for s in rows),
+            block_tier=tuple(tiers),
+            block_slot=tuple(slots),
+        )
+
+    def memory(self) -> dict:
+        e = self.engine
+        pool = e.pool
+        tiers = {}
+        for t in pool.tiers:
+            nb = t.nbytes()
+            tiers[t.tier.name.lower()] = {
+                "k_bytes": nb.get("k_data", 0),
+                "v_bytes": nb.get("v_data", 0),
+                "scale_bytes": sum(v for k, v in nb.items() if not k.endswith("_data")),
+                "metadata_bytes": t.metadata_bytes(),
+                "capacity_bytes": sum(nb.values()),
+                "used_bytes": t.used * pool.block_bytes,
+                "capacity_blocks": t.capacity,
+                "used_blocks": t.used,
+                "device": str(t.k["data"].device),
+                "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and e.device.type == "cuda" else False,
+            }
+        vm = psutil.virtual_memory()
+        out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
+               "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
+        return out
+
+    def gpu(self) -> dict:
+        """NVML and torch allocator readings, or {'available': False, 'reason': ...}."""
+        e = self.engine
+        if e.device.type != "cuda":
+            return {"available": False, "reason": "no GPU: the device tier is a budgeted CPU pool"}
+        import torch
+
+        out: dict[str, Any] = {"available": True, "torch_allocated_bytes": torch.cuda.memory_allocated(e.device),
+                               "torch_reserved_bytes": torch.cuda.memory_reserved(e.device)}
+        if self._nvml is None and not self._nvml_error:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                idx = e.device.index or 0
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            except Exception as ex:  # NVML missing or the driver refuses: say so, keep the torch numbers
+                self._nvml_error = f"NVML unavailable: {ex}"
+        if self._nvml is not None:
+            import pynvml
+
+            info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            out.update(nvml_used_bytes=int(info.used), nvml_total_bytes=int(info.total),
+                       name=str(pynvml.nvmlDeviceGetName(self._nvml)))
+        else:
+            out["nvml_error"] = self._nvml_error
+        return out
