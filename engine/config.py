@@ -86,6 +86,9 @@ class CacheConfig:
     prefetch_depth: int = 2
     evict_batch: int = 8
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_dtype", KVDtype.parse(self.kv_dtype))
+
     def replace(self, **changes: Any) -> "CacheConfig":
         """A validated copy with `changes` applied (values may be strings, as from a CLI or a TOML file)."""
         fields = {f.name for f in dataclasses.fields(self)}

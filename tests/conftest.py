@@ -1,0 +1,106 @@
+"""Shared fixtures: tiny random-weight models saved as HF directories, and transformers references."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files() -> str:
+    """The default model's converted directory (its tokenizer is reused by the tiny models)."""
+    from engine.loader import hf_reference_dir
+
+    return hf_reference_dir()
+
+
+def _save_tiny(path, cfg_cls, model_cls, tokenizer_dir: str, seed: int, **overrides) -> str:
+    torch.manual_seed(seed)
+    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
+                eos_token_id=2)
+    base.update(overrides)
+    model = model_cls(cfg_cls(**base))
+    # Random init is near-uniform; a larger spread makes greedy argmaxes decisive, as in a real model.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    model.save_pretrained(path)
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith("tokenizer") or f == "special_tokens_map.json":
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, tokenizer_files) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-llama"), LlamaConfig, LlamaForCausalLM, tokenizer_files, 0)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory, tokenizer_files) -> str:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen2"), Qwen2Config, Qwen2ForCausalLM, tokenizer_files, 1)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(tmp_path_factory, tokenizer_files) -> str:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-mistral"), MistralConfig, MistralForCausalLM, tokenizer_files, 2,
+                      sliding_window=24, tie_word_embeddings=False)
+
+
+@pytest.fixture(scope="session")
+def llama_model(tiny_llama):
+    from engine.loader import load_model
+
+    return load_model(tiny_llama)
+
+
+class Reference:
+    """transformers' greedy `generate` on the same directory: the ground truth for fp32 KV."""
+
+    def __init__(self, path: str):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        self._memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt: list[int], n: int) -> list[int]:
+        key = (tuple(prompt), n)
+        if key not in self._memo:
+            self._memo[key] = self._greedy(prompt, n)
+        return list(self._memo[key])
+
+    def _greedy(self, prompt: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                      pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    def keys(self, prompt: list[int]) -> list[torch.Tensor]:
+        """Post-RoPE keys per layer for a fresh prefill: [kv_heads, T, head_dim]."""
+        with torch.inference_mode():
+            out = self.model(torch.tensor([prompt]), use_cache=True)
+        cache = getattr(out, "cache", None) or out.past_key_values
+        return [layer.keys[0] for layer in cache.layers]
+
+
+@pytest.fixture(scope="session")
+def llama_ref(tiny_llama) -> Reference:
+    return Reference(tiny_llama)
+
+
+def prompts(seed: int, lengths) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]

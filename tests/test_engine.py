@@ -1,0 +1,266 @@
+"""The engine against recomputation: transformers' greedy tokens are the reference for fp32 KV."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import Reference, prompts
+from engine.block_pool import Tier
+from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
+from engine.engine import Engine, RequestError
+from engine.sequence import SamplingParams
+
+N = 16
+SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
+
+
+def run(engine: Engine, ps, sp=SP) -> list[list[int]]:
+    out = engine.generate(ps, sp)
+    engine.check_invariants()
+    return out
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16, 64])
+def test_greedy_equals_transformers_at_any_block_size(llama_model, llama_ref, block_size):
+    ps = prompts(0, [7, 30, 75])
+    eng = Engine(llama_model, CacheConfig(block_size=block_size))
+    assert run(eng, ps) == [llama_ref.greedy(p, N) for p in ps]
+
+
+def test_tight_device_budget_migrates_and_stays_exact(llama_model, llama_ref):
+    ps = prompts(1, [60, 33, 71, 12, 50, 64])
+    # 0.05 MB holds 204 one-token blocks; the six requests need ~480 at their peak.
+    eng = Engine(llama_model, CacheConfig(block_size=1, device_budget_mb=0.05, host_budget_mb=2),
+                 EngineOptions(max_batched_tokens=64))
+    assert run(eng, ps) == [llama_ref.greedy(p, N) for p in ps]
+    c = eng.counters
+    assert c.demotions > 0 and c.promotions > 0 and c.preemptions > 0
+    assert c.block_misses > 0 and 0 < c.device_hit_rate < 1
+
+
+def test_idle_demotion_and_promotion_with_prefetch(llama_model, llama_ref):
+    ps = prompts(2, [40, 20])
+    now = [0.0]
+    eng = Engine(llama_model, CacheConfig(block_size=4, demote_after_s=5.0, prefetch_depth=3), clock=lambda: now[0])
+    a = eng.add_request(ps[0], SP)
+    b = eng.add_request(ps[1], SP)
+    for _ in range(4):
+        eng.step()
+        now[0] += 0.1
+    eng.pause(a)
+    now[0] += 6.0  # a's blocks sit idle past demote_after_s
+    eng.step()
+    seq_a = eng.seqs[a]
+    assert all(eng.pool.tier[lid] == Tier.HOST for lid in seq_a.blocks)
+    eng.resume(a)
+    misses_before = eng.counters.block_misses
+    eng.step()
+    assert all(eng.pool.tier[lid] == Tier.DEVICE for lid in seq_a.blocks)
+    # 10 host blocks promoted in groups of 1 + prefetch_depth: 3 misses, not 10.
+    assert eng.counters.block_misses - misses_before == 3
+    eng.run_until_done()
+    eng.check_invariants()
+    assert eng.seqs[a].output == llama_ref.greedy(ps[0], N)
+    assert eng.seqs[b].output == llama_ref.greedy(ps[1], N)
+
+
+def test_prefix_reuse_reports_tokens_and_keeps_output(llama_model, llama_ref):
+    shared = prompts(3, [260])[0]
+    p1, p2 = shared + prompts(4, [9])[0], shared + prompts(5, [13])[0]
+    eng = Engine(llama_model, CacheConfig(block_size=16))
+    out1 = run(eng, [p1])[0]
+    s2 = eng.add_request(p2, SP)
+    eng.run_until_done()
+    assert eng.seqs[s2].prefix_reused >= 256
+    assert out1 == llama_ref.greedy(p1, N)
+    assert eng.seqs[s2].output == llama_ref.greedy(p2, N)
+
+
+def test_seq_rm_tail_then_continue_equals_truncated_prompt(llama_model, llama_ref):
+    p = prompts(6, [50])[0]
+    eng = Engine(llama_model, CacheConfig(block_size=8))
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    for _ in range(6):
+        eng.step()
+    seq = eng.seqs[sid]
+    # Drop positions 29.. (the prompt's tail and all that was generated), then feed token 29 again
+    # as llama.cpp would: what follows must be the greedy continuation of the 30-token prompt.
+    eng.seq_rm(sid, 29, None)
+    assert seq.tokens == p[:29] and seq.num_cached == 29
+    eng.check_invariants()
+    before = len(seq.output)
+    eng.extend(sid, [p[29]], N)
+    eng.run_until_done()
+    eng.check_invariants()
+    assert seq.output[before:] == llama_ref.greedy(p[:30], N)
+
+
+def test_fork_shares_blocks_then_diverges_like_two_runs(llama_model, llama_ref):
+    p = prompts(7, [37])[0]
+    eng = Engine(llama_model, CacheConfig(block_size=8))
+    a = eng.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    eng.step()  # prefill and the first token
+    b = eng.seq_cp(a)
+    sa, sb = eng.seqs[a], eng.seqs[b]
+    assert sa.blocks == sb.blocks and all(eng.pool.ref_of(lid) == 2 for lid in sa.blocks)
+    eng.check_invariants()
+    # b continues another way: its pending token differs, so its first write diverges.
+    x = (sa.output[-1] + 1) % 49152
+    sb.tokens[-1] = sb.output[-1] = x
+    eng.step()
+    assert len(set(sa.blocks) & set(sb.blocks)) == 37 // 8  # full blocks still shared; the tail was copied
+    assert eng.counters.cow_copies >= 1
+    eng.run_until_done()
+    eng.check_invariants()
+    assert sa.output == llama_ref.greedy(p, 30)
+    assert sb.output[1:] == llama_ref.greedy(p + [x], 29)
+
+
+def test_kshift_keys_equal_fresh_keys_and_generation_passes_context(llama_model, llama_ref):
+    p = prompts(8, [40])[0]
+    eng = Engine(llama_model, CacheConfig(block_size=8))
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    seq = eng.seqs[sid]
+    k_before, _ = eng._tokens_kv(eng.pool, seq)
+    keep_idx = torch.tensor(list(range(4)) + list(range(14, seq.num_cached)))
+    # Remove positions [4, 14) and shift the rest back by 10: a context shift by hand.
+    eng.seq_rm(sid, 4, 14)
+    eng.seq_add(sid, 14, None, -10)
+    assert seq.pos[: len(seq.tokens)] == list(range(len(seq.tokens)))
+    k_engine, _ = eng._tokens_kv(eng.pool, seq)  # [L, n, Hkv, D]
+    # Layer 0's keys depend on the token and its position only: they must equal a fresh prefill.
+    k_ref = llama_ref.keys(seq.tokens[: seq.num_cached])[0]
+    rel = (k_engine[0].transpose(0, 1) - k_ref).norm() / k_ref.norm()
+    assert rel <= 1e-4, f"layer 0: relative error {rel:.2e}"
+    # Deeper keys also carry the (now removed) context, so for them the check is the rotation itself:
+    # the shifted keys equal the unshifted keys rotated afresh from their old to their new positions.
+    old_pos = torch.tensor(list(range(4)) + list(range(14, 14 + seq.num_cached - 4)))
+    new_pos = torch.arange(seq.num_cached)
+    for layer in range(1, k_engine.shape[0]):
+        unrot = eng.model.shift_keys(k_before[layer][keep_idx], -old_pos)
+        fresh = eng.model.shift_keys(unrot, new_pos)
+        rel = (k_engine[layer] - fresh).norm() / fresh.norm()
+        assert rel <= 1e-4, f"layer {layer}: relative error {rel:.2e}"
+
+    eng2 = Engine(llama_model, CacheConfig(block_size=8), EngineOptions(context_limit=64, n_keep=4))
+    s2 = eng2.add_request(p, SamplingParams(max_new_tokens=100, ignore_eos=True))
+    eng2.run_until_done()
+    eng2.check_invariants()
+    assert len(eng2.seqs[s2].output) == 100 and eng2.seqs[s2].shifts >= 2
+    assert eng2.counters.context_shifts == eng2.seqs[s2].shifts
+
+
+def test_live_reconfiguration_keeps_tokens(llama_model, llama_ref):
+    ps = prompts(9, [60, 33, 71, 12])
+    eng = Engine(llama_model, CacheConfig(block_size=16))
+    ids = [eng.add_request(p, SP) for p in ps]
+    for i in range(200):
+        if not eng.has_work():
+            break
+        if i == 3:
+            eng.reconfigure(block_size=48)
+        if i == 6:
+            eng.reconfigure(block_size=5, policy="lru", decay=0.5, demote_after_s=0.0, prefetch_depth=0, evict_batch=3)
+        if i == 9:
+            eng.reconfigure(device_budget_mb=0.2, host_budget_mb=3)
+        eng.step()
+        eng.check_invariants()
+    assert eng.config.block_size == 5 and eng.config.policy == "lru"
+    assert [eng.seqs[i].output for i in ids] == [llama_ref.greedy(p, N) for p in ps]
+
+
+def test_invalid_config_is_refused_and_nothing_changes(llama_model):
+    eng = Engine(llama_model, CacheConfig(block_size=16))
+    sid = eng.add_request(prompts(10, [20])[0], SP)
+    eng.step()
+    before = eng.config
+    for bad in (dict(block_size=0), dict(block_size="x"), dict(kv_dtype="int3"), dict(policy="mru"),
+                dict(decay=1.5), dict(device_budget_mb=-1), dict(evict_batch=0), dict(nonsense=1),
+                dict(device_budget_mb=0.05, block_size=1024)):
+        with pytest.raises(ConfigError):
+            eng.reconfigure(**bad)
+    assert eng.config == before
+    eng.run_until_done()
+    assert len(eng.seqs[sid].output) == N
+
+
+def test_prompt_that_cannot_fit_is_refused(llama_model):
+    eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.05))
+    with pytest.raises(RequestError, match="device tier"):
+        eng.add_request(prompts(11, [2000])[0], SP)
+    with pytest.raises(RequestError):
+        eng.add_request([], SP)
+    with pytest.raises(RequestError):
+        eng.add_request([10**9], SP)
+    assert not eng.seqs
+
+
+def test_int8_bytes_and_bounded_logit_error(llama_model):
+    fp32 = CacheConfig(block_size=16)
+    int8 = CacheConfig(block_size=16, kv_dtype=KVDtype.INT8)
+    e32, e8 = Engine(llama_model, fp32), Engine(llama_model, int8)
+    assert e8.pool.block_bytes <= 0.27 * e32.pool.block_bytes
+    p = prompts(12, [90])[0]
+    logits, tokens = {}, {}
+    for name, eng in (("fp32", e32), ("int8", e8), ("delta", Engine(llama_model, CacheConfig(kv_dtype="int8-delta")))):
+        captured: list[torch.Tensor] = []
+        eng.model.forward = _recording(eng.model.forward, captured)
+        tokens[name] = eng.generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+        logits[name] = torch.cat(captured)
+    ref = logits["fp32"]
+    for name in ("int8", "delta"):
+        # Compare steps up to the first differing token: after it the inputs differ, not just the cache.
+        same = next((i for i, (a, b) in enumerate(zip(tokens[name], tokens["fp32"])) if a != b), len(tokens[name]))
+        n = max(same, 1)
+        err = ((logits[name][:n] - ref[:n]).abs().amax(-1) / ref[:n].abs().amax(-1)).max()
+        assert err < 0.02, f"{name}: max logit error {err:.4f} of the logit range"
+
+
+def _recording(forward, out: list):
+    def wrapped(batch, kv):
+        logits = forward(batch, kv)
+        out.append(logits)
+        return logits
+
+    return wrapped
+
+
+def test_dtype_change_mid_run_is_lossy_and_continues(llama_model):
+    eng = Engine(llama_model, CacheConfig(block_size=16))
+    sid = eng.add_request(prompts(13, [40])[0], SP)
+    eng.step()
+    assert eng.is_lossy_change(KVDtype.INT8)
+    eng.reconfigure(kv_dtype="int8")
+    eng.run_until_done()
+    eng.check_invariants()
+    ev = [e for e in eng.take_events() if e.kind == "config"]
+    assert ev and ev[-1].fields["lossy"] is True
+    assert eng.config.kv_dtype is KVDtype.INT8 and len(eng.seqs[sid].output) == N
+
+
+def test_qwen2_and_mistral_sliding_window_match_transformers(tiny_qwen2, tiny_mistral):
+    from engine.loader import load_model
+
+    for path, lengths in ((tiny_qwen2, [5, 40]), (tiny_mistral, [10, 50])):
+        model, ref = load_model(path), Reference(path)
+        ps = prompts(14, lengths)
+        eng = Engine(model, CacheConfig(block_size=4))
+        assert run(eng, ps) == [ref.greedy(p, N) for p in ps], path
+
+
+def test_snapshot_arrays_match_the_pool(llama_model):
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.05, host_budget_mb=1))
+    eng.add_request(prompts(15, [30])[0], SP)
+    eng.step()
+    snap = eng.snapshot()
+    dev = snap.tiers[0]
+    assert dev.capacity == eng.pool.tiers[0].capacity == len(dev.state)
+    seq_slots = snap.seqs.block_slot[0]
+    assert np.all(dev.state[seq_slots] == 2) and np.all(dev.ref[seq_slots] == 1)
+    assert int(dev.fill[seq_slots].sum()) == eng.seqs[0].num_cached
+    mem = snap.memory["tiers"]["device"]
+    assert mem["capacity_bytes"] == dev.capacity * eng.pool.block_bytes
+    assert snap.memory["gpu"]["available"] is False and "no GPU" in snap.memory["gpu"]["reason"]
