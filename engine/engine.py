@@ -307,18 +307,31 @@ class Engine:
             p.move(idle, Tier.HOST, now, reason="idle")
 
     def _admit(self, now: float) -> None:
-        while self.waiting and len(self._active()) < self.options.max_batch:
-            seq = self.seqs[self.waiting[0]]
-            if seq.state == SeqState.WAITING and seq.num_cached == 0 and not seq.blocks:
+        for sid in list(self.waiting):
+            if len(self._active()) >= self.options.max_batch:
+                return
+            seq = self.seqs[sid]
+            if seq.num_cached == 0 and not seq.blocks:
+                if self._prefix_in_flight(seq):
+                    continue  # a running prefill is computing this prompt's first block: reuse it next step
                 self._match_prefix(seq)
             first = min(seq.pending, self.options.max_batched_tokens)
             need = blocks_for(seq.num_cached + first, self.config.block_size) - len(seq.blocks)
             host_blocks = int(np.sum(self.pool.tier[seq.blocks] == Tier.HOST)) if seq.blocks else 0
             if not self.pool.can_allocate(Tier.DEVICE, need + host_blocks) and self._active():
-                return  # wait for room; running sequences will finish or shift
-            self.waiting.popleft()
+                return  # wait for room; running sequences will finish, shift or be preempted
+            self.waiting.remove(sid)
             seq.state = SeqState.RUNNING
             self.running.append(seq.id)
+
+    def _prefix_in_flight(self, seq: Sequence) -> bool:
+        """Another sequence is prefilling the same first block right now (its hash is not registered yet)."""
+        bs = self.config.block_size
+        if len(seq.tokens) <= bs:
+            return False
+        head = seq.tokens[:bs]
+        return any(o.num_cached < bs and o.tokens[:bs] == head and o.canonical == o.num_cached
+                   for o in (self.seqs[r] for r in self._active()))
 
     def _active(self) -> list[int]:
         return [s for s in self.running if self.seqs[s].state == SeqState.RUNNING]
@@ -343,9 +356,10 @@ class Engine:
             self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool._meta("born", seq.blocks))
         seq.num_cached = len(seq.blocks) * bs
         seq.canonical = seq.num_cached
-        seq.prefix_reused = seq.num_cached
-        self.counters.prompt_tokens += len(seq.tokens)
-        self.counters.prompt_reused += seq.num_cached
+        if seq.first_token_at is None and seq.preemptions == 0:  # count a prompt once, not at each recompute
+            seq.prefix_reused = seq.num_cached
+            self.counters.prompt_tokens += len(seq.tokens)
+            self.counters.prompt_reused += seq.num_cached
 
     def _schedule(self, now: float) -> list[tuple[Sequence, int]]:
         """Pick (sequence, tokens to compute) for this step and make their blocks resident and writable."""

@@ -1,0 +1,116 @@
+"""The `kvscope` console script: generate, info, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+T_START = time.perf_counter()
+
+DEMO_PROMPT = "Explain in three sentences what a KV cache is and why paging it helps."
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a .gguf file or a HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and the device tier live")
+
+
+def _add_cache_flags(p: argparse.ArgumentParser) -> None:
+    from engine.config import KNOBS
+
+    p.add_argument("--block-size", type=int, help=KNOBS["block_size"].help)
+    p.add_argument("--kv-dtype", choices=KNOBS["kv_dtype"].choices, help=KNOBS["kv_dtype"].help)
+    p.add_argument("--device-budget-mb", type=float, help=KNOBS["device_budget_mb"].help)
+    p.add_argument("--host-budget-mb", type=float, help=KNOBS["host_budget_mb"].help)
+    p.add_argument("--policy", choices=KNOBS["policy"].choices, help=KNOBS["policy"].help)
+    p.add_argument("--decay", type=float, help=KNOBS["decay"].help)
+    p.add_argument("--demote-after", dest="demote_after_s", type=float, help=KNOBS["demote_after_s"].help)
+    p.add_argument("--prefetch-depth", type=int, help=KNOBS["prefetch_depth"].help)
+    p.add_argument("--evict-batch", type=int, help=KNOBS["evict_batch"].help)
+    p.add_argument("--context-limit", type=int, help="tokens per sequence before a context shift (default: the model's)")
+    p.add_argument("--n-keep", type=int, default=0, help="tokens a context shift keeps at the start")
+
+
+def cache_config(args: argparse.Namespace):
+    from engine.config import KNOBS, CacheConfig
+
+    changes = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
+    return CacheConfig().replace(**changes)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="kvscope", description="See and tune a tiered, paged KV cache while a real model runs.")
+    sub = ap.add_subparsers(dest="cmd")
+
+    g = sub.add_parser("generate", help="generate text, streaming; or run a JSONL file of requests concurrently")
+    g.add_argument("prompt", nargs="?", help="the prompt text")
+    g.add_argument("--prompt-file", help='JSONL: {"prompt": ..., "max_new_tokens": ...} per line, run concurrently')
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
+    mode.add_argument("--temperature", type=float)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    _add_model_flags(g)
+    _add_cache_flags(g)
+
+    i = sub.add_parser("info", help="model geometry, bytes per token per dtype, sizing formula, memory breakdown")
+    i.add_argument("--batch", type=int, default=8)
+    i.add_argument("--context", type=int, default=2048)
+    i.add_argument("--json", action="store_true")
+    _add_model_flags(i)
+    _add_cache_flags(i)
+
+    b = sub.add_parser("bench", help="throughput against transformers on the same model, in one run")
+    b.add_argument("--compare", choices=("hf",), default="hf")
+    b.add_argument("--prompt-tokens", type=int, default=275)
+    b.add_argument("--batch1-new-tokens", type=int, default=128)
+    b.add_argument("--batch", type=int, default=8)
+    b.add_argument("--batch-new-tokens", type=int, default=64)
+    b.add_argument("--json", action="store_true")
+    _add_model_flags(b)
+    _add_cache_flags(b)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    ap = build_parser()
+    if not argv:
+        # Until the window lands, the app's launch runs a streamed demo generation.
+        argv = ["generate", "--chat", DEMO_PROMPT, "--max-new-tokens", "96"]
+    args = ap.parse_args(argv)
+    from engine.config import ConfigError
+    from engine.engine import RequestError
+    from engine.loader import ModelLoadError
+
+    try:
+        if args.cmd == "generate":
+            from app.commands import cmd_generate
+
+            return cmd_generate(args)
+        if args.cmd == "info":
+            from app.commands import cmd_info
+
+            return cmd_info(args)
+        if args.cmd == "bench":
+            from app.bench import cmd_bench
+
+            return cmd_bench(args)
+    except (ModelLoadError, ConfigError, RequestError, OSError) as e:
+        print(f"kvscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    ap.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

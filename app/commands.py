@@ -1,0 +1,211 @@
+"""`kvscope generate` and `kvscope info`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from app.cli import T_START, cache_config
+
+
+def progress_printer(stage: str, fraction: float) -> None:
+    print(f"\r[kvscope] {stage}: {fraction * 100:5.1f}%", end="\n" if fraction >= 1.0 else "", file=sys.stderr,
+          flush=True)
+
+
+def open_engine(args: argparse.Namespace):
+    from engine.config import EngineOptions
+    from engine.engine import Engine
+    from engine.loader import load_model
+
+    config = cache_config(args)  # validate knobs before the (slow) model load
+    t0 = time.perf_counter()
+    model = load_model(args.model, progress=progress_printer)
+    options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
+                            n_keep=getattr(args, "n_keep", 0) or 0)
+    engine = Engine(model, config, options)
+    return engine, time.perf_counter() - t0
+
+
+def _sampling(args: argparse.Namespace, max_new: int):
+    from engine.sequence import SamplingParams
+
+    return SamplingParams(max_new_tokens=max_new, temperature=args.temperature or 0.0, top_p=args.top_p,
+                          seed=args.seed, ignore_eos=args.ignore_eos)
+
+
+def _encode(engine, text: str, chat: bool) -> list[int]:
+    tok = engine.tokenizer
+    if chat:
+        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return tok.encode(text)
+
+
+def _stats(engine, seq) -> dict:
+    c = engine.counters
+    ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at is not None else None
+    decode_s = (seq.finished_at or engine.clock()) - (seq.first_token_at or seq.arrival)
+    return {
+        "prompt_tokens": seq.prompt_len,
+        "generated_tokens": len(seq.output),
+        "prefix_reused_tokens": seq.prefix_reused,
+        "finish_reason": seq.finish_reason,
+        "ttft_s": ttft,
+        "decode_tokens_per_s": (len(seq.output) - 1) / decode_s if len(seq.output) > 1 and decode_s > 0 else None,
+        "context_shifts": seq.shifts,
+        "preemptions": seq.preemptions,
+    }
+
+
+def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
+    c = engine.counters.as_dict()
+    return {
+        "config": engine.config.as_dict(),
+        "device": str(engine.device),
+        "model": engine.spec.name,
+        "load_s": load_s,
+        "first_token_since_start_s": first_token_s,
+        "device_blocks": engine.pool.tiers[0].capacity,
+        "host_blocks": engine.pool.tiers[1].capacity,
+        "block_bytes": engine.pool.block_bytes,
+        **{k: c[k] for k in ("device_hit_rate", "prefix_hit_rate", "block_reads", "block_misses", "promotions",
+                             "demotions", "promoted_bytes", "demoted_bytes", "evictions", "preemptions",
+                             "cow_copies", "context_shifts", "steps")},
+        "forward_s": c["forward_s"],
+        "bookkeeping_s": c["bookkeeping_s"],
+    }
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from engine.engine import RequestError
+    from engine.tokenizer import StreamDecoder
+
+    if args.prompt_file:
+        requests = _read_prompt_file(args.prompt_file, args.max_new_tokens)
+    elif args.prompt is not None:
+        requests = None
+    else:
+        raise RequestError("give a PROMPT or --prompt-file")
+    engine, load_s = open_engine(args)
+    if requests is not None:
+        return _run_file(engine, args, requests, load_s)
+
+    ids = _encode(engine, args.prompt, args.chat)
+    sid = engine.add_request(ids, _sampling(args, args.max_new_tokens))
+    seq = engine.seqs[sid]
+    decoder = StreamDecoder(engine.tokenizer)
+    first_token_s = None
+    while engine.has_work():
+        for out in engine.step():
+            if first_token_s is None:
+                first_token_s = time.perf_counter() - T_START
+                if not args.json:
+                    print(f"[kvscope] first token {first_token_s:.2f} s after start (model load {load_s:.2f} s)",
+                          file=sys.stderr)
+            if not args.json:
+                print(decoder.push(out.token), end="", flush=True)
+    text = engine.tokenizer.decode(seq.output)
+    if args.json:
+        stats = {**_stats(engine, seq), **_engine_stats(engine, load_s, first_token_s)}
+        print(json.dumps({"token_ids": seq.output, "text": text, "stats": stats}))
+    else:
+        print(decoder.flush())
+        c = engine.counters
+        print(f"[kvscope] {len(seq.output)} tokens, device hit rate {c.device_hit_rate:.3f}, "
+              f"{c.promotions} promotions / {c.demotions} demotions, {engine.config.summary()}", file=sys.stderr)
+    return 0
+
+
+def _read_prompt_file(path: str, default_max: int) -> list[dict]:
+    from engine.engine import RequestError
+
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise RequestError(f"{path}:{n}: not JSON ({e.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), (str, list)):
+                raise RequestError(f'{path}:{n}: expected {{"prompt": "...", "max_new_tokens": N}}')
+            mnt = obj.get("max_new_tokens", default_max)
+            if not isinstance(mnt, int) or mnt < 1:
+                raise RequestError(f"{path}:{n}: max_new_tokens must be a positive integer")
+            out.append({"prompt": obj["prompt"], "max_new_tokens": mnt, "chat": bool(obj.get("chat", False))})
+    if not out:
+        raise RequestError(f"{path}: no requests")
+    return out
+
+
+def _run_file(engine, args, requests: list[dict], load_s: float) -> int:
+    sids = []
+    for r in requests:
+        ids = r["prompt"] if isinstance(r["prompt"], list) else _encode(engine, r["prompt"], r["chat"] or args.chat)
+        sids.append(engine.add_request(ids, _sampling(args, r["max_new_tokens"])))
+    engine.run_until_done()
+    shared = _engine_stats(engine, load_s, None)
+    for sid in sids:
+        seq = engine.seqs[sid]
+        print(json.dumps({"token_ids": seq.output, "text": engine.tokenizer.decode(seq.output),
+                          "stats": {**_stats(engine, seq), **shared}}))
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from engine.block_pool import BlockPool
+    from engine.config import CacheConfig, KVDtype
+    from engine.engine import Engine
+    from engine.loader import load_model
+
+    config = cache_config(args)
+    model = load_model(args.model, progress=progress_printer)
+    s = model.spec
+    per_dtype = {}
+    for dt in KVDtype:
+        cfg = CacheConfig(block_size=config.block_size, kv_dtype=dt)
+        per_block = BlockPool.bytes_per_block(cfg, s.num_layers, s.num_kv_heads, s.head_dim)
+        per_dtype[dt.label] = per_block / config.block_size
+    fp32_token = s.num_layers * s.num_kv_heads * s.head_dim * 2 * 4
+    dsize = per_dtype[config.kv_dtype.label] / (s.num_layers * s.num_kv_heads * s.head_dim * 2)
+    total = args.batch * args.context * s.num_layers * s.num_kv_heads * s.head_dim * 2 * dsize
+    formula = (f"batch x context x layers x kv_heads x head_dim x 2 x dtype_size = {args.batch} x {args.context} x "
+               f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x 2 x {dsize:.4g} = {total:,.0f} bytes "
+               f"({total / 2**20:.1f} MiB)")
+    engine = Engine(model, config)
+    mem = engine.telemetry.memory()
+    info = {
+        "model": {"name": s.name, "architecture": s.architecture, "layers": s.num_layers, "heads": s.num_heads,
+                  "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden": s.hidden_size, "vocab": s.vocab_size,
+                  "max_position_embeddings": s.max_position_embeddings,
+                  "sliding_window": [w for w in s.sliding_window]},
+        "bytes_per_token": per_dtype,
+        "fp32_bytes_per_token_check": fp32_token,
+        "sizing": {"batch": args.batch, "context": args.context, "dtype": config.kv_dtype.label, "bytes": total,
+                   "formula": formula},
+        "config": config.as_dict(),
+        "memory": mem,
+    }
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    m = info["model"]
+    print(f"model      {m['name']} ({m['architecture']}): {m['layers']} layers, {m['heads']} heads, "
+          f"{m['kv_heads']} KV heads, head dim {m['head_dim']}, vocab {m['vocab']}")
+    print("bytes/token " + ", ".join(f"{k} {v:,.0f}" for k, v in per_dtype.items()) +
+          f"  (block size {config.block_size}; scales included)")
+    print(f"sizing     {formula}")
+    print(f"config     {config.summary()}")
+    for name, t in mem["tiers"].items():
+        print(f"{name:<10} {t['capacity_blocks']:,} blocks x {mem['block_bytes']:,} B on {t['device']}: "
+              f"K {t['k_bytes'] / 2**20:.1f} MiB, V {t['v_bytes'] / 2**20:.1f} MiB, scales "
+              f"{t['scale_bytes'] / 2**20:.2f} MiB, metadata {t['metadata_bytes'] / 2**20:.2f} MiB")
+    gpu = mem["gpu"]
+    print("gpu        " + (gpu.get("reason", "") if not gpu["available"] else
+                           f"{gpu.get('name', '')} NVML used {gpu.get('nvml_used_bytes', 0) / 2**30:.2f} GiB"))
+    print(f"process    RSS {mem['rss_bytes'] / 2**20:.0f} MiB; system {mem['system_used_bytes'] / 2**30:.1f} / "
+          f"{mem['system_total_bytes'] / 2**30:.1f} GiB used")
+    return 0
