@@ -271,6 +271,15 @@ class BlockPool:
         self.slot[lid] = -1
         self.free_lids.append(lid)
 
+    def drop_cached(self) -> int:
+        """Forget every cached (unowned) block on both tiers; owned blocks are untouched."""
+        n = 0
+        for t in self.tiers:
+            for s in t.cached.view().copy().tolist():
+                self._release(int(t.lid[s]))
+                n += 1
+        return n
+
     # -- hashing ------------------------------------------------------------------------------
     def set_hash(self, lid: int, h: int, tokens: np.ndarray) -> None:
         t, s = self.tiers[self.tier[lid]], self.slot[lid]

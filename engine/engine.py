@@ -821,6 +821,12 @@ class Engine:
         seq.num_cached = new_cached
         self._hash_full_blocks(seq, 0)
 
+    def reset_prefix_cache(self) -> int:
+        with self.lock:
+            n = self.pool.drop_cached()
+            self.telemetry.emit("prefix_cache_reset", blocks=n)
+            return n
+
     # -- run helpers ----------------------------------------------------------------------------
     def run_until_done(self, max_steps: int = 1_000_000) -> None:
         for _ in range(max_steps):

@@ -1,0 +1,124 @@
+"""`kvscope bench --compare hf`: the engine and transformers on the same model, prompts and process.
+
+(a) one request, P-token prompt, N new tokens, greedy: engine vs `generate`;
+(b) B requests x (P-token prompt + M new tokens): engine vs `generate_batch` (transformers' paged
+continuous batching) and vs `generate` run once per request.
+Throughput is generated tokens per wall-clock second, prefill included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from app.commands import open_engine
+
+ASSET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "bench_text.txt")
+
+
+def bench_prompts(tokenizer, n: int, length: int) -> list[list[int]]:
+    """n distinct prompts of exactly `length` tokens, cut from the bench text at different offsets."""
+    with open(ASSET, encoding="utf-8") as f:
+        ids = tokenizer.encode(f.read())
+    while len(ids) < length + n * 17:
+        ids = ids + ids
+    return [ids[i * 17:i * 17 + length] for i in range(n)]
+
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from engine.loader import hf_reference_dir
+    from engine.sequence import SamplingParams
+
+    engine, _ = open_engine(args)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
+    one = bench_prompts(engine.tokenizer, 1, P)
+    many = bench_prompts(engine.tokenizer, B, P)[::-1]  # not the same first prompt as (a): no prefix reuse
+    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(args.model), dtype=torch.float32).to(args.device).eval()
+    dev = torch.device(args.device)
+
+    def hf_generate(p: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                              pad_token_id=engine.spec.eos_token_ids[0])
+        return out[0, len(p):].tolist()
+
+    def eng_run(ps: list[list[int]], n: int) -> list[list[int]]:
+        engine.reset_prefix_cache()
+        return engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+    # Warm-up: first calls pay one-off allocation and kernel selection costs on both sides.
+    say("[bench] warm-up")
+    eng_run([one[0][:32]], 4)
+    hf_generate(one[0][:32], 4)
+
+    say(f"[bench] (a) 1 x ({P} prompt + {N} new), greedy")
+    e_out, e_s = _timed(lambda: eng_run(one, N))
+    h_out, h_s = _timed(lambda: hf_generate(one[0], N))
+    res = {"batch1": {"engine_tok_s": N / e_s, "generate_tok_s": N / h_s, "engine_s": e_s, "generate_s": h_s,
+                      "tokens_equal": e_out[0] == h_out}}
+
+    say(f"[bench] (b) {B} x ({P} prompt + {M} new)")
+    eb_out, eb_s = _timed(lambda: eng_run(many, M))
+    gcfg = GenerationConfig(max_new_tokens=M, min_new_tokens=M, do_sample=False,
+                            eos_token_id=engine.spec.eos_token_ids[0], pad_token_id=engine.spec.eos_token_ids[0])
+    try:
+        with torch.inference_mode():
+            hb, hb_s = _timed(lambda: hf.generate_batch(inputs=many, generation_config=gcfg, progress_bar=False))
+        hb_out = [list(v.generated_tokens) for v in hb.values()]
+        gb_tok_s = B * M / hb_s
+        gb_err = None
+    except Exception as e:  # report, don't hide: the peer failed on this machine
+        gb_tok_s, hb_s, hb_out, gb_err = None, None, [], f"{type(e).__name__}: {e}"
+    hs_out, hs_s = _timed(lambda: [hf_generate(p, M) for p in many])
+    res["batch"] = {
+        "requests": B, "engine_tok_s": B * M / eb_s, "generate_batch_tok_s": gb_tok_s, "generate_sequential_tok_s":
+        B * M / hs_s, "engine_s": eb_s, "generate_batch_s": hb_s, "generate_sequential_s": hs_s,
+        "tokens_equal_sequential": eb_out == hs_out, "generate_batch_error": gb_err,
+        "generate_batch_tokens_equal": sorted(map(tuple, hb_out)) == sorted(map(tuple, eb_out)) if hb_out else None,
+    }
+    c = engine.counters
+    res["ratios"] = {
+        "batch1_vs_generate": res["batch1"]["engine_tok_s"] / res["batch1"]["generate_tok_s"],
+        "batch8_vs_generate_batch": (res["batch"]["engine_tok_s"] / gb_tok_s) if gb_tok_s else None,
+        "batch8_vs_generate_sequential": res["batch"]["engine_tok_s"] / res["batch"]["generate_sequential_tok_s"],
+    }
+    res["step_split"] = {"forward_s": c.forward_s, "bookkeeping_s": c.bookkeeping_s,
+                         "bookkeeping_fraction": c.bookkeeping_s / max(c.forward_s + c.bookkeeping_s, 1e-9)}
+    res["config"] = engine.config.as_dict()
+    res["model"] = engine.spec.name
+    res["device"] = args.device
+    res["torch_threads"] = torch.get_num_threads()
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    b1, bb, r = res["batch1"], res["batch"], res["ratios"]
+    print(f"model {res['model']} on {args.device}, {res['torch_threads']} threads, {engine.config.summary()}")
+    print(f"(a) batch 1      engine {b1['engine_tok_s']:7.1f} tok/s   generate {b1['generate_tok_s']:7.1f} tok/s   "
+          f"ratio {r['batch1_vs_generate']:.2f}x   tokens equal: {b1['tokens_equal']}")
+    gb = f"{bb['generate_batch_tok_s']:7.1f}" if bb["generate_batch_tok_s"] else "  n/a  "
+    print(f"(b) batch {B}      engine {bb['engine_tok_s']:7.1f} tok/s   generate_batch {gb} tok/s   "
+          f"generate x{B} {bb['generate_sequential_tok_s']:7.1f} tok/s")
+    if r["batch8_vs_generate_batch"]:
+        print(f"    ratios       vs generate_batch {r['batch8_vs_generate_batch']:.2f}x   "
+              f"vs sequential generate {r['batch8_vs_generate_sequential']:.2f}x   "
+              f"tokens equal to generate: {bb['tokens_equal_sequential']}")
+    else:
+        print(f"    generate_batch failed: {bb['generate_batch_error']}; vs sequential "
+              f"{r['batch8_vs_generate_sequential']:.2f}x")
+    s = res["step_split"]
+    print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
+          f"({100 * s['bookkeeping_fraction']:.1f} %)")
+    return 0

@@ -1,0 +1,134 @@
+"""Random operations on a live engine; the cache's invariants must hold after every one."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+
+from engine.block_pool import Tier
+from engine.config import CacheConfig, ConfigError, EngineOptions
+from engine.engine import Engine, RequestError
+from engine.sequence import SamplingParams, SeqState
+
+
+def make_machine(model):
+    class CacheMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.now = 0.0
+            self.engine = Engine(model, CacheConfig(block_size=4, device_budget_mb=0.03, host_budget_mb=0.06),
+                                 EngineOptions(max_batched_tokens=48, context_limit=96, n_keep=2),
+                                 clock=lambda: self.now)
+
+        def live(self) -> list[int]:
+            return [s.id for s in self.engine.seqs.values() if not s.done]
+
+        @rule(n=st.integers(1, 40), new=st.integers(1, 12), seed=st.integers(0, 3))
+        def add(self, n, new, seed):
+            rng = np.random.default_rng(seed)  # few seeds: prompts often share prefixes
+            ids = rng.integers(3, 1000, size=n).tolist()
+            try:
+                self.engine.add_request(ids, SamplingParams(max_new_tokens=new, ignore_eos=True))
+            except RequestError:
+                pass
+
+        @rule(steps=st.integers(1, 4), dt=st.floats(0.0, 3.0))
+        def append(self, steps, dt):
+            for _ in range(steps):
+                self.now += dt
+                self.engine.step()
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data())
+        def fork(self, data):
+            sid = data.draw(st.sampled_from(self.live()))
+            self.engine.seq_cp(sid)
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data(), frac=st.floats(0.1, 0.9))
+        def remove(self, data, frac):
+            sid = data.draw(st.sampled_from(self.live()))
+            seq = self.engine.seqs[sid]
+            if seq.num_cached < 2 or seq.pending:
+                return
+            cut = max(1, int(seq.num_cached * frac))
+            self.engine.seq_rm(sid, seq.pos[cut], None)
+            self.engine.extend(sid, [seq.output[-1] if seq.output else 5], 2)
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data(), delta=st.integers(-5, 5))
+        def shift(self, data, delta):
+            sid = data.draw(st.sampled_from(self.live()))
+            seq = self.engine.seqs[sid]
+            if len(seq.pos) > 4 and min(seq.pos[2:]) + delta >= 2:
+                self.engine.seq_add(sid, seq.pos[2], None, delta)
+
+        @rule(n=st.integers(1, 8))
+        def evict(self, n):
+            self.engine.pool.evict(Tier.DEVICE, n, self.now)
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data(), to_host=st.booleans())
+        def migrate(self, data, to_host):
+            sid = data.draw(st.sampled_from(self.live()))
+            lids = np.asarray(self.engine.seqs[sid].blocks, dtype=np.int64)
+            if len(lids):
+                self.engine.pool.move(lids, Tier.HOST if to_host else Tier.DEVICE, self.now, reason="test")
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data())
+        def pause_resume(self, data):
+            sid = data.draw(st.sampled_from(self.live()))
+            if self.engine.seqs[sid].state == SeqState.PAUSED:
+                self.engine.resume(sid)
+            else:
+                self.engine.pause(sid)
+
+        @precondition(lambda self: self.live())
+        @rule(data=st.data())
+        def cancel(self, data):
+            self.engine.cancel(data.draw(st.sampled_from(self.live())))
+
+        @rule(bs=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from(["fp32", "fp16", "int8", "int8-delta"]),
+              dev=st.sampled_from([0.02, 0.03, 0.05]), policy=st.sampled_from(["lru", "heat"]))
+        def reconfigure(self, bs, dtype, dev, policy):
+            try:
+                self.engine.reconfigure(block_size=bs, kv_dtype=dtype, device_budget_mb=dev, policy=policy)
+            except ConfigError:
+                return
+            self.engine.step()
+
+        @invariant()
+        def consistent(self):
+            e = self.engine
+            e.check_invariants()
+            p = e.pool
+            for t in p.tiers:  # bytes accounted equal the pool
+                assert sum(t.nbytes().values()) == t.capacity * p.block_bytes
+            for s in e.seqs.values():
+                if not s.done and s.state != SeqState.RUNNING:
+                    assert len(s.blocks) * e.config.block_size >= s.num_cached
+
+        def teardown(self):
+            e = self.engine
+            for sid in self.live():
+                e.cancel(sid)
+            e.check_invariants()
+            # Every block left is an unowned cached one; dropping the cache leaves the pool empty.
+            for t in e.pool.tiers:
+                assert np.all(t.ref[t.lid >= 0] == 0)
+            e.pool.drop_cached()
+            assert all(t.used == 0 for t in e.pool.tiers)
+            assert len(e.pool.free_lids) == e.pool.n_lids
+
+    return CacheMachine
+
+
+def test_random_operations_keep_the_cache_consistent(llama_model):
+    run_state_machine_as_test(
+        make_machine(llama_model),
+        settings=settings(max_examples=30, stateful_step_count=25, deadline=None,
+                          suppress_health_check=list(HealthCheck)),
+    )
