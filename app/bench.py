@@ -51,7 +51,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     def hf_generate(p: list[int], n: int) -> list[int]:
         with torch.inference_mode():
-            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, do_sample=False, eos_token_id=None,
                               pad_token_id=engine.spec.eos_token_ids[0])
         return out[0, len(p):].tolist()
 

@@ -122,7 +122,7 @@ KNOBS: dict[str, Knob] = {
     for k in (
         Knob("block_size", int, 1, 1024, unit="tokens", help="tokens per block (all layers' K and V)"),
         Knob("kv_dtype", KVDtype, choices=tuple(_DTYPE_LABELS.values()), help="storage format of cached K/V"),
-        Knob("device_budget_mb", float, 0.05, 1 << 20, unit="MB", help="device-tier pool size"),
+        Knob("device_budget_mb", float, 0.01, 1 << 20, unit="MB", help="device-tier pool size"),
         Knob("host_budget_mb", float, 0.0, 1 << 22, unit="MB", help="host-tier pool size"),
         Knob("policy", str, choices=POLICIES, help="eviction order for cold cached blocks"),
         Knob("decay", float, 0.01, 1.0, unit="/s", help="heat decay per second: heat = heat*decay^dt + 1"),

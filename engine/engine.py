@@ -463,15 +463,19 @@ class Engine:
         return p.can_allocate(Tier.DEVICE, need)
 
     def _preempt(self, seq: Sequence, now: float) -> None:
-        """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later."""
+        """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later.
+
+        Only blocks it owns alone move: a block shared with another sequence (a fork, a reused
+        prefix) may already be resident for a sequence scheduled in this step.
+        """
         p = self.pool
-        dev = np.asarray([lid for lid in seq.blocks if p.tier[lid] == Tier.DEVICE], dtype=np.int64)
-        moved = p.move(dev, Tier.HOST, now, reason="preempt") if len(dev) else 0
+        own = np.asarray([lid for lid in seq.blocks if p.tier[lid] == Tier.DEVICE and p.ref_of(lid) == 1],
+                         dtype=np.int64)
+        moved = p.move(own, Tier.HOST, now, reason="preempt") if len(own) else 0
         mode = "swap"
-        if moved < len(dev) or seq.canonical < seq.num_cached and moved < len(dev):
+        if moved < len(own):
             mode = "recompute"
             self._drop_kv(seq)
-        seq.state = SeqState.PREEMPTED
         seq.preemptions += 1
         self.counters.preemptions += 1
         self.running.remove(seq.id)

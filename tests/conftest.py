@@ -84,7 +84,9 @@ class Reference:
 
     def _greedy(self, prompt: list[int], n: int) -> list[int]:
         with torch.inference_mode():
-            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+            # eos_token_id=None: generate exactly n tokens, EOS included, like the engine's ignore_eos
+            # (min_new_tokens would instead suppress EOS and change the tokens).
+            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)
         return out[0, len(prompt):].tolist()
 
