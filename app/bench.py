@@ -122,3 +122,72 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
           f"({100 * s['bookkeeping_fraction']:.1f} %)")
     return 0
+
+
+def tiny_random_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 4096):
+    """An in-memory random Llama with the default model's tokenizer: for measuring the cache, not the model."""
+    import dataclasses
+
+    import torch
+
+    from engine.loader import LoadedModel, load_model
+
+    base = load_model(None)
+    spec = dataclasses.replace(base.spec, num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+                               sliding_window=(None,) * layers, name="tiny-random")
+    g = torch.Generator().manual_seed(0)
+    w = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden)}
+    hd = hidden // heads
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (heads * hd, hidden)), ("self_attn.k_proj", (kv_heads * hd, hidden)),
+                            ("self_attn.v_proj", (kv_heads * hd, hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
+                            ("mlp.gate_proj", (2 * hidden, hidden)), ("mlp.up_proj", (2 * hidden, hidden)),
+                            ("mlp.down_proj", (hidden, 2 * hidden))):
+            w[p + name + ".weight"] = torch.randn(*shape, generator=g) * 0.1
+        w[p + "input_layernorm.weight"] = torch.ones(hidden)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    return LoadedModel(spec=spec, weights=w, tokenizer=base.tokenizer, source="tiny-random", cache_dir=None)
+
+
+def snapshot_bench(n_blocks: int, seq_tokens: int = 1000, repeats: int = 20) -> dict:
+    """Fill a pool of n_blocks one-token blocks with live sequences (half of them demoted to the host
+    tier), then time `snapshot()`: per-tier metadata arrays plus the sequence table."""
+    import numpy as np
+
+    from engine.config import CacheConfig, EngineOptions
+    from engine.engine import Engine
+    from engine.sequence import SamplingParams
+
+    model = tiny_random_model()
+    s = model.spec
+    per_block = s.num_layers * s.num_kv_heads * s.head_dim * 2 * 4  # fp32, block_size 1
+    half_mb = n_blocks / 2 * per_block / 2**20
+    now = [0.0]
+    eng = Engine(model, CacheConfig(block_size=1, device_budget_mb=half_mb, host_budget_mb=half_mb,
+                                    demote_after_s=1.0),
+                 EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+    n_seqs = max(1, int(0.95 * n_blocks) // seq_tokens)
+    t0 = time.perf_counter()
+    ids = [eng.add_request(rng.integers(3, s.vocab_size, seq_tokens).tolist(),
+                           SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for _ in range(n_seqs)]
+    # Prefill all, then pause half and let their blocks idle past demote_after_s onto the host tier.
+    while any(eng.seqs[i].first_token_at is None for i in ids):
+        eng.step()
+    for i in ids[: n_seqs // 2]:
+        eng.pause(i)
+    now[0] += 2.0
+    eng.step()
+    fill_s = time.perf_counter() - t0
+    eng.snapshot()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        snap = eng.snapshot()
+        times.append(time.perf_counter() - t)
+    used = [int(np.count_nonzero(t.state)) for t in snap.tiers]
+    return {"blocks": sum(t.capacity for t in snap.tiers), "used_device": used[0], "used_host": used[1],
+            "sequences": n_seqs, "fill_s": fill_s, "snapshot_ms_median": 1e3 * float(np.median(times)),
+            "snapshot_ms_max": 1e3 * float(np.max(times))}

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch1-new-tokens", type=int, default=128)
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--batch-new-tokens", type=int, default=64)
+    b.add_argument("--snapshot-blocks", type=int, metavar="N",
+                   help="instead: time engine snapshots of a pool of N blocks filled by live sequences")
     b.add_argument("--json", action="store_true")
     _add_model_flags(b)
     _add_cache_flags(b)
@@ -99,6 +101,15 @@ def main(argv: list[str] | None = None) -> int:
             from app.commands import cmd_info
 
             return cmd_info(args)
+        if args.cmd == "bench" and args.snapshot_blocks:
+            from app.bench import snapshot_bench
+
+            res = snapshot_bench(args.snapshot_blocks)
+            print(json.dumps(res) if args.json else
+                  f"snapshot of {res['blocks']:,} blocks ({res['used_device']:,} used on device, {res['used_host']:,} "
+                  f"on host, {res['sequences']} sequences): median {res['snapshot_ms_median']:.2f} ms, "
+                  f"max {res['snapshot_ms_max']:.2f} ms")
+            return 0
         if args.cmd == "bench":
             from app.bench import cmd_bench
 

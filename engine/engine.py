@@ -264,6 +264,7 @@ class Engine:
         self.pool = pool
         for seq, blocks, hashes in plans:
             seq.blocks, seq.hashes = blocks, hashes
+            seq.table_version += 1
         del old_pool
 
     def _tokens_kv(self, pool: BlockPool, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
@@ -351,6 +352,7 @@ class Engine:
             seq.blocks.append(lid)
             seq.hashes.append(h)
             parent = h
+        seq.table_version += 1
         if seq.blocks:
             now = self.clock()
             self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool._meta("born", seq.blocks))
@@ -420,6 +422,7 @@ class Engine:
         while len(seq.blocks) < blocks_for(seq.num_cached + n, bs):
             seq.blocks.append(p.allocate(Tier.DEVICE, seq.id, now))
             seq.hashes.append(0)
+            seq.table_version += 1
         return True
 
     def _ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
@@ -430,6 +433,7 @@ class Engine:
             p.copy_block(lid, new)
             p.decref(lid)
             seq.blocks[bi] = new
+            seq.table_version += 1
             seq.hashes[bi] = 0
             self.telemetry.emit("cow", seq=seq.id, block=int(lid), new=int(new))
         elif p.hash_of(lid) != NO_HASH:
@@ -487,6 +491,7 @@ class Engine:
         for lid in seq.blocks:
             self.pool.decref(lid)
         seq.blocks, seq.hashes = [], []
+        seq.table_version += 1
         seq.num_cached = 0
         seq.canonical = 0
 
@@ -635,6 +640,7 @@ class Engine:
         for lid in seq.blocks:
             self.pool.decref(lid)
         seq.blocks, seq.hashes = [], []
+        seq.table_version += 1
         self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
 
     # -- llama.cpp-style sequence operations --------------------------------------------------
@@ -680,6 +686,7 @@ class Engine:
             dst.pos = list(src.pos)
             dst.output = list(src.output)
             dst.blocks = list(src.blocks)
+            dst.table_version += 1
             dst.hashes = list(src.hashes)
             dst.num_cached, dst.canonical = src.num_cached, src.canonical
             dst.first_token_at = src.first_token_at
@@ -803,6 +810,7 @@ class Engine:
         for lid in seq.blocks[b0:]:
             p.decref(lid)
         seq.blocks, seq.hashes = seq.blocks[:b0], seq.hashes[:b0]
+        seq.table_version += 1
         seq.num_cached = b0 * bs
         if k_tail is not None:
             n = k_tail.shape[1]
@@ -821,6 +829,7 @@ class Engine:
             vt = vt.view(L, nb, bs, Hkv, D).transpose(2, 3)
             p.write_blocks(lids, kt, vt)
             seq.blocks += lids
+            seq.table_version += 1
             seq.hashes += [0] * nb
         seq.num_cached = new_cached
         self._hash_full_blocks(seq, 0)

@@ -49,6 +49,7 @@ class Sequence:
     preemptions: int = 0
     label: str = ""
     rng: object = None  # torch.Generator when sampling
+    table_version: int = 0  # bumped at every change of `blocks`, so observers can cache a numpy copy
 
     @property
     def pending(self) -> int:

@@ -130,6 +130,7 @@ class Telemetry:
         self._proc = psutil.Process(os.getpid())
         self._nvml = None
         self._nvml_error = ""
+        self._table_cache: dict[int, tuple[int, np.ndarray]] = {}
 
     # -- inputs -------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -245,19 +246,32 @@ class Telemetry:
                             owner=t.owner.copy(), ref=t.ref.copy(), fill=t.fill.copy(), heat=heat, age=age,
                             hashed=t.hash != 0)
 
+    def _tables(self) -> list[np.ndarray]:
+        """Each sequence's block table as a numpy array, recopied only when the table changed."""
+        e = self.engine
+        out = []
+        for s in e.seqs.values():
+            hit = self._table_cache.get(s.id)
+            if hit is None or hit[0] != s.table_version:
+                hit = (s.table_version, np.asarray(s.blocks, dtype=np.int64))
+                self._table_cache[s.id] = hit
+            out.append(hit[1])
+        return out
+
     def _seqs(self, now: float) -> SeqTable:
         e = self.engine
         pool = e.pool
-        rows = [s for s in e.seqs.values()]
-        tiers, slots = [], []
-        dev, host = [], []
-        for s in rows:
-            lids = np.asarray(s.blocks, dtype=np.int64)
-            tr = pool.tier[lids] if len(lids) else np.zeros(0, np.int8)
-            tiers.append(tr)
-            slots.append(pool.slot[lids] if len(lids) else np.zeros(0, np.int64))
-            dev.append(int(np.count_nonzero(tr == 0)))
-            host.append(int(np.count_nonzero(tr == 1)))
+        rows = list(e.seqs.values())
+        tables = self._tables()
+        lens = np.asarray([len(t) for t in tables], dtype=np.int64)
+        flat = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        tier = pool.tier[flat]
+        slot = pool.slot[flat]
+        starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
+        on_dev = (tier == 0).astype(np.int64)
+        dev = np.add.reduceat(on_dev, starts) if len(flat) else np.zeros(len(rows), np.int64)
+        dev = np.where(lens > 0, dev, 0)  # reduceat returns the next row's value for an empty row
+        ends = np.cumsum(lens)
 
         def tps(s) -> float:
             if s.first_token_at is None or len(s.output) < 2:
@@ -270,15 +284,15 @@ class Telemetry:
             state=np.asarray([int(s.state) for s in rows], dtype=np.int8),
             tokens=np.asarray([len(s.tokens) for s in rows], dtype=np.int32),
             generated=np.asarray([len(s.output) for s in rows], dtype=np.int32),
-            blocks_device=np.asarray(dev, dtype=np.int32),
-            blocks_host=np.asarray(host, dtype=np.int32),
+            blocks_device=dev.astype(np.int32),
+            blocks_host=(lens - dev).astype(np.int32),
             tokens_per_s=np.asarray([tps(s) for s in rows], dtype=np.float32),
             ttft=np.asarray([(s.first_token_at - s.arrival) if s.first_token_at is not None else np.nan for s in rows],
                             dtype=np.float32),
             prefix_reused=np.asarray([s.prefix_reused for s in rows], dtype=np.int32),
             labels=tuple(s.label for s in rows),
-            block_tier=tuple(tiers),
-            block_slot=tuple(slots),
+            block_tier=tuple(tier[a:b] for a, b in zip(starts, ends)),
+            block_slot=tuple(slot[a:b] for a, b in zip(starts, ends)),
         )
 
     def memory(self) -> dict:

@@ -1,0 +1,141 @@
+"""One prepared CUDA check, for a lent GPU machine (`python3 -m app.gpu_check --out DIR`).
+
+The device tool carries at most 64 MiB, so the 98 MB default GGUF cannot travel: the check builds
+random-weight models with transformers there instead — a tiny one for exactness and a full-size one
+with SmolLM2-135M's geometry for the throughput comparison (throughput does not depend on weight values).
+It checks: greedy tokens equal transformers `generate` on CUDA; with a device tier smaller than the
+requests' KV, blocks migrate between CUDA memory and pinned host memory on a side stream and tokens stay
+equal; NVML and torch allocator readings; and `bench --compare hf` on CUDA. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+
+def _tiny_dir(root: str, tokenizer_dir: str | None, **cfg) -> str:
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**cfg))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    path = os.path.join(root, f"llama-{cfg['num_hidden_layers']}x{cfg['hidden_size']}")
+    model.save_pretrained(path)
+    if tokenizer_dir is None:
+        tokenizer_dir = _word_tokenizer(root, cfg["vocab_size"])
+    for f in os.listdir(tokenizer_dir):
+        if f.startswith("tokenizer") or f in ("special_tokens_map.json", "chat_template.jinja"):
+            shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return path
+
+
+def _word_tokenizer(root: str, vocab: int) -> str:
+    """A word-level tokenizer.json (no hub, no gguf needed) with the ids a Llama config expects."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for i in range(3, vocab):
+        words[f"w{i}"] = i
+    tok = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    d = os.path.join(root, "tok")
+    os.makedirs(d, exist_ok=True)
+    tok.save(os.path.join(d, "tokenizer.json"))
+    with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+        json.dump({"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, f)
+    return d
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--device", default="cuda")
+    args = ap.parse_args(argv)
+    import torch
+
+    from engine.config import CacheConfig, EngineOptions
+    from engine.engine import Engine
+    from engine.loader import load_model
+    from engine.sequence import SamplingParams
+
+    report: dict = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({**report, "error": "no CUDA device"}))
+        return 1
+    if args.device == "cuda":
+        report["gpu"] = torch.cuda.get_device_name(0)
+    dev = torch.device(args.device)
+    root = tempfile.mkdtemp(prefix="kvscope-gpu-")
+    tiny = _tiny_dir(root, None, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
+                     eos_token_id=2, tie_word_embeddings=True)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).to(dev).eval()
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (9, 70, 130, 33, 201, 64)]
+
+    def ref(p: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+        return out[0, len(p):].tolist()
+
+    refs = [ref(p, 32) for p in prompts]
+    model = load_model(tiny)
+    sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    checks = {}
+    for bs in (1, 16, 64):
+        eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(device=args.device))
+        checks[f"greedy_equal_bs{bs}"] = eng.generate(prompts, sp) == refs
+    # Device tier far smaller than the six requests' KV: blocks must move CUDA <-> pinned host.
+    eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.25, host_budget_mb=8, demote_after_s=0.0),
+                 EngineOptions(device=args.device, max_batched_tokens=128))
+    t0 = time.perf_counter()
+    out = eng.generate(prompts, sp)
+    checks["migrating_equal"] = out == refs
+    eng.check_invariants()
+    c = eng.counters.as_dict()
+    snap = eng.snapshot()
+    report["migrations"] = {k: c[k] for k in ("promotions", "demotions", "promoted_bytes", "demoted_bytes",
+                                              "preemptions", "device_hit_rate")}
+    report["migrations"]["seconds"] = time.perf_counter() - t0
+    report["host_tier_pinned"] = snap.memory["tiers"]["host"]["pinned"]
+    report["device_tier_on"] = snap.memory["tiers"]["device"]["device"]
+    report["copy_stream"] = eng.pool.copy_stream is not None
+    report["gpu_memory"] = snap.memory["gpu"]
+    report["checks"] = checks
+    # Throughput: SmolLM2-135M geometry with random weights, engine vs transformers on the same GPU.
+    big = _tiny_dir(root, tiny, vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, bos_token_id=1,
+                    eos_token_id=2, tie_word_embeddings=True)
+    import subprocess
+
+    bench = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--compare", "hf", "--model", big, "--device",
+                            args.device, "--json"], capture_output=True, text=True, timeout=500)
+    try:
+        report["bench"] = json.loads(bench.stdout.strip().splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        report["bench_error"] = bench.stderr[-3000:]
+    report["ok"] = all(checks.values()) and report["migrations"]["promotions"] > 0
+    text = json.dumps(report, indent=1, default=str)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "gpu_check.json"), "w") as f:
+        f.write(text)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
