@@ -169,17 +169,21 @@ def snapshot_bench(n_blocks: int, seq_tokens: int = 1000, repeats: int = 20) -> 
                                     demote_after_s=1.0),
                  EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])
     rng = np.random.default_rng(0)
-    n_seqs = max(1, int(0.95 * n_blocks) // seq_tokens)
+    per_phase = max(1, int(0.95 * n_blocks / 2) // seq_tokens)
+    n_seqs = 2 * per_phase
     t0 = time.perf_counter()
-    ids = [eng.add_request(rng.integers(3, s.vocab_size, seq_tokens).tolist(),
-                           SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for _ in range(n_seqs)]
-    # Prefill all, then pause half and let their blocks idle past demote_after_s onto the host tier.
-    while any(eng.seqs[i].first_token_at is None for i in ids):
-        eng.step()
-    for i in ids[: n_seqs // 2]:
-        eng.pause(i)
-    now[0] += 2.0
-    eng.step()
+    ids: list[int] = []
+    for phase in range(2):
+        batch = [eng.add_request(rng.integers(3, s.vocab_size, seq_tokens).tolist(),
+                                 SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for _ in range(per_phase)]
+        while any(eng.seqs[i].first_token_at is None for i in batch):
+            eng.step()
+        ids += batch
+        if phase == 0:  # park the first half: paused, idle past demote_after_s, so on the host tier
+            for i in batch:
+                eng.pause(i)
+            now[0] += 2.0
+            eng.step()
     fill_s = time.perf_counter() - t0
     eng.snapshot()
     times = []

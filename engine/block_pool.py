@@ -265,6 +265,7 @@ class BlockPool:
         t.ref[s] = 0
         t.fill[s] = 0
         t.owner[s] = -1
+        t.heat[s] = 0.0
         t.hash[s] = NO_HASH
         t.free_slots.append(s)
         self.tier[lid] = -1
@@ -379,6 +380,8 @@ class BlockPool:
                 dst.cached.add(sn)
             src.lid[so] = -1
             src.ref[so] = 0
+            src.heat[so] = 0.0
+            src.fill[so] = 0
             src.hash[so] = NO_HASH
             src.owner[so] = -1
             src.free_slots.append(so)

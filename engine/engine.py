@@ -18,6 +18,8 @@ import numpy as np
 import torch
 
 from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, chain_hash
+
+DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
 from engine.config import DTYPE_PRECISION, CacheConfig, ConfigError, EngineOptions, KVDtype
 from engine.loader import LoadedModel
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
@@ -318,7 +320,7 @@ class Engine:
                 self._match_prefix(seq)
             first = min(seq.pending, self.options.max_batched_tokens)
             need = blocks_for(seq.num_cached + first, self.config.block_size) - len(seq.blocks)
-            host_blocks = int(np.sum(self.pool.tier[seq.blocks] == Tier.HOST)) if seq.blocks else 0
+            host_blocks = int(np.count_nonzero(self.pool.tier[seq.table()] == HOST))
             if not self.pool.can_allocate(Tier.DEVICE, need + host_blocks) and self._active():
                 return  # wait for room; running sequences will finish, shift or be preempted
             self.waiting.remove(sid)
@@ -394,7 +396,8 @@ class Engine:
         p = self.pool
         bs = self.config.block_size
         new_blocks = blocks_for(seq.num_cached + n, bs) - len(seq.blocks)
-        on_host = [i for i, lid in enumerate(seq.blocks) if p.tier[lid] == Tier.HOST]
+        table = seq.table()
+        on_host = table[p.tier[table] == HOST]
         tail_cow = 0
         if seq.num_cached % bs and seq.blocks:
             tail = seq.blocks[seq.num_cached // bs]
@@ -403,16 +406,14 @@ class Engine:
         if not self._make_room(need, now, keep={seq.id} | {s.id for s, _ in sched}):
             self._preempt(seq, now)
             return False
-        # Device-tier reads: a host block is a miss; promoting it brings the next prefetch_depth along.
-        reads = len(seq.blocks)
+        # Device-tier reads: a host block is a miss; promoting it brings the next prefetch_depth host
+        # blocks of the sequence along, so they are hits when attention reaches them.
+        reads = len(table)
+        group = 1 + self.config.prefetch_depth
         misses = 0
-        depth = self.config.prefetch_depth
-        for j, i in enumerate(on_host):
-            if p.tier[seq.blocks[i]] != Tier.HOST:
-                continue  # came with an earlier miss's prefetch
+        for j in range(0, len(on_host), group):
             misses += 1
-            group = [seq.blocks[x] for x in on_host[j:j + 1 + depth]]
-            p.move(np.asarray(group, dtype=np.int64), Tier.DEVICE, now, reason="miss")
+            p.move(on_host[j:j + group], Tier.DEVICE, now, reason="miss")
         self.counters.block_reads += reads
         self.counters.block_misses += misses
         self.telemetry.record_reads(seq, misses, now)
@@ -445,16 +446,20 @@ class Engine:
         p = self.pool
         if p.can_allocate(Tier.DEVICE, need):
             return True
-        # 1. Blocks of sequences not running now (paused, preempted, waiting with a prefix), coldest first.
-        idle = [s for s in self.seqs.values() if s.id not in keep and not s.done and s.state != SeqState.RUNNING]
-        cand = [lid for s in idle for lid in s.blocks if p.tier[lid] == Tier.DEVICE]
-        keep_lids = {lid for sid in keep for lid in self.seqs[sid].blocks}
-        cand = [lid for lid in dict.fromkeys(cand) if lid not in keep_lids]
-        if cand:
-            arr = np.asarray(cand, dtype=np.int64)
-            arr = arr[np.argsort(p.last_of(arr), kind="stable")]
-            short = need - p.reclaimable(Tier.DEVICE)
-            p.move(arr[:max(short, 0)], Tier.HOST, now, reason="room")
+        # 1. Blocks of sequences not running now (paused, preempted, waiting with a prefix), coldest first,
+        #    except blocks they share with a sequence that must stay resident.
+        idle = [s.table() for s in self.seqs.values()
+                if s.id not in keep and not s.done and s.state != SeqState.RUNNING and s.blocks]
+        if idle:
+            cand = np.unique(np.concatenate(idle))
+            cand = cand[p.tier[cand] == DEVICE]
+            kept = [self.seqs[sid].table() for sid in keep]
+            if kept and len(cand):
+                cand = cand[~np.isin(cand, np.concatenate(kept))]
+            if len(cand):
+                cand = cand[np.argsort(p.last_of(cand), kind="stable")]
+                short = need - p.reclaimable(Tier.DEVICE)
+                p.move(cand[:max(short, 0)], Tier.HOST, now, reason="room")
         if p.can_allocate(Tier.DEVICE, need):
             return True
         # 2. Preempt running sequences not yet scheduled this step, newest first.
@@ -473,8 +478,9 @@ class Engine:
         prefix) may already be resident for a sequence scheduled in this step.
         """
         p = self.pool
-        own = np.asarray([lid for lid in seq.blocks if p.tier[lid] == Tier.DEVICE and p.ref_of(lid) == 1],
-                         dtype=np.int64)
+        table = seq.table()
+        on_dev = table[p.tier[table] == DEVICE]
+        own = on_dev[p._meta("ref", on_dev) == 1] if len(on_dev) else on_dev
         moved = p.move(own, Tier.HOST, now, reason="preempt") if len(own) else 0
         mode = "swap"
         if moved < len(own):
@@ -496,54 +502,48 @@ class Engine:
         seq.canonical = 0
 
     def _build(self, sched: list[tuple[Sequence, int]]):
+        """The step's flat token batch, where each token's K/V goes, and the attention groups."""
         bs = self.config.block_size
         p = self.pool
         dev = p.device
-        ids, poss, slots, offs = [], [], [], []
+        ids, pos, lids, offs = [], [], [], []
         decode_rows, decode = [], []
         groups: list[AttnGroup] = []
         logit_rows = []
-        write_lids: dict[int, int] = {}
-        tok_block = []
         row = 0
         for seq, n in sched:
             lo, hi = seq.num_cached, seq.num_cached + n
+            idx = np.arange(lo, hi)
             ids.extend(seq.tokens[lo:hi])
-            poss.extend(seq.pos[lo:hi])
-            for i in range(lo, hi):
-                lid = seq.blocks[i // bs]
-                slots.append(int(p.slot[lid]))
-                offs.append(i % bs)
-                tok_block.append(write_lids.setdefault(lid, len(write_lids)))
+            pos.append(idx if not seq.repositioned else np.asarray(seq.pos[lo:hi], dtype=np.int64))
+            lids.append(seq.table()[idx // bs])
+            offs.append(idx % bs)
             if n == 1:
                 decode.append(seq)
                 decode_rows.append(row)
             else:
-                groups.append(self._group(seq, hi, [list(range(row, row + n))], [seq.pos[lo:hi]], dev))
+                groups.append(self._group([seq], [row], dev, q_len=n, ctx=[hi], qpos=[pos[-1]]))
             row += n
             logit_rows.append(row - 1)
         if decode:
-            groups.insert(0, self._group_many(decode, decode_rows, dev))
-        wl = np.fromiter(write_lids.keys(), dtype=np.int64, count=len(write_lids))
+            groups.insert(0, self._group(decode, decode_rows, dev))
+        lids_np, offs_np = np.concatenate(lids), np.concatenate(offs)
         # Writes are appends: the first offset written into a block is how many of its slots were
         # already valid, and the block's fill afterwards is the last offset written + 1.
-        offs_np = np.asarray(offs, dtype=np.int64)
-        tb = np.asarray(tok_block, dtype=np.int64)
+        wl, tok_block = np.unique(lids_np, return_inverse=True)
         prev_fill = np.full(len(wl), bs, dtype=np.int64)
-        np.minimum.at(prev_fill, tb, offs_np)
+        np.minimum.at(prev_fill, tok_block, offs_np)
         new_fill = np.zeros(len(wl), dtype=np.int64)
-        np.maximum.at(new_fill, tb, offs_np + 1)
-        kv = StepKV(p, torch.as_tensor(slots, device=dev), torch.as_tensor(offs, device=dev), p.slot[wl],
-                    torch.as_tensor(tok_block, device=dev), prev_fill, new_fill)
-        batch = ForwardBatch(input_ids=torch.as_tensor(ids, device=dev), positions=torch.as_tensor(poss, device=dev),
-                             groups=groups, logit_rows=torch.as_tensor(logit_rows, device=dev))
+        np.maximum.at(new_fill, tok_block, offs_np + 1)
+        t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
+        kv = StepKV(p, t(p.slot[lids_np]), t(offs_np), p.slot[wl], t(tok_block), prev_fill, new_fill)
+        batch = ForwardBatch(input_ids=t(np.asarray(ids, dtype=np.int64)), positions=t(np.concatenate(pos)),
+                             groups=groups, logit_rows=t(np.asarray(logit_rows, dtype=np.int64)))
         return batch, kv, (wl, new_fill)
 
-    def _group(self, seq: Sequence, ctx: int, rows: list[list[int]], qpos: list[list[int]], dev) -> AttnGroup:
-        return self._group_many([seq], [rows[0][0]], dev, q_len=len(rows[0]), ctx=[ctx], qpos=qpos)
-
-    def _group_many(self, seqs: list[Sequence], first_rows: list[int], dev, q_len: int = 1,
-                    ctx: list[int] | None = None, qpos: list[list[int]] | None = None) -> AttnGroup:
+    def _group(self, seqs: list[Sequence], first_rows: list[int], dev, q_len: int = 1,
+               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None) -> AttnGroup:
+        """Sequences attended together, their block tables padded to the longest (pad: slot 0, masked)."""
         bs = self.config.block_size
         p = self.pool
         ctx = ctx or [s.num_cached + 1 for s in seqs]
@@ -553,16 +553,16 @@ class Engine:
         kpos = np.zeros((B, nb * bs), dtype=np.int64)
         kvalid = np.zeros((B, nb * bs), dtype=bool)
         qp = np.zeros((B, q_len), dtype=np.int64)
-        rows = np.zeros((B, q_len), dtype=np.int64)
         for b, (seq, c) in enumerate(zip(seqs, ctx)):
             k = blocks_for(c, bs)
-            table[b, :k] = p.slot[seq.blocks[:k]]
-            kpos[b, :c] = seq.pos[:c]
+            table[b, :k] = p.slot[seq.table()[:k]]
+            kp = seq.key_positions(c)
+            kpos[b, :c] = kp
             kvalid[b, :c] = True
-            qp[b] = qpos[b] if qpos is not None else [seq.pos[c - 1]]
-            rows[b] = np.arange(first_rows[b], first_rows[b] + q_len)
+            qp[b] = qpos[b] if qpos is not None else kp[c - 1]
+        rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(q_len)[None, :]).reshape(-1)
         t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
-        return AttnGroup(rows=t(rows.reshape(-1)), q_len=q_len, table=t(table), kpos=t(kpos), kvalid=t(kvalid), qpos=t(qp))
+        return AttnGroup(rows=t(rows), q_len=q_len, table=t(table), kpos=t(kpos), kvalid=t(kvalid), qpos=t(qp))
 
     def _finish_step(self, sched, writes, logits: torch.Tensor) -> list[TokenOut]:
         p = self.pool
@@ -580,7 +580,7 @@ class Engine:
                     range(old, seq.num_cached)):
                 seq.canonical = seq.num_cached
             self._hash_full_blocks(seq, old)
-            touched.extend(seq.blocks)
+            touched.append(seq.table())
             if seq.pending > 0:  # a prompt chunk that is not the last: no token yet
                 continue
             seq.tokens.append(tok)
@@ -595,7 +595,7 @@ class Engine:
                 self._finish(seq, "eos" if tok in self.eos else "length", now)
             outs.append(TokenOut(seq.id, tok, finished))
         if touched:
-            p.touch(np.unique(np.asarray(touched, dtype=np.int64)), now)
+            p.touch(np.unique(np.concatenate(touched)), now)
         return outs
 
     def _hash_full_blocks(self, seq: Sequence, old: int) -> None:
@@ -684,6 +684,7 @@ class Engine:
             dst = self._new_seq(list(src.tokens), sampling or src.sampling, label or f"fork of {sid}")
             dst.prompt_len = src.prompt_len
             dst.pos = list(src.pos)
+            dst.repositioned = src.repositioned
             dst.output = list(src.output)
             dst.blocks = list(src.blocks)
             dst.table_version += 1
@@ -805,6 +806,7 @@ class Engine:
         # Commit the token-level change.
         seq.tokens = [seq.tokens[i] for i in src_idx]
         seq.pos = new_pos
+        seq.repositioned = any(q != i for i, q in enumerate(new_pos))
         new_cached = len(cached_keep)
         seq.canonical = min(seq.canonical, first)
         for lid in seq.blocks[b0:]:
@@ -854,8 +856,8 @@ class Engine:
         return [self.seqs[i].output for i in ids]
 
     # -- observation ----------------------------------------------------------------------------
-    def snapshot(self):
-        return self.telemetry.snapshot()
+    def snapshot(self, tables: str | set[int] = "auto"):
+        return self.telemetry.snapshot(tables)
 
     def take_events(self) -> list[Event]:
         return self.telemetry.take_events()

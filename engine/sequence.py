@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+import numpy as np
+
 
 class SeqState(enum.IntEnum):
     WAITING = 0
@@ -49,7 +51,23 @@ class Sequence:
     preemptions: int = 0
     label: str = ""
     rng: object = None  # torch.Generator when sampling
-    table_version: int = 0  # bumped at every change of `blocks`, so observers can cache a numpy copy
+    table_version: int = 0  # bumped at every change of `blocks`, so a numpy copy can be cached
+    repositioned: bool = False  # some position differs from its index (after a shift, seq_add or seq_div)
+    _np_table: np.ndarray | None = None
+    _np_version: int = -1
+
+    def table(self) -> np.ndarray:
+        """The block table as an int64 array (cached until the table changes)."""
+        if self._np_version != self.table_version or self._np_table is None:
+            self._np_table = np.asarray(self.blocks, dtype=np.int64)
+            self._np_version = self.table_version
+        return self._np_table
+
+    def key_positions(self, n: int) -> np.ndarray:
+        """Positions of the first n tokens."""
+        if not self.repositioned:
+            return np.arange(n, dtype=np.int64)
+        return np.asarray(self.pos[:n], dtype=np.int64)
 
     @property
     def pending(self) -> int:

@@ -22,6 +22,7 @@ RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
 SERIES_PERIOD_S = 0.1
 WINDOW_S = 5.0  # windowed rates look this far back
+AUTO_TABLES_MAX = 200_000  # block-table entries above which snapshots list blocks only for chosen sequences
 
 
 @dataclass
@@ -77,8 +78,8 @@ class TierSnapshot:
     owner: np.ndarray  # int32, -1 none (the sequence that allocated it)
     ref: np.ndarray  # int32
     fill: np.ndarray  # int32 tokens
-    heat: np.ndarray  # float32, decayed to the snapshot time
-    age: np.ndarray  # float32 seconds since last access
+    heat: np.ndarray  # float32, decayed to the snapshot time (0 where free)
+    age: np.ndarray  # float32 seconds since last access (meaningless where state is free)
     hashed: np.ndarray  # bool: full block in the prefix cache
 
     @property
@@ -208,13 +209,15 @@ class Telemetry:
             "tokens_per_s": (b[8] - a[8]) / dt,
         }
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, tables: str | set[int] = "auto") -> Snapshot:
+        """tables: which sequences' block lists (tier, slot) to include: "all", a set of ids, or "auto"
+        (all while the tables hold at most AUTO_TABLES_MAX entries, else none)."""
         e = self.engine
         with e.lock:
             now = e.clock()
             pool = e.pool
             tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
-            seqs = self._seqs(now)
+            seqs = self._seqs(now, tables)
             counters = e.counters.as_dict()
             counters["ttft_p50"] = float(np.median(self.ttfts)) if self.ttfts else float("nan")
             windowed = self._windowed(now)
@@ -236,12 +239,10 @@ class Telemetry:
                             windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
-        live = t.lid >= 0
-        state = live.astype(np.uint8) + (t.ref > 0).astype(np.uint8)  # 0 free, 1 cached, 2 in use
+        # float32 throughout: half the bytes to move, and exp is the costliest op here.
         age = (now - t.last).astype(np.float32)
-        heat = pool.current_heat(t, slice(None), now).astype(np.float32)
-        heat[~live] = 0
-        age[~live] = 0
+        heat = t.heat.astype(np.float32) * np.exp(np.float32(np.log(pool.config.decay)) * np.maximum(age, 0))
+        state = (t.lid >= 0).astype(np.uint8) + (t.ref > 0).astype(np.uint8)  # 0 free, 1 cached, 2 in use
         return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
                             owner=t.owner.copy(), ref=t.ref.copy(), fill=t.fill.copy(), heat=heat, age=age,
                             hashed=t.hash != 0)
@@ -258,20 +259,29 @@ class Telemetry:
             out.append(hit[1])
         return out
 
-    def _seqs(self, now: float) -> SeqTable:
+    def _seqs(self, now: float, tables: str | set[int]) -> SeqTable:
         e = self.engine
         pool = e.pool
         rows = list(e.seqs.values())
-        tables = self._tables()
-        lens = np.asarray([len(t) for t in tables], dtype=np.int64)
-        flat = np.concatenate(tables) if tables else np.zeros(0, np.int64)
+        arrays = self._tables()
+        lens = np.asarray([len(t) for t in arrays], dtype=np.int64)
+        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         tier = pool.tier[flat]
-        slot = pool.slot[flat]
         starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
         on_dev = (tier == 0).astype(np.int64)
         dev = np.add.reduceat(on_dev, starts) if len(flat) else np.zeros(len(rows), np.int64)
         dev = np.where(lens > 0, dev, 0)  # reduceat returns the next row's value for an empty row
         ends = np.cumsum(lens)
+        if tables == "auto":
+            tables = "all" if len(flat) <= AUTO_TABLES_MAX else set()
+        empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
+        if tables == "all":
+            slot = pool.slot[flat]
+            block_tier = tuple(tier[a:b] for a, b in zip(starts, ends))
+            block_slot = tuple(slot[a:b] for a, b in zip(starts, ends))
+        else:
+            block_tier = tuple(tier[a:b] if s.id in tables else empty_t for s, a, b in zip(rows, starts, ends))
+            block_slot = tuple(pool.slot[arrays[i]] if s.id in tables else empty_s for i, s in enumerate(rows))
 
         def tps(s) -> float:
             if s.first_token_at is None or len(s.output) < 2:
@@ -291,8 +301,8 @@ class Telemetry:
                             dtype=np.float32),
             prefix_reused=np.asarray([s.prefix_reused for s in rows], dtype=np.int32),
             labels=tuple(s.label for s in rows),
-            block_tier=tuple(tier[a:b] for a, b in zip(starts, ends)),
-            block_slot=tuple(slot[a:b] for a, b in zip(starts, ends)),
+            block_tier=block_tier,
+            block_slot=block_slot,
         )
 
     def memory(self) -> dict:
