@@ -82,23 +82,26 @@ class LlamaFamily:
         self.device = device
         w = {k: v.to(device=device, dtype=torch.float32) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
+        # Weights are kept transposed ([in, out], contiguous): for the few rows of a decode step, MKL's
+        # x @ W kernel streams this layout about 1.5x faster than F.linear's x @ W.T on [out, in].
+        head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
+        self.lm_head_t = head.t().contiguous()
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
-            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous()
+            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).t().contiguous()
             qkv_b = (
                 torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
                 if spec.attention_bias
                 else None
             )
-            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).t().contiguous()
             self.layers.append(
-                (w[p + "input_layernorm.weight"], qkv, qkv_b, w[a + "o_proj.weight"],
-                 w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"])
+                (w[p + "input_layernorm.weight"], qkv, qkv_b, w[a + "o_proj.weight"].t().contiguous(),
+                 w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"].t().contiguous())
             )
         inv, self.attn_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
@@ -106,8 +109,8 @@ class LlamaFamily:
 
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        var = x.pow(2).mean(-1, keepdim=True)
-        return w * (x * torch.rsqrt(var + self.spec.rms_norm_eps))
+        # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
+        return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
@@ -136,12 +139,12 @@ class LlamaFamily:
         window_masks: dict[int, list[torch.Tensor]] = {}
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._rms(x, ln1)
-            qkv = F.linear(h, qkv_w, qkv_b)  # [T, (H + 2 Hkv) D]
-            q = qkv[:, : H * D].view(T, H, D)
-            k = qkv[:, H * D : (H + Hkv) * D].view(T, Hkv, D)
+            qkv = h @ qkv_w  # [T, (H + 2 Hkv) D]
+            if qkv_b is not None:
+                qkv = qkv + qkv_b
+            qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k in one pass
+            q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            q = self.rotate(q, cos, sin)
-            k = self.rotate(k, cos, sin)
             kv.write(li, k, v)
             window = s.sliding_window[li]
             if window is None:
@@ -160,13 +163,12 @@ class LlamaFamily:
                 qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
                 o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=H != Hkv)
                 attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
-            x = x + F.linear(attn.view(T, H * D), o_w)
+            x = x + attn.view(T, H * D) @ o_w
             h = self._rms(x, ln2)
-            gu = F.linear(h, gu_w)
-            gate, up = gu.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down_w)
+            gate, up = (h @ gu_w).chunk(2, dim=-1)
+            x = x + (F.silu(gate) * up) @ down_w
         x = self._rms(x[batch.logit_rows], self.norm)
-        return F.linear(x, self.lm_head)  # [R, vocab]
+        return x @ self.lm_head_t  # [R, vocab]
 
     @staticmethod
     def _mask(g: AttnGroup, window: int | None) -> torch.Tensor:
