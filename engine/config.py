@@ -171,4 +171,5 @@ class EngineOptions:
     context_limit: int | None = None  # tokens per sequence before a context shift; None: the model's
     n_keep: int = 0  # context shift keeps these first tokens (e.g. a system prompt)
     n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
+    keep_finished: int = 1024  # finished sequences kept for inspection before they are forgotten
     extra: dict = field(default_factory=dict)

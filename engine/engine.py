@@ -91,6 +91,7 @@ class Engine:
         self._next_id = 0
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
         self._pending_config: list[tuple[dict, CacheConfig]] = []
+        self._finished: collections.deque[int] = collections.deque()
         self.eos = set(self.spec.eos_token_ids)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -642,6 +643,9 @@ class Engine:
         seq.blocks, seq.hashes = [], []
         seq.table_version += 1
         self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
+        self._finished.append(seq.id)
+        while len(self._finished) > self.options.keep_finished:
+            self.seqs.pop(self._finished.popleft(), None)
 
     # -- llama.cpp-style sequence operations --------------------------------------------------
     def seq_rm(self, sid: int, p0: int, p1: int | None = None) -> None:

@@ -251,6 +251,8 @@ class Telemetry:
         """Each sequence's block table as a numpy array, recopied only when the table changed."""
         e = self.engine
         out = []
+        if len(self._table_cache) > 2 * len(e.seqs) + 64:
+            self._table_cache = {k: v for k, v in self._table_cache.items() if k in e.seqs}
         for s in e.seqs.values():
             hit = self._table_cache.get(s.id)
             if hit is None or hit[0] != s.table_version:
