@@ -21,14 +21,11 @@ from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, c
 
 DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
 from engine.config import DTYPE_PRECISION, CacheConfig, ConfigError, EngineOptions, KVDtype
+from engine.errors import RequestError
 from engine.loader import LoadedModel
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
 from engine.sequence import SamplingParams, Sequence, SeqState
 from engine.telemetry import Counters, Event, Telemetry
-
-
-class RequestError(ValueError):
-    """A request the engine cannot serve (e.g. it cannot fit in the cache); nothing was changed."""
 
 
 @dataclass(frozen=True)

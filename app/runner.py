@@ -1,0 +1,149 @@
+"""The engine thread, and the controller the window talks to.
+
+The window never touches the engine: it calls this controller, which (a) reads immutable snapshots and
+drains events (both thread-safe in the engine), and (b) queues commands that the engine thread runs
+between two steps. Config changes are validated at once on the caller's thread, so a refusal comes back
+as an exception with the engine's message while the engine keeps running on its old config.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+from engine.config import KNOBS, CacheConfig, KVDtype
+from engine.errors import RequestError
+
+
+class EngineRunner:
+    def __init__(self, engine, workload=None):
+        self.engine = engine
+        self.workload = workload
+        self.read_only = False
+        self._stop = threading.Event()
+        self._paused = False
+        self._single_steps = 0
+        self._lock = threading.Lock()
+        self._tokens: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
+        self._decoders: dict[int, Any] = {}
+        self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
+        self.error: str | None = None
+        self.steps = 0
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def start(self) -> "EngineRunner":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        eng = self.engine
+        while not self._stop.is_set():
+            with self._lock:
+                paused = self._paused and self._single_steps == 0
+                if self._single_steps:
+                    self._single_steps -= 1
+            if paused:
+                time.sleep(0.02)
+                continue
+            try:
+                if self.workload is not None and not self.workload.paused:
+                    self.workload.tick(eng.clock())
+                if not eng.has_work():
+                    time.sleep(0.02)
+                    continue
+                outs = eng.step()
+                self.steps += 1
+                self._stream(outs)
+            except Exception as e:  # keep the window alive and say what broke
+                import traceback
+
+                self.error = f"{type(e).__name__}: {e}"
+                eng.telemetry.emit("error", message=self.error, trace=traceback.format_exc(limit=6))
+                time.sleep(0.5)
+
+    def _stream(self, outs) -> None:
+        """Detokenize the tokens of prompts typed in the window (label "prompt") for the transcript."""
+        from engine.tokenizer import StreamDecoder
+
+        for o in outs:
+            dec = self._decoders.get(o.seq_id)
+            if dec is None:
+                seq = self.engine.seqs.get(o.seq_id)
+                if seq is None or seq.label != "prompt":
+                    continue
+                dec = self._decoders[o.seq_id] = StreamDecoder(self.engine.tokenizer)
+            piece = dec.push(o.token)
+            if o.finished:
+                piece += dec.flush()
+                del self._decoders[o.seq_id]
+            if piece:
+                self._tokens.append((o.seq_id, piece))
+
+    # -- reads (any thread) -----------------------------------------------------------------
+    def snapshot(self, tables="auto"):
+        return self.engine.snapshot(tables)
+
+    def take_events(self):
+        return self.engine.take_events()
+
+    def take_tokens(self) -> list[tuple[int, str]]:
+        out = []
+        while self._tokens:
+            out.append(self._tokens.popleft())
+        return out
+
+    def config(self) -> CacheConfig:
+        return self.engine.config
+
+    def knobs(self):
+        return KNOBS
+
+    def is_lossy(self, dtype: str) -> bool:
+        return self.engine.is_lossy_change(KVDtype.parse(dtype))
+
+    @property
+    def engine_paused(self) -> bool:
+        return self._paused
+
+    # -- commands -----------------------------------------------------------------------------
+    def reconfigure(self, **changes) -> CacheConfig:
+        """Validated now (raises ConfigError with the reason); applied by the engine between steps."""
+        return self.engine.reconfigure(**changes)
+
+    def pause_engine(self, paused: bool) -> None:
+        with self._lock:
+            self._paused = paused
+
+    def step_once(self) -> None:
+        with self._lock:
+            self._single_steps += 1
+
+    def set_workload_paused(self, paused: bool) -> None:
+        if self.workload is not None:
+            self.workload.paused = paused
+
+    def set_intensity(self, x: float) -> None:
+        if self.workload is not None:
+            self.workload.set_intensity(x)
+
+    def submit_prompt(self, text: str, chat: bool, max_new_tokens: int) -> int:
+        """Queue a user prompt; its text streams through take_tokens(). Raises RequestError if it cannot fit."""
+        from engine.sequence import SamplingParams
+
+        if not text.strip():
+            raise RequestError("empty prompt")
+        tok = self.engine.tokenizer
+        ids = tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
+        return self.engine.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens), label="prompt")
+
+    def info(self) -> dict:
+        e = self.engine
+        return {"model": e.spec.name, "device": str(e.device), "layers": e.spec.num_layers,
+                "kv_heads": e.spec.num_kv_heads, "head_dim": e.spec.head_dim}
