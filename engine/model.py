@@ -71,6 +71,24 @@ def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
     raise ValueError(f"RoPE type {kind!r} is not supported")
 
 
+SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ w[out, in].T, picking the fastest CPU kernel for the row count.
+
+    Decode steps have a handful of rows. For those, MKL's gemm with the weight as the left operand
+    (w @ x.T) streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest
+    padded to two (the one-column case takes a slow gemv path). Measured in `kvscope bench`.
+    """
+    T = x.shape[0]
+    if x.device.type != "cpu" or T > SMALL_BATCH:
+        return F.linear(x, w)
+    if T == 1:
+        return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()
+    return torch.mm(w, x.t()).t().contiguous()
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -82,26 +100,23 @@ class LlamaFamily:
         self.device = device
         w = {k: v.to(device=device, dtype=torch.float32) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]
-        # Weights are kept transposed ([in, out], contiguous): for the few rows of a decode step, MKL's
-        # x @ W kernel streams this layout about 1.5x faster than F.linear's x @ W.T on [out, in].
-        head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head_t = head.t().contiguous()
+        self.lm_head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
         self.norm = w["model.norm.weight"]
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
-            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).t().contiguous()
+            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous()
             qkv_b = (
                 torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
                 if spec.attention_bias
                 else None
             )
-            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).t().contiguous()
+            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()
             self.layers.append(
-                (w[p + "input_layernorm.weight"], qkv, qkv_b, w[a + "o_proj.weight"].t().contiguous(),
-                 w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"].t().contiguous())
+                (w[p + "input_layernorm.weight"], qkv, qkv_b, w[a + "o_proj.weight"],
+                 w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"])
             )
         inv, self.attn_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
@@ -139,7 +154,7 @@ class LlamaFamily:
         window_masks: dict[int, list[torch.Tensor]] = {}
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._rms(x, ln1)
-            qkv = h @ qkv_w  # [T, (H + 2 Hkv) D]
+            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
             if qkv_b is not None:
                 qkv = qkv + qkv_b
             qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k in one pass
@@ -163,12 +178,12 @@ class LlamaFamily:
                 qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
                 o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=H != Hkv)
                 attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
-            x = x + attn.view(T, H * D) @ o_w
+            x = x + linear(attn.view(T, H * D), o_w)
             h = self._rms(x, ln2)
-            gate, up = (h @ gu_w).chunk(2, dim=-1)
-            x = x + (F.silu(gate) * up) @ down_w
+            gate, up = linear(h, gu_w).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, down_w)
         x = self._rms(x[batch.logit_rows], self.norm)
-        return x @ self.lm_head_t  # [R, vocab]
+        return linear(x, self.lm_head)  # [R, vocab]
 
     @staticmethod
     def _mask(g: AttnGroup, window: int | None) -> torch.Tensor:
