@@ -10,8 +10,6 @@ import time
 
 T_START = time.perf_counter()
 
-DEMO_PROMPT = "Explain in three sentences what a KV cache is and why paging it helps."
-
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a .gguf file or a HF model directory (default: SmolLM2-135M-Instruct)")
@@ -81,17 +79,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+SUBCOMMANDS = ("generate", "info", "bench")
+
+
+def window_parser() -> argparse.ArgumentParser:
+    from app.window import add_window_flags
+
+    ap = argparse.ArgumentParser(prog="kvscope", description="KV Scope: watch and tune a tiered, paged KV cache "
+                                 "while a real model runs. Subcommands: generate, info, bench (kvscope SUB -h).")
+    add_window_flags(ap)
+    _add_model_flags(ap)
+    _add_cache_flags(ap)
+    return ap
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    ap = build_parser()
-    if not argv:
-        # Until the window lands, the app's launch runs a streamed demo generation.
-        argv = ["generate", "--chat", DEMO_PROMPT, "--max-new-tokens", "96"]
-    args = ap.parse_args(argv)
     from engine.config import ConfigError
-    from engine.engine import RequestError
+    from engine.errors import RequestError
     from engine.loader import ModelLoadError
 
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0].startswith("-")):
+        args = window_parser().parse_args(argv)
+        try:
+            from app.window import run_window
+
+            return run_window(args)
+        except (ModelLoadError, ConfigError, RequestError, OSError) as e:
+            print(f"kvscope: error: {e}", file=sys.stderr)
+            return 2
+    ap = build_parser()
+    args = ap.parse_args(argv)
     try:
         if args.cmd == "generate":
             from app.commands import cmd_generate

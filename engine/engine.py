@@ -863,6 +863,10 @@ class Engine:
     def take_events(self) -> list[Event]:
         return self.telemetry.take_events()
 
+    def cuda_memory(self) -> tuple[int, int]:
+        """torch's CUDA allocator: (allocated, reserved) bytes on the engine's device."""
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
     def owners(self) -> dict[int, int]:
         out: dict[int, int] = {}
         for s in self.seqs.values():

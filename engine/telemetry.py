@@ -10,13 +10,10 @@ import collections
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import psutil
-
-if TYPE_CHECKING:
-    from engine.engine import Engine
 
 RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
@@ -119,7 +116,7 @@ class Snapshot:
 
 
 class Telemetry:
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine):  # engine.engine.Engine; not imported, so this module stays torch-free
         self.engine = engine
         self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
         self.history: collections.deque[tuple] = collections.deque()
@@ -180,10 +177,12 @@ class Telemetry:
             self._last_series = now
             w = self._windowed(now)
             pool = self.engine.pool
+            gpu = self.gpu()
             self.series.append((now, w["device_hit_rate"], w["prefix_hit_rate"], c.device_hit_rate, c.prefix_hit_rate,
                                 w["evictions_per_s"], w["promotions_per_s"], w["demotions_per_s"], w["tokens_per_s"],
                                 pool.tiers[0].used * pool.block_bytes, pool.tiers[1].used * pool.block_bytes,
-                                self._proc.memory_info().rss))
+                                self._proc.memory_info().rss, gpu.get("nvml_used_bytes", np.nan),
+                                gpu.get("torch_allocated_bytes", np.nan)))
 
     # -- outputs ------------------------------------------------------------------------------
     def take_events(self) -> list[Event]:
@@ -224,7 +223,7 @@ class Telemetry:
             memory = self.memory()
             names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
                      "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
-                     "host_used_bytes", "rss_bytes")
+                     "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes")
             arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
             series = {n: arr[:, i].copy() for i, n in enumerate(names)}
             residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
@@ -269,11 +268,10 @@ class Telemetry:
         lens = np.asarray([len(t) for t in arrays], dtype=np.int64)
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         tier = pool.tier[flat]
-        starts = np.concatenate(([0], np.cumsum(lens)[:-1])) if len(lens) else lens
-        on_dev = (tier == 0).astype(np.int64)
-        dev = np.add.reduceat(on_dev, starts) if len(flat) else np.zeros(len(rows), np.int64)
-        dev = np.where(lens > 0, dev, 0)  # reduceat returns the next row's value for an empty row
         ends = np.cumsum(lens)
+        starts = ends - lens
+        on_dev = np.concatenate(([0], np.cumsum(tier == 0)))
+        dev = on_dev[ends] - on_dev[starts]  # device blocks per sequence (empty tables give 0)
         if tables == "auto":
             tables = "all" if len(flat) <= AUTO_TABLES_MAX else set()
         empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
@@ -335,10 +333,8 @@ class Telemetry:
         e = self.engine
         if e.device.type != "cuda":
             return {"available": False, "reason": "no GPU: the device tier is a budgeted CPU pool"}
-        import torch
-
-        out: dict[str, Any] = {"available": True, "torch_allocated_bytes": torch.cuda.memory_allocated(e.device),
-                               "torch_reserved_bytes": torch.cuda.memory_reserved(e.device)}
+        allocated, reserved = e.cuda_memory()
+        out: dict[str, Any] = {"available": True, "torch_allocated_bytes": allocated, "torch_reserved_bytes": reserved}
         if self._nvml is None and not self._nvml_error:
             try:
                 import pynvml

@@ -1,0 +1,131 @@
+"""`kvscope` with no subcommand: the inspector window on a live engine, or on a saved snapshot."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+NO_DISPLAY = (
+    "kvscope: no display found (DISPLAY / WAYLAND_DISPLAY are unset), so the window cannot open.\n"
+    "  Run it headless instead, e.g.:\n"
+    "    kvscope --headless --screenshot kvscope.png --run-for 20\n"
+    "  (runs the demo workload offscreen for 20 s, then writes the PNG and its snapshot JSON), or give it a\n"
+    "  display (a desktop session, ssh -X, or xvfb-run kvscope)."
+)
+
+
+def add_window_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--headless", action="store_true", help="render offscreen (no display needed)")
+    p.add_argument("--screenshot", metavar="OUT.png", help="with --headless: write the window and its snapshot JSON")
+    p.add_argument("--run-for", type=float, default=20.0, metavar="SECONDS", help="with --headless: run this long first")
+    p.add_argument("--open-snapshot", metavar="FILE.json", help="show a saved snapshot, read-only")
+    p.add_argument("--no-workload", action="store_true", help="start without the built-in demo workload")
+    p.add_argument("--seed", type=int, default=0, help="demo workload seed")
+
+
+def has_display() -> bool:
+    if sys.platform != "linux":
+        return True
+    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or \
+        os.environ.get("QT_QPA_PLATFORM", "") in ("offscreen", "minimal", "vnc", "eglfs", "linuxfb")
+
+
+def run_window(args: argparse.Namespace) -> int:
+    if args.headless:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    elif not has_display():
+        print(NO_DISPLAY, file=sys.stderr)
+        return 2
+    if args.screenshot and not args.headless:
+        print("kvscope: error: --screenshot needs --headless (in the window, use File > Save screenshot)",
+              file=sys.stderr)
+        return 2
+    from PySide6 import QtCore, QtWidgets
+
+    from engine import snapshot_io
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
+    app.setApplicationName("KV Scope")
+    app.setOrganizationName("kvscope")
+    _style(app)
+    from ui.main_window import MainWindow, open_snapshot_window
+
+    if args.open_snapshot:
+        try:
+            win = open_snapshot_window(args.open_snapshot)
+        except snapshot_io.SnapshotFileError as e:
+            print(f"kvscope: error: {e}", file=sys.stderr)
+            return 2
+        return _show(app, win, args, runner=None)
+
+    runner = start_runner(args)
+    settings = None if args.headless else QtCore.QSettings("kvscope", "kvscope")
+    win = MainWindow(runner, settings=settings, confirm_lossy=(lambda dtype: True) if args.headless else None)
+    try:
+        return _show(app, win, args, runner)
+    finally:
+        runner.stop()
+
+
+def start_runner(args: argparse.Namespace):
+    import torch
+
+    from app.commands import open_engine
+    from app.runner import EngineRunner
+    from engine.workloads import DemoWorkload
+
+    # Leave a core to the window: the model's matmuls get the rest.
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))
+    if getattr(args, "context_limit", None) is None:
+        args.context_limit = 512  # so the demo's long chat reaches the limit and shifts within seconds
+    if not getattr(args, "n_keep", 0):
+        args.n_keep = 32
+    # Demo budgets small enough that the tiers visibly fill, evict and migrate (flags override them).
+    if args.device_budget_mb is None:
+        args.device_budget_mb = 48.0
+    if args.host_budget_mb is None:
+        args.host_budget_mb = 192.0
+    print("[kvscope] loading the model…", file=sys.stderr, flush=True)
+    engine, load_s = open_engine(args)
+    print(f"[kvscope] model ready in {load_s:.1f} s", file=sys.stderr, flush=True)
+    workload = None if args.no_workload else DemoWorkload(engine, seed=args.seed)
+    return EngineRunner(engine, workload).start()
+
+
+def _show(app, win, args, runner) -> int:
+    from PySide6 import QtCore
+
+    win.show()
+    if not args.headless:
+        return app.exec()
+    done = {"rc": 0}
+
+    def finish() -> None:
+        if args.screenshot:
+            try:
+                json_path = win.save_screenshot(args.screenshot)
+                print(f"[kvscope] wrote {args.screenshot} and {json_path}", file=sys.stderr)
+            except OSError as e:
+                print(f"kvscope: error: {e}", file=sys.stderr)
+                done["rc"] = 2
+        if runner is not None and runner.error:
+            print(f"kvscope: engine error during the run: {runner.error}", file=sys.stderr)
+        win.close()
+        app.quit()
+
+    QtCore.QTimer.singleShot(int(max(args.run_for, 0.1) * 1000), finish)
+    app.exec()
+    return done["rc"]
+
+
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+
+
+def _style(app) -> None:
+    from PySide6 import QtGui
+
+    with open(os.path.join(ASSETS, "style.qss"), encoding="utf-8") as f:
+        app.setStyleSheet(f.read())
+    app.setWindowIcon(QtGui.QIcon(os.path.join(ASSETS, "icons", "kvscope.svg")))

@@ -1,0 +1,133 @@
+"""The window on a real engine (tiny model) and a real Qt event loop, offscreen."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from app.runner import EngineRunner
+from conftest import prompts
+from engine.config import CacheConfig, EngineOptions
+from engine.engine import Engine
+from engine.sequence import SamplingParams
+
+pytest.importorskip("PySide6")
+
+
+@pytest.fixture
+def runner(llama_model):
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.3, host_budget_mb=1),
+                 EngineOptions(context_limit=256))
+    r = EngineRunner(eng).start()
+    yield r
+    r.stop()
+
+
+@pytest.fixture
+def window(qtbot, runner):
+    from ui.main_window import MainWindow
+
+    win = MainWindow(runner, confirm_lossy=lambda dtype: True)
+    qtbot.addWidget(win)
+    win.show()
+    return win
+
+
+def busy(runner, n=3, new=400):
+    return [runner.engine.add_request(p, SamplingParams(max_new_tokens=new, ignore_eos=True))
+            for p in prompts(30, [40, 25, 60][:n])]
+
+
+def test_window_builds_with_every_panel(window):
+    assert set(window.docks) == {"Controls", "Prompt", "Sequences", "Events", "Hit rate", "Memory", "Heat"}
+    window.refresh()
+    assert "tiny" in window.status.text() or "on cpu" in window.status.text()
+
+
+CHANGES = {"block_size": 8, "kv_dtype": "int8", "device_budget_mb": 0.5, "host_budget_mb": 2.0, "policy": "lru",
+           "decay": 0.5, "demote_after_s": 2.0, "prefetch_depth": 4, "evict_batch": 16}
+
+
+@pytest.mark.parametrize("name", list(CHANGES))
+def test_each_control_changes_the_live_config(qtbot, window, runner, name):
+    busy(runner)
+    control = window.controls.controls[name]
+    value = CHANGES[name]
+    # Drive the widget the way a user does.
+    if control.combo is not None:
+        control.combo.setCurrentText(str(value))
+        control.combo.activated.emit(control.combo.currentIndex())
+    else:
+        control.spin.setValue(value)
+    qtbot.waitUntil(lambda: str(getattr(runner.engine.config, name).label if name == "kv_dtype" else
+                                getattr(runner.engine.config, name)) == str(value), timeout=10_000)
+    assert "applied" in window.controls.message.text()
+    runner.engine.check_invariants()
+
+
+def test_invalid_value_is_refused_visibly_and_config_unchanged(qtbot, window, runner):
+    busy(runner, n=1)
+    qtbot.waitUntil(lambda: runner.engine.seqs[0].num_cached > 30, timeout=10_000)
+    before = runner.engine.config
+    control = window.controls.controls["device_budget_mb"]
+    control.spin.setValue(0.01)  # in the slider's range, but too small for the live sequence
+    assert "refused" in window.controls.message.text()
+    assert "device_budget_mb" in window.controls.message.text()
+    assert runner.engine.config == before
+    assert control.spin.value() == pytest.approx(before.device_budget_mb)
+
+
+def test_selecting_a_sequence_highlights_its_blocks(qtbot, window, runner):
+    from ui.main_window import selected_cells
+
+    ids = busy(runner)
+    qtbot.waitUntil(lambda: all(runner.engine.seqs[i].num_cached > 20 for i in ids), timeout=10_000)
+    runner.pause_engine(True)
+    window.refresh()
+    window.seqs.update_snapshot(window.snapshot)
+    row = window.seqs._ids.index(ids[1])
+    window.seqs.selectRow(row)
+    assert window.selected == ids[1]
+    snap = window.snapshot
+    want = selected_cells(snap, ids[1])
+    got = window.block_map.selected_cells()
+    assert [np.array_equal(np.sort(g), w) for g, w in zip(got, want)] == [True, True]
+    assert sum(len(w) for w in want) == len(runner.engine.seqs[ids[1]].blocks)
+
+
+def test_screenshot_and_json_round_trip_through_open_snapshot(qtbot, window, runner, tmp_path):
+    from PySide6 import QtGui
+
+    from ui.main_window import open_snapshot_window
+
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 10, timeout=10_000)
+    png = tmp_path / "shot.png"
+    json_path = window.save_screenshot(str(png))
+    img = QtGui.QImage(str(png))
+    assert img.width() >= 1000 and img.height() > 600
+    doc = json.loads(open(json_path).read())
+    assert doc["format"] == "kvscope-snapshot" and "caption" in doc["extra"]
+    ro = open_snapshot_window(json_path)
+    qtbot.addWidget(ro)
+    saved = ro.snapshot
+    live_cfg = runner.engine.config.as_dict()
+    assert saved.config == live_cfg
+    assert ro.controller.read_only and not ro.controls.controls["block_size"].isEnabled()
+    for a, b in zip(saved.tiers, ro.controller.snap.tiers):
+        assert np.array_equal(a.state, b.state) and np.array_equal(a.heat, b.heat)
+    assert os.path.basename(str(png)) == doc["extra"]["png"]
+
+
+def test_damaged_snapshot_file_gets_a_clear_error(tmp_path):
+    from engine import snapshot_io
+
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "kvscope-snapshot", "version": 1, "snapshot": {"tiers": 3}}')
+    with pytest.raises(snapshot_io.SnapshotFileError, match="damaged"):
+        snapshot_io.load(str(bad))
+    with pytest.raises(snapshot_io.SnapshotFileError, match="not JSON"):
+        snapshot_io.from_json("{", "x.json")

@@ -1,0 +1,288 @@
+"""The inspector window: dockable panels around the block map, refreshed from snapshots on a timer."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+
+import numpy as np
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from engine import snapshot_io
+from engine.errors import ConfigError, RequestError
+from engine.telemetry import Snapshot
+from ui.block_map import BlockMap
+from ui.controls import ControlsPanel
+from ui.panels import EventsPanel, HeatPanel, HitRatePanel, MemoryPanel, PromptPanel, SequencesPanel
+
+REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
+SLOW_EVERY = 5  # tables and text refresh every 5th frame
+
+
+class MainWindow(QtWidgets.QMainWindow):
+    def __init__(self, controller, settings: QtCore.QSettings | None = None, confirm_lossy=None):
+        super().__init__()
+        self.controller = controller
+        self.settings = settings
+        self.setWindowTitle("KV Scope" + (" — saved snapshot (read-only)" if controller.read_only else ""))
+        self.setDockOptions(QtWidgets.QMainWindow.AllowNestedDocks | QtWidgets.QMainWindow.AllowTabbedDocks)
+        self.selected = -1
+        self.frames = 0
+        self.fps = 0.0
+        self._fps_t = time.perf_counter()
+        self._fps_n = 0
+        self.snapshot: Snapshot | None = None
+        self._last_evictions = None
+
+        central = QtWidgets.QWidget()
+        cl = QtWidgets.QVBoxLayout(central)
+        cl.setContentsMargins(2, 2, 2, 2)
+        bar = QtWidgets.QHBoxLayout()
+        self.reset_view = QtWidgets.QPushButton("Reset view")
+        bar.addWidget(self.reset_view)
+        bar.addStretch(1)
+        self.selection = QtWidgets.QLabel("click a block or a sequence row to select its sequence")
+        bar.addWidget(self.selection)
+        cl.addLayout(bar)
+        self.block_map = BlockMap()
+        cl.addWidget(self.block_map, 1)
+        self.setCentralWidget(central)
+
+        self.controls = ControlsPanel(controller, confirm_lossy)
+        self.hit = HitRatePanel()
+        self.memory = MemoryPanel()
+        self.heat = HeatPanel()
+        self.seqs = SequencesPanel()
+        self.events = EventsPanel()
+        self.prompt = PromptPanel()
+        self.docks = {}
+        for name, w, area in (("Controls", self.controls, QtCore.Qt.RightDockWidgetArea),
+                              ("Prompt", self.prompt, QtCore.Qt.RightDockWidgetArea),
+                              ("Sequences", self.seqs, QtCore.Qt.LeftDockWidgetArea),
+                              ("Events", self.events, QtCore.Qt.LeftDockWidgetArea),
+                              ("Hit rate", self.hit, QtCore.Qt.BottomDockWidgetArea),
+                              ("Memory", self.memory, QtCore.Qt.BottomDockWidgetArea),
+                              ("Heat", self.heat, QtCore.Qt.BottomDockWidgetArea)):
+            d = QtWidgets.QDockWidget(name, self)
+            d.setObjectName(f"dock-{name}")
+            d.setWidget(w)
+            self.addDockWidget(area, d)
+            self.docks[name] = d
+        self.splitDockWidget(self.docks["Hit rate"], self.docks["Memory"], QtCore.Qt.Horizontal)
+        self.splitDockWidget(self.docks["Memory"], self.docks["Heat"], QtCore.Qt.Horizontal)
+        self.resize(1600, 1050)
+        self.resizeDocks([self.docks["Controls"], self.docks["Sequences"]], [380, 400], QtCore.Qt.Horizontal)
+        self.resizeDocks([self.docks["Hit rate"]], [420], QtCore.Qt.Vertical)
+        self.resizeDocks([self.docks["Controls"], self.docks["Prompt"]], [430, 250], QtCore.Qt.Vertical)
+
+        self._menus()
+        self.status = QtWidgets.QLabel()
+        self.statusBar().addWidget(self.status, 1)
+        self.reset_view.clicked.connect(self.block_map.reset_view)
+        self.block_map.sequenceSelected.connect(self.select_sequence)
+        self.seqs.sequenceSelected.connect(self.select_sequence)
+        self.prompt.submitted.connect(self.submit_prompt)
+        if controller.read_only:
+            self.prompt.setEnabled(False)
+        if settings is not None:
+            geo, state = settings.value("geometry"), settings.value("state")
+            if geo is not None:
+                self.restoreGeometry(geo)
+            if state is not None:
+                self.restoreState(state)
+        self.timer = QtCore.QTimer(self)
+        self.timer.timeout.connect(self.refresh)
+        self.timer.start(REFRESH_MS)
+        self.refresh()
+
+    def _menus(self) -> None:
+        file = self.menuBar().addMenu("&File")
+        act = QtGui.QAction("Save &screenshot…", self)
+        act.setShortcut(QtGui.QKeySequence("Ctrl+Shift+S"))
+        act.triggered.connect(self._save_dialog)
+        file.addAction(act)
+        file.addAction("Open snapshot…", self._open_dialog)
+        file.addSeparator()
+        file.addAction("Quit", self.close)
+        view = self.menuBar().addMenu("&View")
+        for d in self.docks.values():
+            view.addAction(d.toggleViewAction())
+
+    # -- refresh ------------------------------------------------------------------------------
+    def refresh(self) -> None:
+        tables = {self.selected} if self.selected >= 0 else set()
+        snap = self.controller.snapshot(tables)
+        self.snapshot = snap
+        self.block_map.set_snapshot(snap)
+        self.hit.update_snapshot(snap)
+        self.memory.update_snapshot(snap)
+        if self.frames % SLOW_EVERY == 0:
+            self.heat.update_snapshot(snap)
+            self.seqs.update_snapshot(snap)
+        if not self.controller.read_only:
+            self.events.add(self.controller.take_events())
+            ev = snap.counters["evictions"]
+            if self._last_evictions is not None:
+                self.events.add_evictions(ev - self._last_evictions)
+            self._last_evictions = ev
+            self.prompt.stream(self.controller.take_tokens())
+        self.frames += 1
+        self._fps_n += 1
+        now = time.perf_counter()
+        if now - self._fps_t >= 1.0:
+            self.fps = self._fps_n / (now - self._fps_t)
+            self._fps_t, self._fps_n = now, 0
+        self._status(snap)
+
+    def _status(self, snap: Snapshot) -> None:
+        c, w = snap.counters, snap.windowed
+        cfg = snap.config
+        state = "read-only snapshot" if self.controller.read_only else (
+            "engine paused" if self.controller.engine_paused else "running")
+        self.status.setText(
+            f"{snap.model['name']} on {snap.model['device']} | bs={cfg['block_size']} {cfg['kv_dtype']} "
+            f"dev {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB {cfg['policy']} "
+            f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {w['tokens_per_s']:.1f} tok/s | "
+            f"device hit {c['device_hit_rate']:.3f} prefix hit {c['prefix_hit_rate']:.3f} | UI {self.fps:.0f} fps | "
+            f"{state}")
+
+    def caption(self) -> str:
+        snap = self.snapshot
+        cfg = snap.config
+        when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        return (f"KV Scope — {snap.model['name']} on {snap.model['device']} — bs={cfg['block_size']} "
+                f"{cfg['kv_dtype']} device {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB "
+                f"policy {cfg['policy']} decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s prefetch "
+                f"{cfg['prefetch_depth']} batch {cfg['evict_batch']} — {when}")
+
+    # -- selection and prompts ----------------------------------------------------------------
+    def select_sequence(self, sid: int) -> None:
+        self.selected = sid
+        self.block_map.set_selected(sid)
+        self.seqs.select_id(sid)
+        self.selection.setText(f"selected sequence {sid}" if sid >= 0 else "no sequence selected")
+        self.refresh()
+
+    def submit_prompt(self, text: str, chat: bool, max_new: int) -> None:
+        try:
+            sid = self.controller.submit_prompt(text, chat, max_new)
+        except (RequestError, ConfigError) as e:
+            self.prompt.error(str(e))
+            return
+        self.prompt.started(sid, text)
+        self.select_sequence(sid)
+
+    # -- screenshots ----------------------------------------------------------------------------
+    def save_screenshot(self, png_path: str) -> str:
+        """Write the window as PNG with a caption strip, and the full snapshot as JSON beside it."""
+        self.refresh()
+        shot = self.grab().toImage()
+        cap_h = 26
+        img = QtGui.QImage(shot.width(), shot.height() + cap_h, QtGui.QImage.Format_ARGB32)
+        img.fill(QtGui.QColor("#0d0f12"))
+        p = QtGui.QPainter(img)
+        p.drawImage(0, 0, shot)
+        p.setPen(QtGui.QColor("#e0e0e0"))
+        f = p.font()
+        f.setPointSize(10)
+        p.setFont(f)
+        p.drawText(QtCore.QRect(8, shot.height(), shot.width() - 16, cap_h), QtCore.Qt.AlignVCenter, self.caption())
+        p.end()
+        if not img.save(png_path, "PNG"):
+            raise OSError(f"cannot write {png_path}")
+        json_path = os.path.splitext(png_path)[0] + ".json"
+        snap = self.controller.snapshot("all")
+        snapshot_io.save(json_path, snap, extra={"caption": self.caption(), "png": os.path.basename(png_path),
+                                                 "colour_mode": self.block_map.mode(), "selected": self.selected})
+        return json_path
+
+    def _save_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Save screenshot", "kvscope.png", "PNG (*.png)")
+        if path:
+            try:
+                self.statusBar().showMessage(f"saved {path} and {self.save_screenshot(path)}", 5000)
+            except OSError as e:
+                QtWidgets.QMessageBox.warning(self, "Screenshot", str(e))
+
+    def _open_dialog(self) -> None:
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Open snapshot", "", "KV Scope snapshot (*.json)")
+        if path:
+            try:
+                win = open_snapshot_window(path)
+            except snapshot_io.SnapshotFileError as e:
+                QtWidgets.QMessageBox.warning(self, "Open snapshot", str(e))
+                return
+            win.show()
+            self._children = getattr(self, "_children", []) + [win]
+
+    def closeEvent(self, event) -> None:
+        if self.settings is not None:
+            self.settings.setValue("geometry", self.saveGeometry())
+            self.settings.setValue("state", self.saveState())
+        self.timer.stop()
+        super().closeEvent(event)
+
+
+class SnapshotController:
+    """A saved snapshot behind the same interface as the live engine runner (read-only)."""
+
+    read_only = True
+    engine_paused = True
+
+    def __init__(self, snap: Snapshot, extra: dict):
+        self.snap, self.extra = snap, extra
+
+    def snapshot(self, tables="auto") -> Snapshot:
+        return self.snap
+
+    def take_events(self):
+        return []
+
+    def take_tokens(self):
+        return []
+
+    def config(self):
+        from engine.config import CacheConfig
+
+        return CacheConfig(**{k: v for k, v in self.snap.config.items()})
+
+    def is_lossy(self, dtype: str) -> bool:
+        return False
+
+    def reconfigure(self, **changes):
+        raise ConfigError("a saved snapshot is read-only")
+
+    def submit_prompt(self, *a):
+        raise RequestError("a saved snapshot is read-only")
+
+    def pause_engine(self, paused: bool) -> None: ...
+
+    def step_once(self) -> None: ...
+
+    def set_workload_paused(self, paused: bool) -> None: ...
+
+    def set_intensity(self, x: float) -> None: ...
+
+
+def open_snapshot_window(path: str) -> MainWindow:
+    snap, extra = snapshot_io.load(path)
+    win = MainWindow(SnapshotController(snap, extra))
+    mode = extra.get("colour_mode")
+    if mode:
+        win.block_map.set_mode(mode)
+    if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
+        win.select_sequence(extra["selected"])
+    return win
+
+
+def selected_cells(snap: Snapshot, sid: int) -> list[np.ndarray]:
+    """Per tier, the slots that hold blocks of sequence sid (for tests and highlights)."""
+    idx = np.flatnonzero(snap.seqs.id == sid)
+    out = [np.zeros(0, np.int64), np.zeros(0, np.int64)]
+    if len(idx):
+        i = idx[0]
+        tiers, slots = snap.seqs.block_tier[i], snap.seqs.block_slot[i]
+        for t in (0, 1):
+            out[t] = np.sort(slots[tiers == t])
+    return out

@@ -1,0 +1,358 @@
+"""The inspector's panels. Each reads snapshots (numpy arrays, frozen dataclasses) and nothing else."""
+
+from __future__ import annotations
+
+import html
+import math
+import time
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6 import QtCore, QtGui, QtWidgets
+
+from engine.telemetry import Snapshot
+
+STATE_NAMES = {0: "waiting", 1: "running", 2: "paused", 3: "preempted", 4: "finished"}
+MB = 2**20
+
+pg.setConfigOptions(antialias=False, background="#15181d", foreground="#c8ccd4")
+
+
+def _plot(title: str, y_label: str, legend_cols: int = 2) -> pg.PlotWidget:
+    w = pg.PlotWidget()
+    w.setTitle(title, size="9pt")
+    w.setLabel("left", y_label)
+    w.setLabel("bottom", "seconds ago")
+    w.showGrid(x=True, y=True, alpha=0.15)
+    w.setMouseEnabled(x=False, y=False)
+    w.setMenuEnabled(False)
+    w.getPlotItem().setContentsMargins(2, 2, 6, 2)
+    legend = w.addLegend(offset=(4, 2), labelTextSize="7pt", brush=pg.mkBrush(21, 24, 29, 210),
+                         verSpacing=-6, horSpacing=12, colCount=legend_cols)
+    legend.setLabelTextColor("#c8ccd4")
+    return w
+
+
+def _ago(series: dict, snap_t: float) -> np.ndarray:
+    t = series.get("t", np.zeros(0))
+    return t - snap_t
+
+
+class HitRatePanel(QtWidgets.QWidget):
+    """Device and prefix hit rate (windowed and cumulative), and evictions/migrations per second beneath."""
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        self.rates = _plot("Hit rate", "rate")
+        self.rates.setYRange(0, 1.25)  # headroom above 1.0 for the legend
+        self.rates.getAxis("left").setTicks([[(v, f"{v:.1f}") for v in (0, 0.2, 0.4, 0.6, 0.8, 1.0)]])
+        self.flow = _plot("Evictions and migrations", "blocks / s", legend_cols=3)
+        self.curves = {
+            "device_hit_rate_w": self.rates.plot(pen=pg.mkPen("#4fc3f7", width=2), name="device (5 s)"),
+            "device_hit_rate": self.rates.plot(pen=pg.mkPen("#4fc3f7", width=1, style=QtCore.Qt.DashLine),
+                                               name="device (all)"),
+            "prefix_hit_rate_w": self.rates.plot(pen=pg.mkPen("#ffb74d", width=2), name="prefix (5 s)"),
+            "prefix_hit_rate": self.rates.plot(pen=pg.mkPen("#ffb74d", width=1, style=QtCore.Qt.DashLine),
+                                               name="prefix (all)"),
+            "evictions_per_s": self.flow.plot(pen=pg.mkPen("#e57373", width=2), name="evictions"),
+            "promotions_per_s": self.flow.plot(pen=pg.mkPen("#81c784", width=2), name="promotions"),
+            "demotions_per_s": self.flow.plot(pen=pg.mkPen("#ba68c8", width=2), name="demotions"),
+        }
+        lay.addWidget(self.rates, 3)
+        lay.addWidget(self.flow, 2)
+
+    def update_snapshot(self, snap: Snapshot) -> None:
+        x = _ago(snap.series, snap.t)
+        for key, curve in self.curves.items():
+            y = snap.series.get(key)
+            if y is not None and len(y) == len(x):
+                curve.setData(x, y)
+
+
+class MemoryPanel(QtWidgets.QWidget):
+    """Tier use against capacity, process RSS and GPU memory over time; the breakdown and sizing formula."""
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        self.plot = _plot("KV tiers: used and capacity (dotted)", "MiB")
+        self.proc = _plot("Process" + " and GPU", "MiB", legend_cols=3)
+        self.curves = {
+            "device_used_bytes": self.plot.plot(pen=pg.mkPen("#4fc3f7", width=2), name="device tier"),
+            "host_used_bytes": self.plot.plot(pen=pg.mkPen("#ba68c8", width=2), name="host tier"),
+            "rss_bytes": self.proc.plot(pen=pg.mkPen("#9e9e9e", width=2), name="process RSS"),
+        }
+        self.cap_dev = pg.InfiniteLine(angle=0, pen=pg.mkPen("#4fc3f7", style=QtCore.Qt.DotLine))
+        self.cap_host = pg.InfiniteLine(angle=0, pen=pg.mkPen("#ba68c8", style=QtCore.Qt.DotLine))
+        self.plot.addItem(self.cap_dev)
+        self.plot.addItem(self.cap_host)
+        self.text = QtWidgets.QLabel()
+        self.text.setTextFormat(QtCore.Qt.RichText)
+        self.text.setWordWrap(True)
+        self.text.setStyleSheet("font-size: 8pt;")
+        self.text.setSizePolicy(QtWidgets.QSizePolicy.Preferred, QtWidgets.QSizePolicy.Maximum)
+        lay.addWidget(self.plot, 5)
+        lay.addWidget(self.proc, 4)
+        lay.addWidget(self.text, 0)
+
+    def update_snapshot(self, snap: Snapshot) -> None:
+        x = _ago(snap.series, snap.t)
+        gpu = snap.memory["gpu"]
+        if gpu.get("available") and "gpu_used_bytes" not in self.curves:
+            self.curves["gpu_used_bytes"] = self.proc.plot(pen=pg.mkPen("#81c784", width=2), name="GPU used (NVML)")
+            self.curves["torch_allocated_bytes"] = self.proc.plot(pen=pg.mkPen("#ffb74d", width=1),
+                                                                  name="torch allocated")
+        for key, curve in self.curves.items():
+            y = snap.series.get(key)
+            if y is not None and len(y) == len(x):
+                curve.setData(x, y / MB, connect="finite")
+        if not gpu.get("available"):
+            self.proc.setTitle("Process — <span style='color:#ff8a80'>no GPU</span>", size="9pt")
+        tiers = snap.memory["tiers"]
+        self.cap_dev.setValue(tiers["device"]["capacity_bytes"] / MB)
+        self.cap_host.setValue(tiers["host"]["capacity_bytes"] / MB)
+        rows = []
+        for name, t in tiers.items():
+            rows.append(
+                f"<tr><td><b>{name}</b></td><td>{t['used_blocks']:,}/{t['capacity_blocks']:,}</td>"
+                f"<td>{t['k_bytes'] / MB:.1f}</td><td>{t['v_bytes'] / MB:.1f}</td><td>{t['scale_bytes'] / MB:.2f}</td>"
+                f"<td>{t['metadata_bytes'] / MB:.2f}</td><td>{t['device']}{' pinned' if t.get('pinned') else ''}</td></tr>")
+        if gpu.get("available"):
+            gline = (f"GPU {gpu.get('name', '')}: NVML {gpu.get('nvml_used_bytes', 0) / 2**30:.2f}/"
+                     f"{gpu.get('nvml_total_bytes', 0) / 2**30:.1f} GiB; torch allocated "
+                     f"{gpu['torch_allocated_bytes'] / MB:.0f} MiB, reserved {gpu['torch_reserved_bytes'] / MB:.0f} MiB"
+                     + (f" ({gpu['nvml_error']})" if gpu.get("nvml_error") else ""))
+        else:
+            gline = f"<b>{gpu.get('reason', 'no GPU')}</b>"
+        m = snap.model
+        cfg = snap.config
+        dsize = snap.memory["block_bytes"] / (cfg["block_size"] * m["layers"] * m["kv_heads"] * m["head_dim"] * 2)
+        ctx = m.get("context_limit", 2048)
+        total = 8 * ctx * m["layers"] * m["kv_heads"] * m["head_dim"] * 2 * dsize
+        self.text.setText(
+            "<table cellspacing=4><tr><th></th><th>blocks used</th><th>K MiB</th><th>V MiB</th><th>scales</th>"
+            "<th>meta</th><th>on</th></tr>" + "".join(rows) + "</table>"
+            f"{gline}; RSS {snap.memory['rss_bytes'] / MB:.0f} MiB; system "
+            f"{snap.memory['system_used_bytes'] / 2**30:.1f}/{snap.memory['system_total_bytes'] / 2**30:.1f} GiB<br>"
+            f"batch × context × layers × kv_heads × head_dim × 2 × dtype = 8 × {ctx} × {m['layers']} × "
+            f"{m['kv_heads']} × {m['head_dim']} × 2 × {dsize:.3g} B = {total / MB:,.0f} MiB")
+
+
+class HeatPanel(QtWidgets.QWidget):
+    """Heat distribution per tier (log-spaced bins), and the hottest and coldest live blocks."""
+
+    BINS = np.concatenate(([0.0], np.geomspace(0.05, 64, 24)))
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        self.plot = _plot("Heat distribution (live blocks)", "blocks")
+        self.plot.setLabel("bottom", "heat (log bins)")
+        self.plot.setLogMode(x=True, y=False)
+        self.bars = {}
+        for i, (name, colour) in enumerate((("device", "#4fc3f7"), ("host", "#ba68c8"))):
+            item = pg.BarGraphItem(x0=[], x1=[], height=[], brush=pg.mkBrush(colour), pen=None, name=name)
+            self.plot.addItem(item)
+            self.bars[name] = item
+        self.table = QtWidgets.QLabel()
+        self.table.setStyleSheet("font-size: 8pt; font-family: monospace;")
+        lay.addWidget(self.plot, 3)
+        lay.addWidget(self.table, 1)
+
+    def update_snapshot(self, snap: Snapshot) -> None:
+        edges = self.BINS[1:]
+        lo, hi = np.log10(edges[:-1]), np.log10(edges[1:])
+        width = hi - lo
+        lines = []
+        for k, t in enumerate(snap.tiers):
+            live = t.state > 0
+            h = t.heat[live]
+            counts, _ = np.histogram(np.clip(h, edges[0], edges[-1]), bins=edges)
+            # Side by side: device in the left half of each bin, host in the right half.
+            self.bars[t.name].setOpts(x0=lo + k * width / 2, x1=lo + (k + 1) * width / 2, height=counts)
+            if len(h):
+                slots = np.flatnonzero(live)
+                order = np.argsort(h)
+                hot = ", ".join(f"#{slots[i]} {h[i]:.1f}" for i in order[::-1][:3])
+                cold = ", ".join(f"#{slots[i]} {h[i]:.2f}" for i in order[:3])
+                lines.append(f"{t.name:<6} hottest {hot}\n{'':<6} coldest {cold}")
+            else:
+                lines.append(f"{t.name:<6} no live blocks")
+        self.table.setText("\n".join(lines))
+
+
+class SequencesPanel(QtWidgets.QTableWidget):
+    COLS = ("id", "label", "state", "tokens", "gen", "dev blk", "host blk", "tok/s", "TTFT ms", "reused")
+    sequenceSelected = QtCore.Signal(int)
+
+    def __init__(self):
+        super().__init__(0, len(self.COLS))
+        self.setHorizontalHeaderLabels(self.COLS)
+        self.verticalHeader().setVisible(False)
+        self.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectRows)
+        self.setSelectionMode(QtWidgets.QAbstractItemView.SingleSelection)
+        self.setEditTriggers(QtWidgets.QAbstractItemView.NoEditTriggers)
+        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeToContents)
+        self.horizontalHeader().setStretchLastSection(True)
+        self.setStyleSheet("font-size: 8pt;")
+        self.itemSelectionChanged.connect(self._selected)
+        self._ids: list[int] = []
+        self._updating = False
+        self.selected_id = -1
+
+    def update_snapshot(self, snap: Snapshot) -> None:
+        s = snap.seqs
+        # Live sequences first (newest first), then the most recent finished ones.
+        live = np.flatnonzero(s.state != 4)
+        done = np.flatnonzero(s.state == 4)
+        order = np.concatenate((live[np.argsort(-s.id[live])], done[np.argsort(-s.id[done])][:40]))
+        self._updating = True
+        self.setRowCount(len(order))
+        self._ids = [int(s.id[i]) for i in order]
+        for r, i in enumerate(order):
+            ttft = s.ttft[i]
+            vals = (int(s.id[i]), s.labels[i], STATE_NAMES.get(int(s.state[i]), "?"), int(s.tokens[i]),
+                    int(s.generated[i]), int(s.blocks_device[i]), int(s.blocks_host[i]), f"{s.tokens_per_s[i]:.1f}",
+                    "" if math.isnan(ttft) else f"{ttft * 1e3:.0f}", int(s.prefix_reused[i]))
+            for c, v in enumerate(vals):
+                item = self.item(r, c)
+                if item is None:
+                    item = QtWidgets.QTableWidgetItem()
+                    self.setItem(r, c, item)
+                item.setText(str(v))
+        if self.selected_id in self._ids:
+            self.selectRow(self._ids.index(self.selected_id))
+        self._updating = False
+
+    def select_id(self, sid: int) -> None:
+        self.selected_id = sid
+        self._updating = True
+        if sid in self._ids:
+            self.selectRow(self._ids.index(sid))
+        else:
+            self.clearSelection()
+        self._updating = False
+
+    def _selected(self) -> None:
+        if self._updating:
+            return
+        rows = self.selectionModel().selectedRows()
+        if rows:
+            self.selected_id = self._ids[rows[0].row()]
+            self.sequenceSelected.emit(self.selected_id)
+
+
+class EventsPanel(QtWidgets.QWidget):
+    """Evictions, migrations, preemptions, context shifts, config changes and errors, newest first."""
+
+    KINDS = ("all", "evict", "promote", "demote", "preempt", "context_shift", "config", "config_error", "error",
+             "cow", "request", "finish", "seq_cp")
+    MAX = 3000
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        row = QtWidgets.QHBoxLayout()
+        self.kind = QtWidgets.QComboBox()
+        self.kind.addItems(self.KINDS)
+        self.text = QtWidgets.QLineEdit()
+        self.text.setPlaceholderText("filter text")
+        row.addWidget(self.kind)
+        row.addWidget(self.text, 1)
+        lay.addLayout(row)
+        self.list = QtWidgets.QListWidget()
+        self.list.setStyleSheet("font-size: 8pt; font-family: monospace;")
+        lay.addWidget(self.list, 1)
+        self.events: list[tuple[float, str, str]] = []
+        self.kind.currentTextChanged.connect(self._refilter)
+        self.text.textChanged.connect(self._refilter)
+        self._pending_evictions = 0
+
+    def add(self, events) -> None:
+        if not events:
+            return
+        for e in events:
+            fields = " ".join(f"{k}={_short(v)}" for k, v in e.fields.items() if k != "trace")
+            self.events.append((e.t, e.kind, fields))
+        del self.events[: max(0, len(self.events) - self.MAX)]
+        self._refilter()
+
+    def add_evictions(self, n: int) -> None:
+        """Evictions come as a counter (too many to list one by one); each tick's batch is one line."""
+        if n > 0:
+            self.events.append((time.time(), "evict", f"{n} cold blocks evicted"))
+            self._refilter()
+
+    def _refilter(self) -> None:
+        kind, needle = self.kind.currentText(), self.text.text().lower()
+        rows = [e for e in reversed(self.events) if (kind == "all" or e[1] == kind)
+                and (not needle or needle in e[2].lower() or needle in e[1])][:400]
+        self.list.clear()
+        self.list.addItems([f"{time.strftime('%H:%M:%S', time.localtime(t))} {k:<13} {f}" for t, k, f in rows])
+
+
+def _short(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}:{_short(x)}" for k, x in v.items()) + "}"
+    if hasattr(v, "__len__") and not isinstance(v, str) and len(v) > 6:
+        return f"[{len(v)} items]"
+    return str(v)
+
+
+class PromptPanel(QtWidgets.QWidget):
+    submitted = QtCore.Signal(str, bool, int)
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        self.transcript = QtWidgets.QTextBrowser()
+        self.transcript.setStyleSheet("font-size: 9pt;")
+        self.input = QtWidgets.QPlainTextEdit()
+        self.input.setPlaceholderText("Type a prompt and press Send (Ctrl+Enter)")
+        self.input.setMaximumHeight(70)
+        row = QtWidgets.QHBoxLayout()
+        self.chat = QtWidgets.QCheckBox("chat")
+        self.chat.setChecked(True)
+        self.max_new = QtWidgets.QSpinBox()
+        self.max_new.setRange(1, 4096)
+        self.max_new.setValue(96)
+        self.max_new.setPrefix("max ")
+        self.send = QtWidgets.QPushButton("Send")
+        row.addWidget(self.chat)
+        row.addWidget(self.max_new)
+        row.addStretch(1)
+        row.addWidget(self.send)
+        lay.addWidget(self.transcript, 3)
+        lay.addWidget(self.input)
+        lay.addLayout(row)
+        self.send.clicked.connect(self._send)
+        QtGui.QShortcut(QtGui.QKeySequence("Ctrl+Return"), self.input, activated=self._send)
+        self.current = -1
+
+    def _send(self) -> None:
+        text = self.input.toPlainText()
+        self.submitted.emit(text, self.chat.isChecked(), self.max_new.value())
+
+    def started(self, sid: int, text: str) -> None:
+        self.current = sid
+        self.input.clear()
+        self.transcript.append(f"<p><b>you (seq {sid}):</b> {html.escape(text)}</p><p><b>model:</b> ")
+
+    def stream(self, pieces: list[tuple[int, str]]) -> None:
+        text = "".join(p for sid, p in pieces if sid == self.current)
+        if text:
+            cur = self.transcript.textCursor()
+            cur.movePosition(QtGui.QTextCursor.End)
+            cur.insertText(text)
+            self.transcript.setTextCursor(cur)
+
+    def error(self, message: str) -> None:
+        self.transcript.append(f"<p style='color:#e57373'>{message}</p>")
