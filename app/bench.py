@@ -162,9 +162,9 @@ def tiny_random_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_head
     return LoadedModel(spec=spec, weights=w, tokenizer=base.tokenizer, source="tiny-random", cache_dir=None)
 
 
-def snapshot_bench(n_blocks: int, seq_tokens: int = 1000, repeats: int = 20) -> dict:
-    """Fill a pool of n_blocks one-token blocks with live sequences (half of them demoted to the host
-    tier), then time `snapshot()`: per-tier metadata arrays plus the sequence table."""
+def filled_engine(n_blocks: int, seq_tokens: int = 1000):
+    """An engine whose pool of n_blocks one-token blocks is ~95% held by live sequences, half of them
+    paused and demoted to the host tier. Returns (engine, sequence count, seconds to fill)."""
     import numpy as np
 
     from engine.config import CacheConfig, EngineOptions
@@ -195,7 +195,14 @@ def snapshot_bench(n_blocks: int, seq_tokens: int = 1000, repeats: int = 20) -> 
                 eng.pause(i)
             now[0] += 2.0
             eng.step()
-    fill_s = time.perf_counter() - t0
+    return eng, n_seqs, time.perf_counter() - t0
+
+
+def snapshot_bench(n_blocks: int, repeats: int = 20) -> dict:
+    """Time `snapshot()` (per-tier metadata arrays plus the sequence table) on a filled pool."""
+    import numpy as np
+
+    eng, n_seqs, fill_s = filled_engine(n_blocks)
     eng.snapshot()
     times = []
     for _ in range(repeats):

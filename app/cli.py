@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch1-new-tokens", type=int, default=128)
     b.add_argument("--batch", type=int, default=8)
     b.add_argument("--batch-new-tokens", type=int, default=64)
+    b.add_argument("--ui", action="store_true",
+                   help="instead: the window's frame costs at 1M / 100k blocks and event-loop stalls while decoding")
     b.add_argument("--snapshot-blocks", type=int, metavar="N",
                    help="instead: time engine snapshots of a pool of N blocks filled by live sequences")
     b.add_argument("--json", action="store_true")
@@ -119,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
             from app.commands import cmd_info
 
             return cmd_info(args)
+        if args.cmd == "bench" and args.ui:
+            from app.ui_bench import run_ui_bench
+
+            res = run_ui_bench(say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+            if args.json:
+                print(json.dumps(res))
+            return 0
         if args.cmd == "bench" and args.snapshot_blocks:
             from app.bench import snapshot_bench
 

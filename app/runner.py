@@ -31,6 +31,7 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
         self.error: str | None = None
         self.steps = 0
+        self._last = None
 
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "EngineRunner":
@@ -87,8 +88,14 @@ class EngineRunner:
                 self._tokens.append((o.seq_id, piece))
 
     # -- reads (any thread) -----------------------------------------------------------------
-    def snapshot(self, tables="auto"):
-        return self.engine.snapshot(tables)
+    def snapshot(self, tables="auto", wait: bool = True):
+        """The engine's state now; with wait=False, the last one if the engine is busy for more than 5 ms
+        (a context shift or a re-layout holds its lock), so the window never waits on the engine."""
+        snap = self.engine.snapshot(tables, timeout=None if wait else 0.005)
+        if snap is None:
+            return self._last
+        self._last = snap
+        return snap
 
     def take_events(self):
         return self.engine.take_events()

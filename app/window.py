@@ -81,7 +81,7 @@ def start_runner(args: argparse.Namespace):
     if getattr(args, "context_limit", None) is None:
         args.context_limit = 512  # so the demo's long chat reaches the limit and shifts within seconds
     if not getattr(args, "n_keep", 0):
-        args.n_keep = 32
+        args.n_keep = 128  # the demo system prompt is ~context_limit/4 tokens: keep it across shifts
     # Demo budgets small enough that the tiers visibly fill, evict and migrate (flags override them).
     if args.device_budget_mb is None:
         args.device_budget_mb = 48.0

@@ -857,8 +857,8 @@ class Engine:
         return [self.seqs[i].output for i in ids]
 
     # -- observation ----------------------------------------------------------------------------
-    def snapshot(self, tables: str | set[int] = "auto"):
-        return self.telemetry.snapshot(tables)
+    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None):
+        return self.telemetry.snapshot(tables, timeout)
 
     def take_events(self) -> list[Event]:
         return self.telemetry.take_events()

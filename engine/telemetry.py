@@ -208,34 +208,46 @@ class Telemetry:
             "tokens_per_s": (b[8] - a[8]) / dt,
         }
 
-    def snapshot(self, tables: str | set[int] = "auto") -> Snapshot:
+    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None) -> Snapshot | None:
         """tables: which sequences' block lists (tier, slot) to include: "all", a set of ids, or "auto"
-        (all while the tables hold at most AUTO_TABLES_MAX entries, else none)."""
+        (all while the tables hold at most AUTO_TABLES_MAX entries, else none).
+
+        timeout: wait at most this long for the engine lock (a step's bookkeeping, a context shift or a
+        re-layout holds it) and return None if it stays busy; None waits as long as it takes.
+        """
         e = self.engine
-        with e.lock:
-            now = e.clock()
-            pool = e.pool
-            tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
-            seqs = self._seqs(now, tables)
-            counters = e.counters.as_dict()
-            counters["ttft_p50"] = float(np.median(self.ttfts)) if self.ttfts else float("nan")
-            windowed = self._windowed(now)
-            memory = self.memory()
-            names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
-                     "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
-                     "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes")
-            arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
-            series = {n: arr[:, i].copy() for i, n in enumerate(names)}
-            residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
-            spec = e.spec
-            model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
-                     "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                     "device": str(e.device), "context_limit": e.context_limit}
-            steps = max(e.counters.steps, 1)
-            timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
-                      "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
-            return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
-                            windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
+        if not e.lock.acquire(timeout=-1 if timeout is None else timeout):
+            return None
+        try:
+            return self._snapshot(tables)
+        finally:
+            e.lock.release()
+
+    def _snapshot(self, tables: str | set[int]) -> Snapshot:
+        e = self.engine
+        now = e.clock()
+        pool = e.pool
+        tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
+        seqs = self._seqs(now, tables)
+        counters = e.counters.as_dict()
+        counters["ttft_p50"] = float(np.median(self.ttfts)) if self.ttfts else float("nan")
+        windowed = self._windowed(now)
+        memory = self.memory()
+        names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
+                 "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
+                 "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes")
+        arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
+        series = {n: arr[:, i].copy() for i, n in enumerate(names)}
+        residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
+        spec = e.spec
+        model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
+                 "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                 "device": str(e.device), "context_limit": e.context_limit}
+        steps = max(e.counters.steps, 1)
+        timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
+                  "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
+        return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
+                        windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
         # float32 throughout: half the bytes to move, and exp is the costliest op here.

@@ -17,7 +17,7 @@ from ui.controls import ControlsPanel
 from ui.panels import EventsPanel, HeatPanel, HitRatePanel, MemoryPanel, PromptPanel, SequencesPanel
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
-SLOW_EVERY = 5  # tables and text refresh every 5th frame
+SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -43,6 +43,7 @@ class MainWindow(QtWidgets.QMainWindow):
         bar.addWidget(self.reset_view)
         bar.addStretch(1)
         self.selection = QtWidgets.QLabel("click a block or a sequence row to select its sequence")
+        self.selection.setMinimumWidth(360)
         bar.addWidget(self.selection)
         cl.addLayout(bar)
         self.block_map = BlockMap()
@@ -78,6 +79,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
         self._menus()
         self.status = QtWidgets.QLabel()
+        self.status.setSizePolicy(QtWidgets.QSizePolicy.Ignored, QtWidgets.QSizePolicy.Fixed)
         self.statusBar().addWidget(self.status, 1)
         self.reset_view.clicked.connect(self.block_map.reset_view)
         self.block_map.sequenceSelected.connect(self.select_sequence)
@@ -110,15 +112,27 @@ class MainWindow(QtWidgets.QMainWindow):
             view.addAction(d.toggleViewAction())
 
     # -- refresh ------------------------------------------------------------------------------
-    def refresh(self) -> None:
+    def refresh_all(self) -> None:
+        """Refresh every panel now (screenshots, selection, tests)."""
+        self.refresh(every_panel=True)
+
+    def refresh(self, every_panel: bool = False) -> None:
         tables = {self.selected} if self.selected >= 0 else set()
-        snap = self.controller.snapshot(tables)
+        snap = self.controller.snapshot(tables, wait=every_panel or self.snapshot is None)
         self.snapshot = snap
         self.block_map.set_snapshot(snap)
-        self.hit.update_snapshot(snap)
-        self.memory.update_snapshot(snap)
-        if self.frames % SLOW_EVERY == 0:
+        # The other panels take turns, so a frame repaints the map and one or two panels, not all.
+        slot = self.frames % SLOW_EVERY
+        if every_panel:
+            self.hit.update_snapshot(snap)
+            self.memory.update_snapshot(snap)
+        elif slot in (0, 2):
+            self.hit.update_snapshot(snap, "rates" if slot == 0 else "flow")
+        elif slot in (1, 3):
+            self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
+        if every_panel or slot == 4:
             self.heat.update_snapshot(snap)
+        if every_panel or slot == 0:
             self.seqs.update_snapshot(snap)
         if not self.controller.read_only:
             self.events.add(self.controller.take_events())
@@ -162,7 +176,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.block_map.set_selected(sid)
         self.seqs.select_id(sid)
         self.selection.setText(f"selected sequence {sid}" if sid >= 0 else "no sequence selected")
-        self.refresh()
+        self.refresh_all()
 
     def submit_prompt(self, text: str, chat: bool, max_new: int) -> None:
         try:
@@ -176,7 +190,7 @@ class MainWindow(QtWidgets.QMainWindow):
     # -- screenshots ----------------------------------------------------------------------------
     def save_screenshot(self, png_path: str) -> str:
         """Write the window as PNG with a caption strip, and the full snapshot as JSON beside it."""
-        self.refresh()
+        self.refresh_all()
         shot = self.grab().toImage()
         cap_h = 26
         img = QtGui.QImage(shot.width(), shot.height() + cap_h, QtGui.QImage.Format_ARGB32)
@@ -233,7 +247,7 @@ class SnapshotController:
     def __init__(self, snap: Snapshot, extra: dict):
         self.snap, self.extra = snap, extra
 
-    def snapshot(self, tables="auto") -> Snapshot:
+    def snapshot(self, tables="auto", wait: bool = True) -> Snapshot:
         return self.snap
 
     def take_events(self):

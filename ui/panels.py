@@ -23,7 +23,7 @@ def _plot(title: str, y_label: str, legend_cols: int = 2) -> pg.PlotWidget:
     w.setTitle(title, size="9pt")
     w.setLabel("left", y_label)
     w.setLabel("bottom", "seconds ago")
-    w.showGrid(x=True, y=True, alpha=0.15)
+    # No grid: pyqtgraph's grid lines cost ~3.5 ms per plot per frame, more than the curves themselves.
     w.setMouseEnabled(x=False, y=False)
     w.setMenuEnabled(False)
     w.getPlotItem().setContentsMargins(2, 2, 6, 2)
@@ -63,9 +63,12 @@ class HitRatePanel(QtWidgets.QWidget):
         lay.addWidget(self.rates, 3)
         lay.addWidget(self.flow, 2)
 
-    def update_snapshot(self, snap: Snapshot) -> None:
+    def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
+        """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one plot)."""
         x = _ago(snap.series, snap.t)
         for key, curve in self.curves.items():
+            if part != "all" and (key.endswith("_per_s")) != (part == "flow"):
+                continue
             y = snap.series.get(key)
             if y is not None and len(y) == len(x):
                 curve.setData(x, y)
@@ -93,12 +96,17 @@ class MemoryPanel(QtWidgets.QWidget):
         self.text.setTextFormat(QtCore.Qt.RichText)
         self.text.setWordWrap(True)
         self.text.setStyleSheet("font-size: 8pt;")
-        self.text.setSizePolicy(QtWidgets.QSizePolicy.Preferred, QtWidgets.QSizePolicy.Maximum)
+        # A fixed height: a label whose size hint changes with its text re-lays out (and repaints) the
+        # whole window each time.
+        self.text.setFixedHeight(92)
+        self.text.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+        self._text_at = 0.0
         lay.addWidget(self.plot, 5)
         lay.addWidget(self.proc, 4)
         lay.addWidget(self.text, 0)
 
-    def update_snapshot(self, snap: Snapshot) -> None:
+    def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
+        """part: "tiers", "process" or "all" (the window alternates halves, so one frame paints one plot)."""
         x = _ago(snap.series, snap.t)
         gpu = snap.memory["gpu"]
         if gpu.get("available") and "gpu_used_bytes" not in self.curves:
@@ -106,12 +114,19 @@ class MemoryPanel(QtWidgets.QWidget):
             self.curves["torch_allocated_bytes"] = self.proc.plot(pen=pg.mkPen("#ffb74d", width=1),
                                                                   name="torch allocated")
         for key, curve in self.curves.items():
+            if part != "all" and (key.endswith("used_bytes") and "gpu" not in key) != (part == "tiers"):
+                continue
             y = snap.series.get(key)
             if y is not None and len(y) == len(x):
                 curve.setData(x, y / MB, connect="finite")
         if not gpu.get("available"):
             self.proc.setTitle("Process — <span style='color:#ff8a80'>no GPU</span>", size="9pt")
         tiers = snap.memory["tiers"]
+        if time.monotonic() - self._text_at < 1.0:  # the text changes slowly; re-rendering it is not free
+            self.cap_dev.setValue(tiers["device"]["capacity_bytes"] / MB)
+            self.cap_host.setValue(tiers["host"]["capacity_bytes"] / MB)
+            return
+        self._text_at = time.monotonic()
         self.cap_dev.setValue(tiers["device"]["capacity_bytes"] / MB)
         self.cap_host.setValue(tiers["host"]["capacity_bytes"] / MB)
         rows = []
@@ -160,6 +175,8 @@ class HeatPanel(QtWidgets.QWidget):
             self.bars[name] = item
         self.table = QtWidgets.QLabel()
         self.table.setStyleSheet("font-size: 8pt; font-family: monospace;")
+        self.table.setFixedHeight(62)
+        self.table.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
         lay.addWidget(self.plot, 3)
         lay.addWidget(self.table, 1)
 
@@ -176,9 +193,12 @@ class HeatPanel(QtWidgets.QWidget):
             self.bars[t.name].setOpts(x0=lo + k * width / 2, x1=lo + (k + 1) * width / 2, height=counts)
             if len(h):
                 slots = np.flatnonzero(live)
-                order = np.argsort(h)
-                hot = ", ".join(f"#{slots[i]} {h[i]:.1f}" for i in order[::-1][:3])
-                cold = ", ".join(f"#{slots[i]} {h[i]:.2f}" for i in order[:3])
+                k = min(3, len(h))
+                top = np.argpartition(-h, k - 1)[:k]
+                low = np.argpartition(h, k - 1)[:k]
+                top, low = top[np.argsort(-h[top])], low[np.argsort(h[low])]
+                hot = ", ".join(f"#{slots[i]} {h[i]:.1f}" for i in top)
+                cold = ", ".join(f"#{slots[i]} {h[i]:.2f}" for i in low)
                 lines.append(f"{t.name:<6} hottest {hot}\n{'':<6} coldest {cold}")
             else:
                 lines.append(f"{t.name:<6} no live blocks")
@@ -196,8 +216,12 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectRows)
         self.setSelectionMode(QtWidgets.QAbstractItemView.SingleSelection)
         self.setEditTriggers(QtWidgets.QAbstractItemView.NoEditTriggers)
-        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeToContents)
+        # Fixed widths: ResizeToContents re-measures every row on each setText, a frame-time spike.
+        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
+        for c, w in enumerate((34, 92, 64, 50, 36, 50, 54, 44, 56, 48)):
+            self.setColumnWidth(c, w)
+        self.verticalHeader().setDefaultSectionSize(18)
         self.setStyleSheet("font-size: 8pt;")
         self.itemSelectionChanged.connect(self._selected)
         self._ids: list[int] = []
@@ -223,7 +247,9 @@ class SequencesPanel(QtWidgets.QTableWidget):
                 if item is None:
                     item = QtWidgets.QTableWidgetItem()
                     self.setItem(r, c, item)
-                item.setText(str(v))
+                text = str(v)
+                if item.text() != text:
+                    item.setText(text)
         if self.selected_id in self._ids:
             self.selectRow(self._ids.index(self.selected_id))
         self._updating = False
@@ -252,6 +278,7 @@ class EventsPanel(QtWidgets.QWidget):
     KINDS = ("all", "evict", "promote", "demote", "preempt", "context_shift", "config", "config_error", "error",
              "cow", "request", "finish", "seq_cp")
     MAX = 3000
+    SHOWN = 400
 
     def __init__(self):
         super().__init__()
@@ -276,24 +303,42 @@ class EventsPanel(QtWidgets.QWidget):
     def add(self, events) -> None:
         if not events:
             return
+        new = []
         for e in events:
             fields = " ".join(f"{k}={_short(v)}" for k, v in e.fields.items() if k != "trace")
-            self.events.append((e.t, e.kind, fields))
-        del self.events[: max(0, len(self.events) - self.MAX)]
-        self._refilter()
+            new.append((e.t, e.kind, fields))
+        self._append(new)
 
     def add_evictions(self, n: int) -> None:
         """Evictions come as a counter (too many to list one by one); each tick's batch is one line."""
         if n > 0:
-            self.events.append((time.time(), "evict", f"{n} cold blocks evicted"))
-            self._refilter()
+            self._append([(time.time(), "evict", f"{n} cold blocks evicted")])
+
+    def _append(self, new: list[tuple[float, str, str]]) -> None:
+        self.events.extend(new)
+        del self.events[: max(0, len(self.events) - self.MAX)]
+        shown = [e for e in new if self._passes(e)]
+        if not shown:
+            return
+        # Newest first: insert at the top and trim, instead of rebuilding the list every frame.
+        for e in shown:
+            self.list.insertItem(0, self._line(e))
+        while self.list.count() > self.SHOWN:
+            self.list.takeItem(self.list.count() - 1)
+
+    def _passes(self, e) -> bool:
+        kind, needle = self.kind.currentText(), self.text.text().lower()
+        return (kind == "all" or e[1] == kind) and (not needle or needle in e[2].lower() or needle in e[1])
+
+    @staticmethod
+    def _line(e) -> str:
+        t, k, f = e
+        return f"{time.strftime('%H:%M:%S', time.localtime(t))} {k:<13} {f}"
 
     def _refilter(self) -> None:
-        kind, needle = self.kind.currentText(), self.text.text().lower()
-        rows = [e for e in reversed(self.events) if (kind == "all" or e[1] == kind)
-                and (not needle or needle in e[2].lower() or needle in e[1])][:400]
+        rows = [e for e in reversed(self.events) if self._passes(e)][: self.SHOWN]
         self.list.clear()
-        self.list.addItems([f"{time.strftime('%H:%M:%S', time.localtime(t))} {k:<13} {f}" for t, k, f in rows])
+        self.list.addItems([self._line(e) for e in rows])
 
 
 def _short(v) -> str:
