@@ -50,3 +50,34 @@ def test_info_prints_the_sizing_formula(tiny_llama):
     assert info["bytes_per_token"]["fp32"] == 2 * 2 * 16 * 2 * 4
     assert info["bytes_per_token"]["int8"] <= 0.27 * info["bytes_per_token"]["fp32"]
     assert info["memory"]["gpu"]["available"] is False
+
+
+def test_plain_kvscope_without_a_display_explains_headless():
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    out = subprocess.run([sys.executable, "-m", "app.cli"], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2
+    assert "--headless" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_headless_screenshot_and_open_snapshot_round_trip(tiny_llama, tmp_path):
+    import numpy as np
+
+    from engine import snapshot_io
+
+    png = tmp_path / "live.png"
+    kvscope("--headless", "--screenshot", str(png), "--run-for", "4", "--model", tiny_llama)
+    snap, extra = snapshot_io.load(str(tmp_path / "live.json"))
+    assert png.stat().st_size > 10_000 and extra["png"] == "live.png"
+    assert sum(int(np.count_nonzero(t.state)) for t in snap.tiers) > 0
+    again = tmp_path / "again.png"
+    kvscope("--headless", "--open-snapshot", str(tmp_path / "live.json"), "--screenshot", str(again), "--run-for", "1")
+    snap2, _ = snapshot_io.load(str(tmp_path / "again.json"))
+    for a, b in zip(snap.tiers, snap2.tiers):
+        assert np.array_equal(a.state, b.state) and np.array_equal(a.owner, b.owner)
+    assert snap2.config == snap.config and snap2.counters == snap.counters
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    out = kvscope("--headless", "--open-snapshot", str(bad), ok=False)
+    assert out.returncode == 2 and "not a KV Scope snapshot" in out.stderr

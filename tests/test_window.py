@@ -131,3 +131,53 @@ def test_damaged_snapshot_file_gets_a_clear_error(tmp_path):
         snapshot_io.load(str(bad))
     with pytest.raises(snapshot_io.SnapshotFileError, match="not JSON"):
         snapshot_io.from_json("{", "x.json")
+
+
+def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_model):
+    """The demo workload runs; block size and dtype change from the controls; no sequence is lost and no
+    block leaks."""
+    from engine.sequence import SeqState
+    from engine.workloads import DemoWorkload
+    from ui.main_window import MainWindow
+
+    eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.5, host_budget_mb=2, demote_after_s=0.5),
+                 EngineOptions(context_limit=128, n_keep=8))
+    runner = EngineRunner(eng, DemoWorkload(eng, seed=1)).start()
+    try:
+        win = MainWindow(runner, confirm_lossy=lambda d: True)
+        qtbot.addWidget(win)
+        win.show()
+        qtbot.waitUntil(lambda: sum(1 for s in eng.seqs.values() if s.state != SeqState.FINISHED) >= 3, timeout=20_000)
+        for name, value in (("block_size", 5), ("kv_dtype", "int8"), ("block_size", 32), ("kv_dtype", "fp16")):
+            runner.pause_engine(True)
+            qtbot.wait(100)
+            with eng.lock:
+                live = {s.id: (list(s.tokens[: s.num_cached]), s.state) for s in eng.seqs.values()
+                        if s.state != SeqState.FINISHED}
+            runner.pause_engine(False)
+            control = win.controls.controls[name]
+            if control.combo is not None:
+                control.combo.setCurrentText(value)
+                control.combo.activated.emit(control.combo.currentIndex())
+            else:
+                control.spin.setValue(value)
+            qtbot.waitUntil(lambda: str(getattr(eng.config, name).label if name == "kv_dtype"
+                                        else getattr(eng.config, name)) == str(value), timeout=10_000)
+            runner.pause_engine(True)
+            qtbot.wait(100)
+            with eng.lock:
+                eng.check_invariants()
+                for sid, (tokens, _) in live.items():
+                    seq = eng.seqs.get(sid)
+                    assert seq is not None, f"sequence {sid} vanished"
+                    if seq.state != SeqState.FINISHED and not seq.shifts:
+                        assert seq.tokens[: len(tokens)] == tokens, f"sequence {sid} lost tokens"
+                    assert seq.finish_reason in ("", "eos", "length", "cancelled"), seq.finish_reason
+            runner.pause_engine(False)
+        win.refresh_all()
+        shown = set(win.seqs._ids)
+        assert {sid for sid, s in eng.seqs.items() if s.state != SeqState.FINISHED} <= shown
+        assert eng.counters.config_changes >= 4
+    finally:
+        runner.stop()
+    eng.check_invariants()

@@ -184,25 +184,40 @@ class HeatPanel(QtWidgets.QWidget):
         edges = self.BINS[1:]
         lo, hi = np.log10(edges[:-1]), np.log10(edges[1:])
         width = hi - lo
+        log_lo, step = np.log10(edges[0]), lo[1] - lo[0]  # geometric bins: equal steps in log space
+        nb = len(edges) - 1
         lines = []
         for k, t in enumerate(snap.tiers):
             live = t.state > 0
             h = t.heat[live]
-            counts, _ = np.histogram(np.clip(h, edges[0], edges[-1]), bins=edges)
+            # Bin by arithmetic on log10 (np.histogram's searchsorted is ~10x slower at 100k blocks).
+            idx = ((np.log10(np.maximum(h, edges[0])) - log_lo) / step).astype(np.int64)
+            counts = np.bincount(np.clip(idx, 0, nb - 1), minlength=nb)
             # Side by side: device in the left half of each bin, host in the right half.
             self.bars[t.name].setOpts(x0=lo + k * width / 2, x1=lo + (k + 1) * width / 2, height=counts)
             if len(h):
                 slots = np.flatnonzero(live)
-                k = min(3, len(h))
-                top = np.argpartition(-h, k - 1)[:k]
-                low = np.argpartition(h, k - 1)[:k]
-                top, low = top[np.argsort(-h[top])], low[np.argsort(h[low])]
+                top, low = _extremes(h, 3)
                 hot = ", ".join(f"#{slots[i]} {h[i]:.1f}" for i in top)
                 cold = ", ".join(f"#{slots[i]} {h[i]:.2f}" for i in low)
                 lines.append(f"{t.name:<6} hottest {hot}\n{'':<6} coldest {cold}")
             else:
                 lines.append(f"{t.name:<6} no live blocks")
         self.table.setText("\n".join(lines))
+
+
+def _extremes(h: np.ndarray, k: int) -> tuple[list[int], list[int]]:
+    """Indices of the k largest and k smallest values; repeated argmax is ~10x faster than argpartition
+    for a handful of extremes of a large array."""
+    k = min(k, len(h))
+    hi, lo = h.astype(np.float64), h.astype(np.float64)
+    top, low = [], []
+    for _ in range(k):
+        i, j = int(np.argmax(hi)), int(np.argmin(lo))
+        top.append(i)
+        low.append(j)
+        hi[i], lo[j] = -np.inf, np.inf
+    return top, low
 
 
 class SequencesPanel(QtWidgets.QTableWidget):
@@ -225,6 +240,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self.setStyleSheet("font-size: 8pt;")
         self.itemSelectionChanged.connect(self._selected)
         self._ids: list[int] = []
+        self._rows: list[tuple[str, ...]] = []  # texts on screen, per row
         self._updating = False
         self.selected_id = -1
 
@@ -235,21 +251,31 @@ class SequencesPanel(QtWidgets.QTableWidget):
         done = np.flatnonzero(s.state == 4)
         order = np.concatenate((live[np.argsort(-s.id[live])], done[np.argsort(-s.id[done])][:40]))
         self._updating = True
-        self.setRowCount(len(order))
+        if self.rowCount() != len(order):
+            self.setRowCount(len(order))
+            self._rows = self._rows[: len(order)]
         self._ids = [int(s.id[i]) for i in order]
         for r, i in enumerate(order):
             ttft = s.ttft[i]
-            vals = (int(s.id[i]), s.labels[i], STATE_NAMES.get(int(s.state[i]), "?"), int(s.tokens[i]),
-                    int(s.generated[i]), int(s.blocks_device[i]), int(s.blocks_host[i]), f"{s.tokens_per_s[i]:.1f}",
-                    "" if math.isnan(ttft) else f"{ttft * 1e3:.0f}", int(s.prefix_reused[i]))
-            for c, v in enumerate(vals):
+            vals = (str(int(s.id[i])), s.labels[i], STATE_NAMES.get(int(s.state[i]), "?"), str(int(s.tokens[i])),
+                    str(int(s.generated[i])), str(int(s.blocks_device[i])), str(int(s.blocks_host[i])),
+                    f"{s.tokens_per_s[i]:.1f}", "" if math.isnan(ttft) else f"{ttft * 1e3:.0f}",
+                    str(int(s.prefix_reused[i])))
+            old = self._rows[r] if r < len(self._rows) else None
+            if old == vals:
+                continue  # touching a cell, even with the same text, costs a relayout of the row
+            for c, text in enumerate(vals):
+                if old is not None and old[c] == text:
+                    continue
                 item = self.item(r, c)
                 if item is None:
                     item = QtWidgets.QTableWidgetItem()
                     self.setItem(r, c, item)
-                text = str(v)
-                if item.text() != text:
-                    item.setText(text)
+                item.setText(text)
+            if r < len(self._rows):
+                self._rows[r] = vals
+            else:
+                self._rows.append(vals)
         if self.selected_id in self._ids:
             self.selectRow(self._ids.index(self.selected_id))
         self._updating = False
