@@ -136,7 +136,8 @@ class BlockPool:
     tier's per-slot arrays. Free slots are a stack and cached blocks an indexed set: O(1) each.
     """
 
-    def __init__(self, geometry_no_bs: tuple[int, int, int], config: CacheConfig, device: torch.device):
+    def __init__(self, geometry_no_bs: tuple[int, int, int], config: CacheConfig, device: torch.device,
+                 first_serial: int = 0):
         layers, kv_heads, head_dim = geometry_no_bs
         self.device = device
         self.config = config
@@ -154,6 +155,8 @@ class BlockPool:
         self.free_lids = list(range(n - 1, -1, -1))
         self.tier = np.full(n, -1, dtype=np.int8)
         self.slot = np.full(n, -1, dtype=np.int64)
+        self.serial = np.full(n, -1, dtype=np.int64)  # allocation serial: names a block in access traces
+        self.next_serial = first_serial
         self.by_hash: dict[int, int] = {}
         # Side stream for tier copies on CUDA, so migrations overlap compute.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -225,6 +228,8 @@ class BlockPool:
             raise CacheFull(f"{tier.name.lower()} tier full: {t.capacity} blocks, all owned by sequences")
         s = t.free_slots.pop()
         lid = self.free_lids.pop()
+        self.serial[lid] = self.next_serial
+        self.next_serial += 1
         self.tier[lid], self.slot[lid] = tier, s
         t.lid[s] = lid
         t.ref[s] = 1
@@ -235,6 +240,7 @@ class BlockPool:
         t.heat[s] = 1.0
         t.born[s] = now
         t.hash[s] = NO_HASH
+        self.policy.on_insert(t, s, now)
         return lid
 
     def incref(self, lid: int) -> None:
@@ -322,6 +328,7 @@ class BlockPool:
             t.hist[sl, 1:] = t.hist[sl, :-1]
             t.hist[sl, 0] = now
             t.last[sl] = now
+            self.policy.on_access(t, sl, now)
 
     def current_heat(self, t: TierPool, slots: np.ndarray | slice, now: float) -> np.ndarray:
         return t.heat[slots] * np.exp(np.log(self.config.decay) * np.maximum(now - t.last[slots], 0.0))
@@ -374,6 +381,7 @@ class BlockPool:
         dst_slots = np.asarray([dst.free_slots.pop() for _ in range(len(lids))], dtype=np.int64)
         self._copy(src, src_slots, dst, dst_slots)
         src.copy_meta(dst, src_slots, dst_slots)
+        self.policy.on_move(src, src_slots, dst, dst_slots)
         for lid, so, sn in zip(lids.tolist(), src_slots.tolist(), dst_slots.tolist()):
             if so in src.cached:
                 src.cached.discard(so)

@@ -89,6 +89,7 @@ class Engine:
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
         self._pending_config: list[tuple[dict, CacheConfig]] = []
         self._finished: collections.deque[int] = collections.deque()
+        self.trace = None  # TraceRecorder while recording
         self.eos = set(self.spec.eos_token_ids)
 
     # -- set-up -------------------------------------------------------------------------------
@@ -98,7 +99,9 @@ class Engine:
 
             if not fp8_supported():
                 raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
-        pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device)
+        first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
+        pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
+                         first_serial=first)
         pool.listener = self.telemetry.on_pool_event
         return pool
 
@@ -409,6 +412,11 @@ class Engine:
         reads = len(table)
         group = 1 + self.config.prefetch_depth
         misses = 0
+        if self.trace is not None:
+            tiers = p.tier[table].copy()
+            hits = np.ones(len(table), dtype=bool)
+            hits[np.flatnonzero(tiers == HOST)[::group]] = False  # the first of each promoted group misses
+            self.trace.add(now, seq.id, p.serial[table], tiers, hits)
         for j in range(0, len(on_host), group):
             misses += 1
             p.move(on_host[j:j + group], Tier.DEVICE, now, reason="miss")
@@ -836,6 +844,26 @@ class Engine:
             seq.hashes += [0] * nb
         seq.num_cached = new_cached
         self._hash_full_blocks(seq, 0)
+
+    def start_trace(self) -> None:
+        """Record every block read from now on (see engine/trace.py)."""
+        from engine.trace import TraceRecorder
+
+        with self.lock:
+            self.trace = TraceRecorder()
+            self.telemetry.emit("trace", recording=True)
+
+    def stop_trace(self, path: str | None = None):
+        """Stop recording; save to path (.npz) if given; return the AccessTrace."""
+        with self.lock:
+            rec, self.trace = self.trace, None
+        if rec is None:
+            return None
+        trace = rec.trace()
+        if path:
+            trace.save(path)
+        self.telemetry.emit("trace", recording=False, rows=len(trace), path=path or "")
+        return trace
 
     def reset_prefix_cache(self) -> int:
         with self.lock:

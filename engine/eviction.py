@@ -16,7 +16,16 @@ if TYPE_CHECKING:
 
 
 class EvictionPolicy(Protocol):
+    """Hooks (all optional beyond `victims`): the pool calls on_insert when it allocates a slot, on_access
+    when blocks are read, and on_move when blocks change tier (so per-slot state can follow them)."""
+
     name: str
+
+    def on_insert(self, tier: "TierPool", slot: int, now: float) -> None: ...
+
+    def on_access(self, tier: "TierPool", slots: np.ndarray, now: float) -> None: ...
+
+    def on_move(self, src: "TierPool", src_slots: np.ndarray, dst: "TierPool", dst_slots: np.ndarray) -> None: ...
 
     def victims(self, pool: "BlockPool", tier: "TierPool", candidates: np.ndarray, n: int, now: float) -> np.ndarray:
         """The n slots of `tier` to evict first, from `candidates` (slots of cached blocks)."""
@@ -32,14 +41,25 @@ def _lowest(score: np.ndarray, candidates: np.ndarray, n: int) -> np.ndarray:
     return candidates[order]
 
 
-class LRU:
+class _Stateless:
+    def on_insert(self, tier: "TierPool", slot: int, now: float) -> None:
+        pass
+
+    def on_access(self, tier: "TierPool", slots: np.ndarray, now: float) -> None:
+        pass
+
+    def on_move(self, src: "TierPool", src_slots: np.ndarray, dst: "TierPool", dst_slots: np.ndarray) -> None:
+        pass
+
+
+class LRU(_Stateless):
     name = "lru"
 
     def victims(self, pool: "BlockPool", tier: "TierPool", candidates: np.ndarray, n: int, now: float) -> np.ndarray:
         return _lowest(tier.last[candidates], candidates, n)
 
 
-class Heat:
+class Heat(_Stateless):
     """LRU-K with decay: lowest current heat first (heat*decay^idle), ties broken by the K-th last access."""
 
     name = "heat"

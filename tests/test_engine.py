@@ -269,3 +269,22 @@ def test_snapshot_arrays_match_the_pool(llama_model):
     mem = snap.memory["tiers"]["device"]
     assert mem["capacity_bytes"] == dev.capacity * eng.pool.block_bytes
     assert snap.memory["gpu"]["available"] is False and "no GPU" in snap.memory["gpu"]["reason"]
+
+
+def test_access_trace_records_every_read_with_hits_and_misses(llama_model, tmp_path):
+    from engine.trace import AccessTrace
+
+    ps = prompts(16, [60, 33, 71, 12])
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.05, host_budget_mb=1, prefetch_depth=1),
+                 EngineOptions(max_batched_tokens=64))
+    eng.start_trace()
+    run(eng, ps)
+    trace = eng.stop_trace(str(tmp_path / "t.npz"))
+    c = eng.counters
+    assert len(trace) == c.block_reads and int((~trace.hit).sum()) == c.block_misses > 0
+    assert np.all(trace.tier[~trace.hit] == 1)  # a miss is a read of a host block
+    back = AccessTrace.load(str(tmp_path / "t.npz"))
+    assert np.array_equal(back.block, trace.block) and np.array_equal(back.hit, trace.hit)
+    # A block keeps its serial across migrations: some serials are read as misses and later as hits.
+    missed = set(trace.block[~trace.hit].tolist())
+    assert missed & set(trace.block[trace.hit].tolist())
