@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int)
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
+    g.add_argument("--record-trace", metavar="FILE.npz", help="record every block read (for kvscope policy-lab)")
     _add_model_flags(g)
     _add_cache_flags(g)
 

@@ -80,7 +80,6 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import RequestError
-    from engine.tokenizer import StreamDecoder
 
     if args.prompt_file:
         requests = _read_prompt_file(args.prompt_file, args.max_new_tokens)
@@ -89,8 +88,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         raise RequestError("give a PROMPT or --prompt-file")
     engine, load_s = open_engine(args)
-    if requests is not None:
-        return _run_file(engine, args, requests, load_s)
+    if args.record_trace:
+        engine.start_trace()
+    try:
+        if requests is not None:
+            return _run_file(engine, args, requests, load_s)
+        return _run_one(engine, args, load_s)
+    finally:
+        if args.record_trace:
+            trace = engine.stop_trace(args.record_trace)
+            print(f"[kvscope] recorded {len(trace):,} block reads to {args.record_trace}", file=sys.stderr)
+
+
+def _run_one(engine, args, load_s: float) -> int:
+    from engine.tokenizer import StreamDecoder
 
     ids = _encode(engine, args.prompt, args.chat)
     sid = engine.add_request(ids, _sampling(args, args.max_new_tokens))

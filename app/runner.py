@@ -140,6 +140,18 @@ class EngineRunner:
         if self.workload is not None:
             self.workload.set_intensity(x)
 
+    @property
+    def recording(self) -> bool:
+        return self.engine.trace is not None
+
+    def start_trace(self) -> None:
+        self.engine.start_trace()
+
+    def stop_trace(self, path: str) -> int:
+        """Stop recording and save the block-access trace (.npz); returns its number of reads."""
+        trace = self.engine.stop_trace(path)
+        return 0 if trace is None else len(trace)
+
     def submit_prompt(self, text: str, chat: bool, max_new_tokens: int) -> int:
         """Queue a user prompt; its text streams through take_tokens(). Raises RequestError if it cannot fit."""
         from engine.sequence import SamplingParams

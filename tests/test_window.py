@@ -42,7 +42,8 @@ def busy(runner, n=3, new=400):
 
 
 def test_window_builds_with_every_panel(window):
-    assert set(window.docks) == {"Controls", "Prompt", "Sequences", "Events", "Hit rate", "Memory", "Heat"}
+    assert set(window.docks) == {"Controls", "Prompt", "Sequences", "Events", "Hit rate", "Memory", "Heat",
+                                 "Residency"}
     window.refresh()
     assert "tiny" in window.status.text() or "on cpu" in window.status.text()
 
@@ -181,3 +182,36 @@ def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_
     finally:
         runner.stop()
     eng.check_invariants()
+
+
+def test_record_trace_button_saves_a_trace_of_the_reads(qtbot, window, runner, tmp_path):
+    from engine.trace import AccessTrace
+
+    path = str(tmp_path / "rec.npz")
+    window.controls.trace_path = lambda: path
+    window.controls.record.setChecked(True)
+    busy(runner, n=2, new=20)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated >= 20, timeout=10_000)
+    window.controls.record.setChecked(False)
+    trace = AccessTrace.load(path)
+    assert len(trace) > 0 and "saved" in window.controls.message.text()
+    assert set(trace.seq.tolist()) <= set(runner.engine.seqs)
+
+
+def test_residency_panel_shows_reuse_and_eviction_ages(qtbot, llama_model):
+    from ui.main_window import MainWindow
+
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.03, host_budget_mb=0.02))
+    shared = prompts(40, [30])[0]
+    for p in [shared, shared] + prompts(41, [40, 40, 40]):  # a prefix hit, then pressure that evicts
+        eng.generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert eng.counters.prompt_reused > 0 and eng.counters.evictions > 0
+    runner = EngineRunner(eng)
+    win = MainWindow(runner)
+    qtbot.addWidget(win)
+    win.refresh_all()
+    lines = dict((line[:16].strip(), line[16:].strip())
+                 for line in win.residency.summary.text().splitlines())
+    assert lines["reuse gap"].startswith("n=") and lines["age at eviction"].startswith("n=")
+    curve_y = win.residency.curves["age_at_eviction"].getData()[1]
+    assert curve_y is not None and abs(float(np.sum(curve_y)) - 1.0) < 1e-6

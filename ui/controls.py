@@ -133,10 +133,14 @@ class ControlsPanel(QtWidgets.QWidget):
         self.intensity.setRange(1, 30)
         self.intensity.setValue(10)
         self.intensity.setToolTip("demo workload intensity (0.1x to 3x)")
+        self.record = QtWidgets.QPushButton("Record trace")
+        self.record.setCheckable(True)
+        self.record.setToolTip("record every block read (time, sequence, tier, hit/miss) for kvscope policy-lab")
         g.addWidget(self.pause, 0, 0)
         g.addWidget(self.step, 0, 1)
         g.addWidget(self.wl_pause, 1, 0)
         g.addWidget(self.intensity, 1, 1)
+        g.addWidget(self.record, 2, 0, 1, 2)
         lay.addWidget(eng)
         lay.addStretch(1)
         self.pause.toggled.connect(lambda on: (controller.pause_engine(on),
@@ -145,9 +149,10 @@ class ControlsPanel(QtWidgets.QWidget):
         self.wl_pause.toggled.connect(lambda on: (controller.set_workload_paused(on),
                                                   self.wl_pause.setText("Resume workload" if on else "Pause workload")))
         self.intensity.sliderReleased.connect(lambda: controller.set_intensity(self.intensity.value() / 10))
+        self.record.toggled.connect(self._record)
         if controller.read_only:
             for w in [*self.controls.values(), self.reset, self.load, self.pause, self.step, self.wl_pause,
-                      self.intensity]:
+                      self.intensity, self.record]:
                 w.setEnabled(False)
             self.message.setText("read-only: a saved snapshot")
         self.sync()
@@ -217,6 +222,31 @@ class ControlsPanel(QtWidgets.QWidget):
         path, _ = dlg(self, "Preset", "kvscope-preset.toml", "TOML (*.toml)")
         if path:
             fn(path)
+
+    def _record(self, on: bool) -> None:
+        if on:
+            self.controller.start_trace()
+            self.record.setText("Stop and save trace…")
+            self.show_ok("recording block reads")
+            return
+        path = self.trace_path()
+        self.record.setText("Record trace")
+        if not path:
+            self.controller.stop_trace("")
+            self.show_ok("trace discarded")
+            return
+        try:
+            n = self.controller.stop_trace(path)
+        except OSError as e:
+            self.show_error(f"{path}: {e}")
+            return
+        self.show_ok(f"saved {n:,} block reads to {path} (kvscope policy-lab {path})")
+
+    def trace_path(self) -> str:
+        """Where to save a recorded trace (a file dialog; tests replace this)."""
+        path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Save access trace", "kvscope-trace.npz",
+                                                        "Access trace (*.npz)")
+        return path
 
     def _ask_lossy(self, dtype: str) -> bool:
         r = QtWidgets.QMessageBox.question(

@@ -14,7 +14,7 @@ from engine.errors import ConfigError, RequestError
 from engine.telemetry import Snapshot
 from ui.block_map import BlockMap
 from ui.controls import ControlsPanel
-from ui.panels import EventsPanel, HeatPanel, HitRatePanel, MemoryPanel, PromptPanel, SequencesPanel
+from ui.panels import EventsPanel, HeatPanel, HitRatePanel, MemoryPanel, PromptPanel, ResidencyPanel, SequencesPanel
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
@@ -54,6 +54,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.hit = HitRatePanel()
         self.memory = MemoryPanel()
         self.heat = HeatPanel()
+        self.residency = ResidencyPanel()
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
@@ -64,7 +65,8 @@ class MainWindow(QtWidgets.QMainWindow):
                               ("Events", self.events, QtCore.Qt.LeftDockWidgetArea),
                               ("Hit rate", self.hit, QtCore.Qt.BottomDockWidgetArea),
                               ("Memory", self.memory, QtCore.Qt.BottomDockWidgetArea),
-                              ("Heat", self.heat, QtCore.Qt.BottomDockWidgetArea)):
+                              ("Heat", self.heat, QtCore.Qt.BottomDockWidgetArea),
+                              ("Residency", self.residency, QtCore.Qt.BottomDockWidgetArea)):
             d = QtWidgets.QDockWidget(name, self)
             d.setObjectName(f"dock-{name}")
             d.setWidget(w)
@@ -72,6 +74,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.docks[name] = d
         self.splitDockWidget(self.docks["Hit rate"], self.docks["Memory"], QtCore.Qt.Horizontal)
         self.splitDockWidget(self.docks["Memory"], self.docks["Heat"], QtCore.Qt.Horizontal)
+        self.tabifyDockWidget(self.docks["Heat"], self.docks["Residency"])
+        self.docks["Heat"].raise_()
         self.resize(1600, 1050)
         self.resizeDocks([self.docks["Controls"], self.docks["Sequences"]], [380, 400], QtCore.Qt.Horizontal)
         self.resizeDocks([self.docks["Hit rate"]], [420], QtCore.Qt.Vertical)
@@ -132,6 +136,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
             self.heat.update_snapshot(snap)
+            self.residency.update_snapshot(snap)
         if every_panel or slot == 0:
             self.seqs.update_snapshot(snap)
         if not self.controller.read_only:
@@ -273,6 +278,11 @@ class SnapshotController:
     def pause_engine(self, paused: bool) -> None: ...
 
     def step_once(self) -> None: ...
+
+    def start_trace(self) -> None: ...
+
+    def stop_trace(self, path: str) -> int:
+        return 0
 
     def set_workload_paused(self, paused: bool) -> None: ...
 

@@ -206,6 +206,44 @@ class HeatPanel(QtWidgets.QWidget):
         self.table.setText("\n".join(lines))
 
 
+class ResidencyPanel(QtWidgets.QWidget):
+    """Residency metrics as histograms over log-spaced seconds: reuse gap and age at a prefix hit, age at
+    eviction, block lifetime (the newest samples the engine keeps)."""
+
+    EDGES = np.geomspace(1e-3, 1e4, 29)
+    SERIES = (("reuse_gap", "reuse gap", "#4fc3f7"), ("age_at_hit", "age at hit", "#81c784"),
+              ("age_at_eviction", "age at eviction", "#e57373"), ("lifetime", "lifetime", "#ffb74d"))
+
+    def __init__(self):
+        super().__init__()
+        lay = QtWidgets.QVBoxLayout(self)
+        lay.setContentsMargins(2, 2, 2, 2)
+        self.plot = _plot("Residency (newest samples)", "share of samples")
+        self.plot.setLabel("bottom", "seconds (log)")
+        self.plot.setLogMode(x=True, y=False)
+        self.curves = {k: self.plot.plot(stepMode="center", pen=pg.mkPen(c, width=2), name=label)
+                       for k, label, c in self.SERIES}
+        self.summary = QtWidgets.QLabel()
+        self.summary.setStyleSheet("font-size: 8pt; font-family: monospace;")
+        self.summary.setFixedHeight(62)
+        self.summary.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+        lay.addWidget(self.plot, 1)
+        lay.addWidget(self.summary)
+
+    def update_snapshot(self, snap: Snapshot) -> None:
+        lines = []
+        for key, label, _ in self.SERIES:
+            v = snap.residency.get(key, np.zeros(0))
+            counts, _ = np.histogram(np.clip(v, self.EDGES[0], self.EDGES[-1]), bins=self.EDGES)
+            self.curves[key].setData(self.EDGES, counts / max(len(v), 1))
+            if len(v):
+                p50, p90 = np.percentile(v, [50, 90])
+                lines.append(f"{label:<16} n={len(v):<5} p50 {p50:8.2f} s  p90 {p90:8.2f} s")
+            else:
+                lines.append(f"{label:<16} no samples yet")
+        self.summary.setText("\n".join(lines))
+
+
 def _extremes(h: np.ndarray, k: int) -> tuple[list[int], list[int]]:
     """Indices of the k largest and k smallest values; repeated argmax is ~10x faster than argpartition
     for a handful of extremes of a large array."""
