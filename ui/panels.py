@@ -269,13 +269,15 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectRows)
         self.setSelectionMode(QtWidgets.QAbstractItemView.SingleSelection)
         self.setEditTriggers(QtWidgets.QAbstractItemView.NoEditTriggers)
+        self.setShowGrid(False)
+        self.setAlternatingRowColors(True)
         # Fixed widths: ResizeToContents re-measures every row on each setText, a frame-time spike.
         self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
         for c, w in enumerate((34, 92, 64, 50, 36, 50, 54, 44, 56, 48)):
             self.setColumnWidth(c, w)
         self.verticalHeader().setDefaultSectionSize(18)
-        self.setStyleSheet("font-size: 8pt;")
+        self.setFont(_small_font(8))  # a font, not a style sheet: style-sheeted item views paint slower
         self.itemSelectionChanged.connect(self._selected)
         self._ids: list[int] = []
         self._rows: list[tuple[str, ...]] = []  # texts on screen, per row
@@ -357,7 +359,8 @@ class EventsPanel(QtWidgets.QWidget):
         row.addWidget(self.text, 1)
         lay.addLayout(row)
         self.list = QtWidgets.QListWidget()
-        self.list.setStyleSheet("font-size: 8pt; font-family: monospace;")
+        self.list.setFont(_small_font(8, mono=True))
+        self.list.setUniformItemSizes(True)
         lay.addWidget(self.list, 1)
         self.events: list[tuple[float, str, str]] = []
         self.kind.currentTextChanged.connect(self._refilter)
@@ -403,6 +406,12 @@ class EventsPanel(QtWidgets.QWidget):
         rows = [e for e in reversed(self.events) if self._passes(e)][: self.SHOWN]
         self.list.clear()
         self.list.addItems([self._line(e) for e in rows])
+
+
+def _small_font(points: int, mono: bool = False) -> QtGui.QFont:
+    f = QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.FixedFont) if mono else QtGui.QFont()
+    f.setPointSize(points)
+    return f
 
 
 def _short(v) -> str:
