@@ -79,10 +79,15 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     _add_model_flags(b)
     _add_cache_flags(b)
+    from app.sweep import add_sweep_flags
+
+    add_sweep_flags(b)
+    sub.add_parser("policy-lab", add_help=False,
+                   help="replay a recorded block-access trace through eviction policies, against Belady's OPT")
     return ap
 
 
-SUBCOMMANDS = ("generate", "info", "bench")
+SUBCOMMANDS = ("generate", "info", "bench", "policy-lab")
 
 
 def window_parser() -> argparse.ArgumentParser:
@@ -111,6 +116,14 @@ def main(argv: list[str] | None = None) -> int:
         except (ModelLoadError, ConfigError, RequestError, OSError) as e:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
+    if argv[0] == "policy-lab":
+        from engine.policy_lab import main as lab_main
+
+        try:
+            return lab_main(argv[1:])
+        except (ValueError, OSError) as e:
+            print(f"kvscope policy-lab: error: {e}", file=sys.stderr)
+            return 2
     ap = build_parser()
     args = ap.parse_args(argv)
     try:
@@ -122,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
             from app.commands import cmd_info
 
             return cmd_info(args)
+        if args.cmd == "bench" and (args.workload or args.trace):
+            from app.sweep import run_sweep
+
+            return run_sweep(args)
         if args.cmd == "bench" and args.ui:
             from app.ui_bench import run_ui_bench
 

@@ -1,0 +1,157 @@
+"""Workload replay and config sweeps (`kvscope bench --trace/--workload --sweep ...`) on the tiny Llama."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import struct
+
+import pytest
+
+from app.cli import _add_cache_flags, _add_model_flags
+from app.sweep import BIN_EDGES_S, add_sweep_flags, run_sweep
+from engine.workloads import load_trace
+
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "example_trace.jsonl")
+
+
+def bench_args(*argv: str) -> argparse.Namespace:
+    """The `kvscope bench` flags the sweep reads, parsed as the CLI would."""
+    p = argparse.ArgumentParser(prog="kvscope bench")
+    p.add_argument("--json", action="store_true")
+    _add_model_flags(p)
+    _add_cache_flags(p)
+    add_sweep_flags(p)
+    return p.parse_args(list(argv))
+
+
+def sweep_json(capsys, *argv: str) -> tuple[dict, str]:
+    """The --json object and what went to stderr."""
+    assert run_sweep(bench_args(*argv, "--json")) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err
+
+
+def test_example_trace_has_every_kind_of_request():
+    reqs = load_trace(TRACE)
+    assert 12 <= len(reqs) <= 20
+    assert max(r.arrival_s for r in reqs) <= 10.5
+    assert {"chat", "turn", "document", "nbest", "fork"} <= {r.kind for r in reqs}
+    sessions = [r.session for r in reqs]
+    assert sum(1 for s in set(sessions) if sessions.count(s) >= 3) >= 2  # two sessions with 3 turns
+    firsts = [r.prompt for r in reqs if r.kind == "chat" and r.prompt.startswith("You are Quill")]
+    assert len(firsts) >= 2 and len({p.split("\n\n")[0] for p in firsts}) == 1  # a shared system prompt
+    fork = next(r for r in reqs if r.kind == "fork")
+    assert fork.fork_of in sessions[:sessions.index(fork.session)]
+    # A returning user: a turn more than 6 s after the session's previous request.
+    by = {}
+    gaps = []
+    for r in reqs:
+        if r.session in by:
+            gaps.append(r.arrival_s - by[r.session])
+        by[r.session] = r.arrival_s
+    assert max(gaps) >= 6.0
+
+
+def test_example_trace_replays_in_real_time_with_forks_and_demotion(tiny_llama, capsys):
+    res, err = sweep_json(capsys, "--model", tiny_llama, "--trace", TRACE, "--max-new-tokens-cap", "8")
+    (row,) = res["rows"]
+    assert row["config"] == "base" and res["configs"][0]["label"] == "base"
+    assert row["requests"] == 15 and row["finished"] == 15 and row["refused"] == 0
+    assert row["generated_tokens"] > 0 and row["tokens_per_s"] > 0
+    assert row["forked"] == 1  # the fork shared its live parent's blocks (seq_cp)
+    assert row["prefix_hit_rate"] > 0  # later turns and users reuse the cached prefixes
+    # The returning user was idle ~6 s > demote_after_s (5 s): the clock skipped the gap, blocks were demoted.
+    assert row["demotions"] > 0
+    assert row["wall_s"] < 10.0  # the last request arrives at 10 s: the idle gaps cost no wall time
+    assert 0 < row["ttft_p50_ms"] <= row["ttft_p95_ms"] and 0 < row["itl_p50_ms"] <= row["itl_p95_ms"]
+    assert "\r[sweep] config 1/1 base" in err and "requests 15/15" in err
+
+
+def test_two_by_two_sweep_table_csv_json_and_plot_agree(tiny_llama, tmp_path, capsys):
+    out_csv, out_png = tmp_path / "sweep.csv", tmp_path / "sweep.png"
+    argv = ["--model", tiny_llama, "--trace", TRACE, "--time-scale", "0", "--max-new-tokens-cap", "6",
+            "--sweep", "block_size=8,16", "--sweep", "kv_dtype=fp32,int8", "--csv", str(out_csv),
+            "--plot", str(out_png)]
+    assert run_sweep(bench_args(*argv, "--json")) == 0
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    labels = ["block_size=8 kv_dtype=fp32", "block_size=8 kv_dtype=int8", "block_size=16 kv_dtype=fp32",
+              "block_size=16 kv_dtype=int8"]
+    assert [r["config"] for r in res["rows"]] == labels
+    assert [(c["block_size"], c["kv_dtype"]) for c in res["configs"]] == [(8, "fp32"), (8, "int8"), (16, "fp32"),
+                                                                          (16, "int8")]
+    assert all(r["finished"] == r["requests"] == 15 and r["tokens_per_s"] > 0 for r in res["rows"])
+    # int8 blocks are smaller, so the same work peaks at fewer device bytes.
+    peak = {r["config"]: r["peak_device_bytes"] for r in res["rows"]}
+    assert peak[labels[1]] < peak[labels[0]] and peak[labels[3]] < peak[labels[2]]
+    assert "[sweep] config 4/4" in out.err and "\r" in out.err
+
+    with open(out_csv, newline="") as f:
+        csv_rows = list(csv.DictReader(f))
+    assert len(csv_rows) == 4
+    for c, j in zip(csv_rows, res["rows"]):
+        assert list(c) == list(j)
+        for k, v in j.items():
+            if v is None:
+                assert c[k] == ""
+            elif isinstance(v, str):
+                assert c[k] == v
+            else:
+                assert math.isclose(float(c[k]), v, rel_tol=1e-9), k
+
+    data = out_png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width >= 1500 and height >= 1200 and 30_000 < len(data) < 3_000_000
+
+    # The same run as a table: one aligned line per config under a header with units.
+    assert run_sweep(bench_args(*argv[:-4])) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("config"))
+    assert "tok/s" in lines[header] and "TTFT p50/p95 ms" in lines[header] and "peak dev/host MB" in lines[header]
+    body = lines[header + 2:header + 6]
+    assert [line.split("  ")[0].strip() for line in body] == labels
+    assert len({len(line) for line in lines[header:header + 6]}) <= 2  # aligned columns
+
+
+@pytest.mark.parametrize("sweep, needle", [
+    ("block_sizee=8,16", "unknown knob"),
+    ("block_size=0,16", "block_size: 0 is outside"),
+    ("kv_dtype=fp32,fp33", "kv_dtype: unknown dtype 'fp33'"),
+    ("policy=lru,nope", "policy: 'nope' is not one of"),
+    ("block_size", "expected KNOB=V1,V2"),
+])
+def test_a_bad_sweep_is_a_clear_error_before_the_model_loads(sweep, needle, tmp_path, capsys):
+    # --model names nothing: the sweep must be refused before any model is looked for.
+    args = bench_args("--model", str(tmp_path / "no-model"), "--trace", TRACE, "--sweep", sweep)
+    assert run_sweep(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: --sweep") and needle in err and "Traceback" not in err
+
+
+def test_a_bad_trace_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 4}\n{"arrival_s": 1}\n')
+    assert run_sweep(bench_args("--trace", str(bad))) == 2
+    assert "bad.jsonl:2: missing 'session'" in capsys.readouterr().err
+
+
+def test_residency_histograms_fill_when_a_small_cache_evicts(tiny_llama, capsys):
+    # fp32 blocks of 16 tokens are 8 KiB on the tiny model: 32 device blocks, 8 host blocks, for 4 users
+    # whose prompts are ~16 blocks each.
+    res, _ = sweep_json(capsys, "--model", tiny_llama, "--workload", "chat", "--requests", "12", "--time-scale", "0",
+                        "--max-new-tokens-cap", "8", "--device-budget-mb", "0.25", "--host-budget-mb", "0.0625")
+    (row,) = res["rows"]
+    assert row["finished"] == row["requests"] == 12
+    assert row["evictions"] > 0 and row["prefix_hit_rate"] > 0
+    hists = res["residency"]["base"]
+    for key in ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime"):
+        h = hists[key]
+        assert h["n"] > 0 and sum(h["counts"]) == h["n"], key
+        assert h["edges_s"] == list(BIN_EDGES_S) and len(h["counts"]) == len(BIN_EDGES_S) - 1
+        assert 0 <= h["p50_s"] <= h["p90_s"]
+        assert row[f"{key}_p50_s"] == pytest.approx(h["p50_s"])
