@@ -56,7 +56,7 @@ DTYPE_PRECISION = {
     KVDtype.FP8: 4,
 }
 
-POLICIES = ("lru", "heat")
+POLICIES = ("lru", "heat", "s3fifo")
 
 
 class ConfigError(ValueError):
