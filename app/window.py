@@ -126,6 +126,18 @@ ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))
 def _style(app) -> None:
     from PySide6 import QtGui
 
+    pal = QtGui.QPalette()
+    for role, colour in ((QtGui.QPalette.Window, "#1b1e23"), (QtGui.QPalette.WindowText, "#d0d4da"),
+                         (QtGui.QPalette.Base, "#15181d"), (QtGui.QPalette.AlternateBase, "#1c2026"),
+                         (QtGui.QPalette.Text, "#d0d4da"), (QtGui.QPalette.Button, "#2a2f37"),
+                         (QtGui.QPalette.ButtonText, "#d0d4da"), (QtGui.QPalette.Highlight, "#2f5d7c"),
+                         (QtGui.QPalette.HighlightedText, "#ffffff"), (QtGui.QPalette.ToolTipBase, "#252930"),
+                         (QtGui.QPalette.ToolTipText, "#e6e8eb"), (QtGui.QPalette.PlaceholderText, "#737a84")):
+        pal.setColor(role, QtGui.QColor(colour))
+    app.setPalette(pal)
+    font = app.font()
+    font.setPointSize(9)
+    app.setFont(font)
     with open(os.path.join(ASSETS, "style.qss"), encoding="utf-8") as f:
         app.setStyleSheet(f.read())
     app.setWindowIcon(QtGui.QIcon(os.path.join(ASSETS, "icons", "kvscope.svg")))

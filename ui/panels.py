@@ -71,7 +71,7 @@ class HitRatePanel(QtWidgets.QWidget):
                 continue
             y = snap.series.get(key)
             if y is not None and len(y) == len(x):
-                curve.setData(x, y)
+                curve.setData(x, y, skipFiniteCheck=True)  # rates are always finite
 
 
 class MemoryPanel(QtWidgets.QWidget):
@@ -118,7 +118,10 @@ class MemoryPanel(QtWidgets.QWidget):
                 continue
             y = snap.series.get(key)
             if y is not None and len(y) == len(x):
-                curve.setData(x, y / MB, connect="finite")
+                if key in ("gpu_used_bytes", "torch_allocated_bytes"):  # NaN where NVML could not be read
+                    curve.setData(x, y / MB, connect="finite")
+                else:
+                    curve.setData(x, y / MB, skipFiniteCheck=True)
         if not gpu.get("available"):
             self.proc.setTitle("Process — <span style='color:#ff8a80'>no GPU</span>", size="9pt")
         tiers = snap.memory["tiers"]
@@ -235,7 +238,7 @@ class ResidencyPanel(QtWidgets.QWidget):
         for key, label, _ in self.SERIES:
             v = snap.residency.get(key, np.zeros(0))
             counts, _ = np.histogram(np.clip(v, self.EDGES[0], self.EDGES[-1]), bins=self.EDGES)
-            self.curves[key].setData(self.EDGES, counts / max(len(v), 1))
+            self.curves[key].setData(self.EDGES, counts / max(len(v), 1), skipFiniteCheck=True)
             if len(v):
                 p50, p90 = np.percentile(v, [50, 90])
                 lines.append(f"{label:<16} n={len(v):<5} p50 {p50:8.2f} s  p90 {p90:8.2f} s")
