@@ -422,7 +422,6 @@ class Engine:
             p.move(on_host[j:j + group], Tier.DEVICE, now, reason="miss")
         self.counters.block_reads += reads
         self.counters.block_misses += misses
-        self.telemetry.record_reads(seq, misses, now)
         # Copy-on-write of a shared (or cached) partial tail before writing into it.
         if seq.num_cached % bs and seq.blocks:
             self._ensure_writable(seq, seq.num_cached // bs, now)

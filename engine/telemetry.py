@@ -160,9 +160,6 @@ class Telemetry:
         self.residency["reuse_gap"].extend(gaps.tolist())
         self.residency["age_at_hit"].extend(ages.tolist())
 
-    def record_reads(self, seq, misses: int, now: float) -> None:
-        pass  # per-sequence read accounting lives in the counters; hook kept for the trace recorder
-
     def ttft(self, seconds: float) -> None:
         self.ttfts.append(seconds)
 
