@@ -74,7 +74,9 @@ def run_ui_bench(big: int = 1_000_000, medium: int = 100_000, stall_s: float = 2
     # A refresh repaints what it changed: every data panel (the map, plots, tables, status bar), not the
     # static controls. Each is rendered into its own reused image, as Qt paints dirty widgets into the
     # window's backing store.
-    panels = [win.block_map, win.hit, win.memory, win.heat, win.residency, win.seqs, win.events, win.statusBar()]
+    # (The residency dock is a tab behind Heat: not visible, so Qt would not paint it.)
+    panels = [w for w in (win.block_map, win.hit, win.memory, win.heat, win.residency, win.seqs, win.events,
+                          win.statusBar()) if w.isVisible()]
     from PySide6 import QtGui
 
     images = [QtGui.QImage(w.size(), QtGui.QImage.Format_ARGB32_Premultiplied) for w in panels]

@@ -135,8 +135,11 @@ class MainWindow(QtWidgets.QMainWindow):
         elif slot in (1, 3):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
-            self.heat.update_snapshot(snap)
-            self.residency.update_snapshot(snap)
+            # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
+            if self.heat.isVisible() or not self.isVisible():
+                self.heat.update_snapshot(snap)
+            if self.residency.isVisible() or not self.isVisible():
+                self.residency.update_snapshot(snap)
         if every_panel or slot == 0:
             self.seqs.update_snapshot(snap)
         if not self.controller.read_only:
