@@ -206,6 +206,9 @@ class BlockPool:
     def last_of(self, lids) -> np.ndarray:
         return self._meta("last", lids)
 
+    def born_of(self, lids) -> np.ndarray:
+        return self._meta("born", lids)
+
     # -- queries ------------------------------------------------------------------------------
     def free_slots(self, tier: Tier) -> int:
         return len(self.tiers[tier].free_slots)

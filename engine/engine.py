@@ -93,12 +93,16 @@ class Engine:
         self.eos = set(self.spec.eos_token_ids)
 
     # -- set-up -------------------------------------------------------------------------------
-    def _make_pool(self, config: CacheConfig) -> BlockPool:
+    @staticmethod
+    def _require_supported(config: CacheConfig) -> None:
         if config.kv_dtype is KVDtype.FP8:
             from engine.codecs import fp8_supported
 
             if not fp8_supported():
                 raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
+
+    def _make_pool(self, config: CacheConfig) -> BlockPool:
+        self._require_supported(config)
         first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
         pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
                          first_serial=first)
@@ -158,11 +162,7 @@ class Engine:
         with self.lock:
             base = self._pending_config[-1][1] if self._pending_config else self.config
             new = base.replace(**changes)
-            if new.kv_dtype is KVDtype.FP8:
-                from engine.codecs import fp8_supported
-
-                if not fp8_supported():
-                    raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
+            self._require_supported(new)
             self._check_budget(new)
             self._pending_config.append((changes, new))
             return new
@@ -358,7 +358,7 @@ class Engine:
         seq.table_version += 1
         if seq.blocks:
             now = self.clock()
-            self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool._meta("born", seq.blocks))
+            self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool.born_of(seq.blocks))
         seq.num_cached = len(seq.blocks) * bs
         seq.canonical = seq.num_cached
         if seq.first_token_at is None and seq.preemptions == 0:  # count a prompt once, not at each recompute
@@ -792,9 +792,7 @@ class Engine:
         if new_pos is None:
             new_pos = [old_pos[i] + (deltas if deltas is not None and shift_from is not None and j >= shift_from else 0)
                        for j, i in enumerate(keep)]
-            src_idx = keep
-        else:
-            src_idx = keep
+        src_idx = keep
         # The first kept index that differs from before: everything from there is rewritten.
         first = 0
         while first < len(src_idx) and src_idx[first] == first and new_pos[first] == old_pos[first]:
