@@ -799,6 +799,13 @@ class Engine:
             first += 1
         b0 = first // bs
         cached_keep = [i for i in src_idx if i < seq.num_cached]
+        # Refuse before touching anything if the re-laid tail cannot get blocks: the tail's old blocks that
+        # only this sequence holds come back when it lets go of them, the rest must be reclaimable already.
+        need = blocks_for(max(len(cached_keep) - b0 * bs, 0), bs)
+        own = sum(1 for lid in seq.blocks[b0:] if p.ref_of(lid) == 1)
+        if need > p.reclaimable(Tier.DEVICE) + p.reclaimable(Tier.HOST) + own:
+            raise RequestError(f"sequence {seq.id}: no room to re-lay {need} blocks (both tiers full of owned "
+                               "blocks); nothing was changed")
         k_tail = v_tail = None
         if seq.num_cached and len(cached_keep) > b0 * bs:
             k, v = self._tokens_kv(p, seq)  # [L, n, Hkv, D]

@@ -288,3 +288,19 @@ def test_access_trace_records_every_read_with_hits_and_misses(llama_model, tmp_p
     # A block keeps its serial across migrations: some serials are read as misses and later as hits.
     missed = set(trace.block[~trace.hit].tolist())
     assert missed & set(trace.block[trace.hit].tolist())
+
+
+def test_seq_add_with_both_tiers_full_is_refused_and_changes_nothing(llama_model):
+    # 0.02 MB device + 0 host = 10 blocks of 4 tokens; a 36-token prompt and its fork share 9 of them.
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.02, host_budget_mb=0.0))
+    a = eng.add_request(prompts(17, [36])[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    eng.step()
+    eng.seq_cp(a)
+    seq = eng.seqs[a]
+    before = (list(seq.tokens), list(seq.pos), list(seq.blocks), seq.num_cached)
+    free = eng.pool.reclaimable(Tier.DEVICE) + eng.pool.reclaimable(Tier.HOST)
+    assert free < 9 and all(eng.pool.ref_of(lid) == 2 for lid in seq.blocks)
+    with pytest.raises(RequestError, match="nothing was changed"):
+        eng.seq_add(a, 2, None, 1)  # would re-lay 9 shared blocks into new ones
+    assert (seq.tokens, seq.pos, seq.blocks, seq.num_cached) == before
+    eng.check_invariants()
