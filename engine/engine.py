@@ -377,7 +377,11 @@ class Engine:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted while making room for an earlier one
             if self._needs_shift(seq):
-                self._context_shift(seq)
+                try:
+                    self._context_shift(seq)
+                except RequestError:  # no room to re-lay its tail now: wait, unchanged, until blocks free up
+                    self._preempt(seq, now)
+                    continue
             n = min(seq.pending, budget) if seq.pending > 1 else seq.pending
             if n <= 0:
                 continue
