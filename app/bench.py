@@ -175,7 +175,7 @@ def filled_engine(n_blocks: int, seq_tokens: int = 1000):
     s = model.spec
     per_block = s.num_layers * s.num_kv_heads * s.head_dim * 2 * 4  # fp32, block_size 1
     half_mb = n_blocks / 2 * per_block / 2**20
-    now = [0.0]
+    now = [1000.0]  # a clock well past zero, so a bench can lay history before the fill
     eng = Engine(model, CacheConfig(block_size=1, device_budget_mb=half_mb, host_budget_mb=half_mb,
                                     demote_after_s=1.0),
                  EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])

@@ -98,6 +98,26 @@ def test_selecting_a_sequence_highlights_its_blocks(qtbot, window, runner):
     assert [np.array_equal(np.sort(g), w) for g, w in zip(got, want)] == [True, True]
     assert sum(len(w) for w in want) == len(runner.engine.seqs[ids[1]].blocks)
 
+    # The table paints its rows itself: the selected row is highlighted, each row carries its sequence's
+    # colour swatch, and the id text is there.
+    from PySide6 import QtGui
+
+    from ui.palette import seq_rgb
+
+    vp = window.seqs.viewport()
+    img = QtGui.QImage(vp.size(), QtGui.QImage.Format_ARGB32)
+    vp.render(img)
+    h = window.seqs.verticalHeader().defaultSectionSize()
+    highlight = window.seqs.palette().color(QtGui.QPalette.Highlight).rgb() & 0xFFFFFF
+    y_sel = window.seqs.rowViewportPosition(row) + h // 2
+    assert img.pixel(vp.width() - 3, y_sel) & 0xFFFFFF == highlight
+    other = (row + 1) % len(window.seqs._ids)
+    assert img.pixel(vp.width() - 3, window.seqs.rowViewportPosition(other) + h // 2) & 0xFFFFFF != highlight
+    for r, sid in enumerate(window.seqs._ids[:5]):
+        x0 = window.seqs.horizontalHeader().sectionViewportPosition(0)
+        got = QtGui.QColor(img.pixel(x0 + 7, window.seqs.rowViewportPosition(r) + h // 2))
+        assert (got.red(), got.green(), got.blue()) == seq_rgb(sid)
+
 
 def test_screenshot_and_json_round_trip_through_open_snapshot(qtbot, window, runner, tmp_path):
     from PySide6 import QtGui

@@ -76,8 +76,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self.splitDockWidget(self.docks["Memory"], self.docks["Heat"], QtCore.Qt.Horizontal)
         self.tabifyDockWidget(self.docks["Heat"], self.docks["Residency"])
         self.docks["Heat"].raise_()
+        # Hidden tabs are not refreshed; one brought to the front is filled at once.
+        for name, panel in (("Heat", self.heat), ("Residency", self.residency)):
+            self.docks[name].visibilityChanged.connect(
+                lambda shown, panel=panel: shown and self.snapshot is not None and panel.update_snapshot(self.snapshot))
         self.resize(1600, 1050)
-        self.resizeDocks([self.docks["Controls"], self.docks["Sequences"]], [380, 400], QtCore.Qt.Horizontal)
+        self.resizeDocks([self.docks["Controls"], self.docks["Sequences"]], [370, 470], QtCore.Qt.Horizontal)
         self.resizeDocks([self.docks["Hit rate"]], [420], QtCore.Qt.Vertical)
         self.resizeDocks([self.docks["Controls"], self.docks["Prompt"]], [430, 250], QtCore.Qt.Vertical)
 
@@ -136,10 +140,9 @@ class MainWindow(QtWidgets.QMainWindow):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
             # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
-            if self.heat.isVisible() or not self.isVisible():
-                self.heat.update_snapshot(snap)
-            if self.residency.isVisible() or not self.isVisible():
-                self.residency.update_snapshot(snap)
+            for panel in (self.heat, self.residency):
+                if self._on_screen(panel):
+                    panel.update_snapshot(snap)
         if every_panel or slot == 0:
             self.seqs.update_snapshot(snap)
         if not self.controller.read_only:
@@ -156,6 +159,11 @@ class MainWindow(QtWidgets.QMainWindow):
             self.fps = self._fps_n / (now - self._fps_t)
             self._fps_t, self._fps_n = now, 0
         self._status(snap)
+
+    def _on_screen(self, panel: QtWidgets.QWidget) -> bool:
+        """Whether any of the panel shows (a dock tabbed behind another does not); before the window is
+        shown every panel counts, so tests and screenshots see them filled."""
+        return not self.isVisible() or not panel.visibleRegion().isEmpty()
 
     def _status(self, snap: Snapshot) -> None:
         c, w = snap.counters, snap.windowed

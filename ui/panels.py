@@ -10,10 +10,13 @@ import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from engine.telemetry import Snapshot
+from engine.telemetry import SERIES_LEN, SERIES_PERIOD_S, Snapshot
+from ui.palette import seq_color
+from ui.strip_chart import StripChart
 
 STATE_NAMES = {0: "waiting", 1: "running", 2: "paused", 3: "preempted", 4: "finished"}
 MB = 2**20
+SPAN_S = SERIES_LEN * SERIES_PERIOD_S  # the time-series charts show everything the engine keeps
 
 pg.setConfigOptions(antialias=False, background="#15181d", foreground="#c8ccd4")
 
@@ -45,33 +48,25 @@ class HitRatePanel(QtWidgets.QWidget):
         super().__init__()
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
-        self.rates = _plot("Hit rate", "rate")
-        self.rates.setYRange(0, 1.25)  # headroom above 1.0 for the legend
-        self.rates.getAxis("left").setTicks([[(v, f"{v:.1f}") for v in (0, 0.2, 0.4, 0.6, 0.8, 1.0)]])
-        self.flow = _plot("Evictions and migrations", "blocks / s", legend_cols=3)
-        self.curves = {
-            "device_hit_rate_w": self.rates.plot(pen=pg.mkPen("#4fc3f7", width=2), name="device (5 s)"),
-            "device_hit_rate": self.rates.plot(pen=pg.mkPen("#4fc3f7", width=1, style=QtCore.Qt.DashLine),
-                                               name="device (all)"),
-            "prefix_hit_rate_w": self.rates.plot(pen=pg.mkPen("#ffb74d", width=2), name="prefix (5 s)"),
-            "prefix_hit_rate": self.rates.plot(pen=pg.mkPen("#ffb74d", width=1, style=QtCore.Qt.DashLine),
-                                               name="prefix (all)"),
-            "evictions_per_s": self.flow.plot(pen=pg.mkPen("#e57373", width=2), name="evictions"),
-            "promotions_per_s": self.flow.plot(pen=pg.mkPen("#81c784", width=2), name="promotions"),
-            "demotions_per_s": self.flow.plot(pen=pg.mkPen("#ba68c8", width=2), name="demotions"),
-        }
+        self.rates = StripChart("Hit rate", "rate", span_s=SPAN_S, y_range=(0.0, 1.0),
+                                y_ticks=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0))
+        self.rates.add_series("device_hit_rate_w", "device (5 s)", "#4fc3f7", width=2)
+        self.rates.add_series("device_hit_rate", "device (all)", "#4fc3f7", dashed=True)
+        self.rates.add_series("prefix_hit_rate_w", "prefix (5 s)", "#ffb74d", width=2)
+        self.rates.add_series("prefix_hit_rate", "prefix (all)", "#ffb74d", dashed=True)
+        self.flow = StripChart("Evictions and migrations", "blocks / s", span_s=SPAN_S)
+        self.flow.add_series("evictions_per_s", "evictions", "#e57373", width=2)
+        self.flow.add_series("promotions_per_s", "promotions", "#81c784", width=2)
+        self.flow.add_series("demotions_per_s", "demotions", "#ba68c8", width=2)
         lay.addWidget(self.rates, 3)
         lay.addWidget(self.flow, 2)
 
     def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
-        """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one plot)."""
+        """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one chart)."""
         x = _ago(snap.series, snap.t)
-        for key, curve in self.curves.items():
-            if part != "all" and (key.endswith("_per_s")) != (part == "flow"):
-                continue
-            y = snap.series.get(key)
-            if y is not None and len(y) == len(x):
-                curve.setData(x, y, skipFiniteCheck=True)  # rates are always finite
+        for chart in (self.rates, self.flow):
+            if part == "all" or (chart is self.flow) == (part == "flow"):
+                chart.set_data(x, {k: snap.series[k] for k in chart.series if k in snap.series})
 
 
 class MemoryPanel(QtWidgets.QWidget):
@@ -81,17 +76,11 @@ class MemoryPanel(QtWidgets.QWidget):
         super().__init__()
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
-        self.plot = _plot("KV tiers: used and capacity (dotted)", "MiB")
-        self.proc = _plot("Process" + " and GPU", "MiB", legend_cols=3)
-        self.curves = {
-            "device_used_bytes": self.plot.plot(pen=pg.mkPen("#4fc3f7", width=2), name="device tier"),
-            "host_used_bytes": self.plot.plot(pen=pg.mkPen("#ba68c8", width=2), name="host tier"),
-            "rss_bytes": self.proc.plot(pen=pg.mkPen("#9e9e9e", width=2), name="process RSS"),
-        }
-        self.cap_dev = pg.InfiniteLine(angle=0, pen=pg.mkPen("#4fc3f7", style=QtCore.Qt.DotLine))
-        self.cap_host = pg.InfiniteLine(angle=0, pen=pg.mkPen("#ba68c8", style=QtCore.Qt.DotLine))
-        self.plot.addItem(self.cap_dev)
-        self.plot.addItem(self.cap_host)
+        self.plot = StripChart("KV tiers: used, and capacity (dotted)", "MiB", span_s=SPAN_S)
+        self.plot.add_series("device_used_bytes", "device tier", "#4fc3f7", width=2)
+        self.plot.add_series("host_used_bytes", "host tier", "#ba68c8", width=2)
+        self.proc = StripChart("Process and GPU", "MiB", span_s=SPAN_S)
+        self.proc.add_series("rss_bytes", "process RSS", "#9e9e9e", width=2)
         self.text = QtWidgets.QLabel()
         self.text.setTextFormat(QtCore.Qt.RichText)
         self.text.setWordWrap(True)
@@ -106,32 +95,23 @@ class MemoryPanel(QtWidgets.QWidget):
         lay.addWidget(self.text, 0)
 
     def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
-        """part: "tiers", "process" or "all" (the window alternates halves, so one frame paints one plot)."""
+        """part: "tiers", "process" or "all" (the window alternates halves, so one frame paints one chart)."""
         x = _ago(snap.series, snap.t)
         gpu = snap.memory["gpu"]
-        if gpu.get("available") and "gpu_used_bytes" not in self.curves:
-            self.curves["gpu_used_bytes"] = self.proc.plot(pen=pg.mkPen("#81c784", width=2), name="GPU used (NVML)")
-            self.curves["torch_allocated_bytes"] = self.proc.plot(pen=pg.mkPen("#ffb74d", width=1),
-                                                                  name="torch allocated")
-        for key, curve in self.curves.items():
-            if part != "all" and (key.endswith("used_bytes") and "gpu" not in key) != (part == "tiers"):
-                continue
-            y = snap.series.get(key)
-            if y is not None and len(y) == len(x):
-                if key in ("gpu_used_bytes", "torch_allocated_bytes"):  # NaN where NVML could not be read
-                    curve.setData(x, y / MB, connect="finite")
-                else:
-                    curve.setData(x, y / MB, skipFiniteCheck=True)
-        if not gpu.get("available"):
-            self.proc.setTitle("Process — <span style='color:#ff8a80'>no GPU</span>", size="9pt")
+        if gpu.get("available") and "gpu_used_bytes" not in self.proc.series:
+            self.proc.add_series("gpu_used_bytes", "GPU used (NVML)", "#81c784", width=2)
+            self.proc.add_series("torch_allocated_bytes", "torch allocated", "#ffb74d")
         tiers = snap.memory["tiers"]
+        self.plot.set_level("device", tiers["device"]["capacity_bytes"] / MB, "#4fc3f7")
+        self.plot.set_level("host", tiers["host"]["capacity_bytes"] / MB, "#ba68c8")
+        for chart in (self.plot, self.proc):
+            if part == "all" or (chart is self.plot) == (part == "tiers"):
+                # NaN where NVML could not be read: the chart breaks the line there.
+                chart.set_data(x, {k: snap.series[k] / MB for k in chart.series if k in snap.series})
+        self.proc.set_note("" if gpu.get("available") else "no GPU")
         if time.monotonic() - self._text_at < 1.0:  # the text changes slowly; re-rendering it is not free
-            self.cap_dev.setValue(tiers["device"]["capacity_bytes"] / MB)
-            self.cap_host.setValue(tiers["host"]["capacity_bytes"] / MB)
             return
         self._text_at = time.monotonic()
-        self.cap_dev.setValue(tiers["device"]["capacity_bytes"] / MB)
-        self.cap_host.setValue(tiers["host"]["capacity_bytes"] / MB)
         rows = []
         for name, t in tiers.items():
             rows.append(
@@ -261,13 +241,38 @@ def _extremes(h: np.ndarray, k: int) -> tuple[list[int], list[int]]:
     return top, low
 
 
+def _visible_rows(view: QtWidgets.QAbstractItemView, count: int) -> range:
+    """The rows of a uniform-height item view that intersect its viewport."""
+    if count == 0:
+        return range(0)
+    first = view.indexAt(QtCore.QPoint(1, 1)).row()
+    last = view.indexAt(QtCore.QPoint(1, view.viewport().height() - 1)).row()
+    first = 0 if first < 0 else first
+    last = count - 1 if last < 0 else last
+    return range(first, last + 1)
+
+
 class SequencesPanel(QtWidgets.QTableWidget):
-    COLS = ("id", "label", "state", "tokens", "gen", "dev blk", "host blk", "tok/s", "TTFT ms", "reused")
+    """Every live sequence and the latest finished ones. The items hold the texts (selection, keyboard,
+    accessibility, tests read them); the viewport paints the visible rows itself, straight from the row
+    texts, at a fraction of what a style-drawn cell costs (one `drawText` per cell)."""
+
+    COLS = ("id", "label", "state", "tokens", "gen", "dev", "host", "tok/s", "TTFT", "reused")
+    TIPS = ("sequence id (the swatch is its colour in the block map's owner mode)", "workload label",
+            "running, paused, preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
+            "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
+            "time to first token, ms", "prompt tokens reused from the prefix cache")
+    WIDTHS = (42, 84, 62, 44, 34, 34, 36, 38, 38, 44)
+    NUMERIC = frozenset(range(3, 10))
+    STATE_COLOURS = {"running": "#81c784", "paused": "#ffb74d", "preempted": "#e57373", "waiting": "#aab0b8",
+                     "finished": "#737a84"}
     sequenceSelected = QtCore.Signal(int)
 
     def __init__(self):
         super().__init__(0, len(self.COLS))
         self.setHorizontalHeaderLabels(self.COLS)
+        for c, tip in enumerate(self.TIPS):
+            self.horizontalHeaderItem(c).setToolTip(tip)
         self.verticalHeader().setVisible(False)
         self.setSelectionBehavior(QtWidgets.QAbstractItemView.SelectRows)
         self.setSelectionMode(QtWidgets.QAbstractItemView.SingleSelection)
@@ -276,7 +281,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
         # Fixed widths: ResizeToContents re-measures every row on each setText, a frame-time spike.
         self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
-        for c, w in enumerate((34, 92, 64, 50, 36, 50, 54, 44, 56, 48)):
+        for c, w in enumerate(self.WIDTHS):
             self.setColumnWidth(c, w)
         self.verticalHeader().setDefaultSectionSize(18)
         self.setFont(_small_font(8))  # a font, not a style sheet: style-sheeted item views paint slower
@@ -322,6 +327,38 @@ class SequencesPanel(QtWidgets.QTableWidget):
             self.selectRow(self._ids.index(self.selected_id))
         self._updating = False
 
+    def paintEvent(self, event) -> None:
+        p = QtGui.QPainter(self.viewport())
+        pal = self.palette()
+        p.fillRect(event.rect(), pal.color(QtGui.QPalette.Base))
+        p.setFont(self.font())
+        text, dim = pal.color(QtGui.QPalette.Text), QtGui.QColor("#737a84")
+        states = {k: QtGui.QColor(v) for k, v in self.STATE_COLOURS.items()}
+        header = self.horizontalHeader()
+        cols = [(c, header.sectionViewportPosition(c), header.sectionSize(c)) for c in range(len(self.COLS))
+                if not header.isSectionHidden(c)]
+        h = self.verticalHeader().defaultSectionSize()
+        right = QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter
+        left = QtCore.Qt.AlignLeft | QtCore.Qt.AlignVCenter
+        selected = self.selectionModel().selectedRows()
+        sel_row = selected[0].row() if selected else -1
+        for r in _visible_rows(self, min(len(self._rows), self.rowCount())):
+            y = self.rowViewportPosition(r)
+            vals = self._rows[r]
+            if r == sel_row:
+                p.fillRect(0, y, self.viewport().width(), h, pal.color(QtGui.QPalette.Highlight))
+            finished = vals[2] == "finished"
+            for c, x, w in cols:
+                if c == 0:  # the sequence's colour, as the block map's owner mode draws it
+                    p.fillRect(x + 3, y + h // 2 - 4, 8, 8, seq_color(self._ids[r]))
+                    x, w = x + 12, w - 12
+                if c == 2:
+                    p.setPen(states.get(vals[2], text))
+                else:
+                    p.setPen(dim if finished and r != sel_row else text)
+                p.drawText(x + 4, y, w - 8, h, right if c in self.NUMERIC else left, vals[c])
+        p.end()
+
     def select_id(self, sid: int) -> None:
         self.selected_id = sid
         self._updating = True
@@ -360,7 +397,7 @@ class EventsPanel(QtWidgets.QWidget):
         row.addWidget(self.kind)
         row.addWidget(self.text, 1)
         lay.addLayout(row)
-        self.list = QtWidgets.QListWidget()
+        self.list = _EventList()
         self.list.setFont(_small_font(8, mono=True))
         self.list.setUniformItemSizes(True)
         lay.addWidget(self.list, 1)
@@ -408,6 +445,34 @@ class EventsPanel(QtWidgets.QWidget):
         rows = [e for e in reversed(self.events) if self._passes(e)][: self.SHOWN]
         self.list.clear()
         self.list.addItems([self._line(e) for e in rows])
+
+
+class _EventList(QtWidgets.QListWidget):
+    """A list of one-line events whose viewport paints the visible lines itself (one `drawText` each)."""
+
+    COLOURS = {"evict": "#e57373", "preempt": "#ff8a65", "config": "#4fc3f7", "config_error": "#ff5252",
+               "error": "#ff5252", "context_shift": "#ffd54f", "promote": "#81c784", "demote": "#ba68c8"}
+
+    def paintEvent(self, event) -> None:
+        p = QtGui.QPainter(self.viewport())
+        pal = self.palette()
+        p.fillRect(event.rect(), pal.color(QtGui.QPalette.Base))
+        p.setFont(self.font())
+        colours = {k: QtGui.QColor(v) for k, v in self.COLOURS.items()}
+        text = pal.color(QtGui.QPalette.Text)
+        width = self.viewport().width()
+        flags = QtCore.Qt.AlignLeft | QtCore.Qt.AlignVCenter
+        current = self.currentRow() if self.selectionModel().hasSelection() else -1
+        for r in _visible_rows(self, self.count()):
+            item = self.item(r)
+            rect = self.visualItemRect(item)
+            if r == current:
+                p.fillRect(rect, pal.color(QtGui.QPalette.Highlight))
+            line = item.text()
+            kind = line[9:22].rstrip()  # "HH:MM:SS kind…" (EventsPanel._line)
+            p.setPen(colours.get(kind, text))
+            p.drawText(rect.adjusted(3, 0, 0, 0), flags, line)
+        p.end()
 
 
 def _small_font(points: int, mono: bool = False) -> QtGui.QFont:

@@ -1,0 +1,114 @@
+"""The time-series chart of the hit-rate and memory panels: scales, spans, gaps, hover, and what it paints."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from PySide6 import QtCore, QtGui
+
+from ui.strip_chart import StripChart, nice_ceiling
+
+
+@given(st.floats(min_value=1e-6, max_value=1e12, allow_nan=False))
+def test_nice_ceiling_is_the_next_round_value(v):
+    c = nice_ceiling(v)
+    assert c >= v * (1 - 1e-9)
+    assert c <= v * 4 / 3 * (1 + 1e-9)  # neighbouring steps (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10) differ by ≤ 4/3
+    mantissa = c / 10 ** math.floor(math.log10(c) + 1e-12)
+    assert any(math.isclose(mantissa, m, rel_tol=1e-9) for m in (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10))
+
+
+def _chart(qtbot, **kw) -> StripChart:
+    c = StripChart("test", "units", **kw)
+    c.add_series("a", "series a", "#ff0000", width=2)
+    c.add_series("b", "series b", "#00ff00")
+    c.resize(500, 240)
+    qtbot.addWidget(c)
+    return c
+
+
+def _paint(c: StripChart) -> QtGui.QImage:
+    img = QtGui.QImage(c.size(), QtGui.QImage.Format_ARGB32)
+    c.render(img)
+    return img
+
+
+def _count(img: QtGui.QImage, rgb: tuple[int, int, int], rect: QtCore.QRectF | None = None) -> int:
+    """Pixels of exactly this colour, in `rect` (the plot area) or the whole image."""
+    if rect is not None:
+        img = img.copy(rect.toRect())
+    ptr = img.constBits()
+    a = np.frombuffer(ptr, np.uint8).reshape(img.height(), img.bytesPerLine())[:, : img.width() * 4]
+    px = a.reshape(img.height(), img.width(), 4)  # BGRA
+    return int(((px[..., 2] == rgb[0]) & (px[..., 1] == rgb[1]) & (px[..., 0] == rgb[2])).sum())
+
+
+def test_y_range_grows_at_once_and_shrinks_only_far_below(qtbot):
+    c = _chart(qtbot)
+    x = np.linspace(-10, 0, 50)
+    c.set_data(x, {"a": np.full(50, 90.0), "b": np.zeros(50)})
+    assert c.top == 100.0  # 90 with headroom → 100
+    c.set_data(x, {"a": np.full(50, 130.0), "b": np.zeros(50)})
+    assert c.top == 150.0
+    c.set_data(x, {"a": np.full(50, 60.0), "b": np.zeros(50)})
+    assert c.top == 150.0  # not rebuilt for a small fall
+    c.set_data(x, {"a": np.full(50, 20.0), "b": np.zeros(50)})
+    assert c.top == 25.0
+    c.set_level("cap", 300.0, "#0000ff")  # a capacity line stays in range
+    c.set_data(x, {"a": np.full(50, 20.0), "b": np.zeros(50)})
+    assert c.top >= 300.0
+
+
+def test_span_follows_the_history_up_to_the_maximum(qtbot):
+    c = _chart(qtbot, span_s=120.0)
+    for covered, span in ((5, 30), (29, 30), (45, 60), (100, 120), (400, 120)):
+        x = np.linspace(-covered, 0, 100)
+        c.set_data(x, {"a": np.ones(100), "b": np.ones(100)})
+        assert c.span == span, covered
+
+
+def test_lines_are_painted_and_nan_breaks_them(qtbot):
+    c = _chart(qtbot)
+    x = np.linspace(-20, 0, 200)
+    a = np.full(200, 5.0)
+    b = np.full(200, 2.0)
+    c.set_data(x, {"a": a, "b": b})
+    img = _paint(c)
+    r = c._rect
+    red, green = _count(img, (255, 0, 0), r), _count(img, (0, 255, 0), r)
+    assert red > 0.8 * 2 * r.width() * 20 / 30  # a 2 px line across the 20 s of data in a 30 s span
+    assert green > 0.8 * r.width() * 20 / 30
+    b[50:150] = np.nan  # half the samples unreadable: that part of the line is not drawn
+    c.set_data(x, {"a": a, "b": b})
+    green_gap = _count(_paint(c), (0, 255, 0), r)
+    assert green_gap < 0.6 * green
+    c.set_data(x, {"a": np.full(200, np.nan), "b": b})  # nothing finite: no line, no error
+    assert _count(_paint(c), (255, 0, 0), r) == 0
+
+
+def test_hover_reads_the_nearest_sample(qtbot):
+    c = _chart(qtbot)
+    x = np.linspace(-30, 0, 301)
+    c.set_data(x, {"a": -x, "b": np.zeros(301)})
+    assert c.value_at("a", -12.04) == pytest.approx(12.0)
+    assert c.value_at("a", 5.0) == pytest.approx(0.0)
+    c.show()
+    _paint(c)
+    qtbot.mouseMove(c, QtCore.QPoint(int(c._rect.center().x()), int(c._rect.center().y())))
+    before = _paint(c)
+    assert c._hover_x is not None
+    c.leaveEvent(None)
+    after = _paint(c)
+    assert before != after  # the cursor line and readout are drawn, then gone
+
+
+def test_note_and_title_rebuild_the_frame(qtbot):
+    c = _chart(qtbot)
+    c.set_data(np.linspace(-5, 0, 10), {"a": np.ones(10), "b": np.ones(10)})
+    plain = _paint(c)
+    c.set_note("no GPU")
+    assert _paint(c) != plain

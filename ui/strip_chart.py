@@ -1,0 +1,311 @@
+"""A scrolling time-series chart painted with QPainter, for the panels that redraw several times a second.
+
+pyqtgraph's PlotWidget re-lays out its axes, legend and title text on every data change; with four such plots
+on screen that was a third of a full window refresh. Here the frame (axes, ticks, labels, legend) is drawn
+once into a cached pixmap, rebuilt only when the size, the y range or the title changes, and a refresh draws
+just the polylines over it. The x axis is "seconds ago" over a span that changes only as history grows
+(30, 60, 120 s); the y range snaps to round values with hysteresis, so it moves rarely.
+
+Hovering shows a cursor line and every series' value at that time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PySide6 import QtCore, QtGui, QtWidgets
+from pyqtgraph.functions import create_qpolygonf, ndarray_from_qpolygonf
+
+BG = QtGui.QColor("#15181d")
+AXIS = QtGui.QColor("#5c626b")
+TICK_TEXT = QtGui.QColor("#aab0b8")
+TITLE = QtGui.QColor("#c8ccd4")
+CURSOR = QtGui.QColor(200, 204, 212, 140)
+
+
+@dataclass
+class _Series:
+    key: str
+    label: str
+    pen: QtGui.QPen
+    x: np.ndarray
+    y: np.ndarray
+
+
+def nice_ceiling(v: float, steps: tuple[float, ...] = (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)) -> float:
+    """The smallest of `steps` × 10^k at or above v (v > 0); 1 for anything else."""
+    if not v > 0 or not math.isfinite(v):
+        return 1.0
+    e = 10.0 ** math.floor(math.log10(v))
+    for m in steps:
+        if m * e >= v * (1 - 1e-9):
+            return m * e
+    return 10.0 * e
+
+
+def _tick_step(top: float) -> float:
+    """The smallest 1-2-5 step that divides [0, top] into at most 5 intervals."""
+    return nice_ceiling(top / 5.0, (1, 2, 5, 10))
+
+
+def _fmt(v: float, step: float) -> str:
+    if step >= 1:
+        return f"{v:,.0f}"
+    digits = max(0, -math.floor(math.log10(step) + 1e-9))
+    return f"{v:.{digits}f}"
+
+
+class StripChart(QtWidgets.QWidget):
+    """Series over the recent past (x = seconds ago, 0 at the right edge): the span grows through 30, 60,
+    120 ... seconds as history accumulates, up to `span_s`.
+
+    y_range: a fixed (low, high) with its tick values, or None to follow the data (low is 0).
+    """
+
+    SPANS = (30.0, 60.0, 120.0, 300.0, 600.0)
+
+    def __init__(self, title: str, unit: str, span_s: float = 120.0,
+                 y_range: tuple[float, float] | None = None, y_ticks: tuple[float, ...] | None = None):
+        super().__init__()
+        self.setAttribute(QtCore.Qt.WA_OpaquePaintEvent)  # the frame pixmap covers every pixel
+        self.setMouseTracking(True)
+        self.setMinimumSize(220, 110)
+        self.title, self.note, self.unit = title, "", unit
+        self.max_span = float(span_s)
+        self.span = min(self.SPANS[0], self.max_span)
+        self.fixed = y_range
+        self.fixed_ticks = y_ticks
+        self.top = y_range[1] if y_range else 1.0
+        self.series: dict[str, _Series] = {}
+        self.levels: dict[str, tuple[float, QtGui.QPen]] = {}  # horizontal lines (capacities)
+        self._frame: QtGui.QPixmap | None = None
+        self._frame_key = None
+        self._rect = QtCore.QRectF()
+        self._hover_x: float | None = None
+        self._font = QtGui.QFont(self.font())
+        self._font.setPointSize(7)
+        self._title_font = QtGui.QFont(self.font())
+        self._title_font.setPointSize(8)
+        self._title_font.setBold(True)
+        fm = QtGui.QFontMetrics(self._font)
+        self._line_h = fm.height()
+        self._poly = create_qpolygonf(0)
+
+    def sizeHint(self) -> QtCore.QSize:
+        return QtCore.QSize(520, 200)
+
+    # -- data -----------------------------------------------------------------------------------
+    def add_series(self, key: str, label: str, colour: str, width: float = 1.0, dashed: bool = False) -> None:
+        pen = QtGui.QPen(QtGui.QColor(colour), width)
+        pen.setCosmetic(True)
+        if dashed:
+            pen.setStyle(QtCore.Qt.DashLine)
+        self.series[key] = _Series(key, label, pen, np.zeros(0), np.zeros(0))
+        self._frame = None
+
+    def set_level(self, key: str, value: float, colour: str) -> None:
+        """A dotted horizontal line (a capacity), kept inside the y range."""
+        old = self.levels.get(key)
+        if old is not None and old[0] == value:
+            return
+        pen = QtGui.QPen(QtGui.QColor(colour), 1, QtCore.Qt.DotLine)
+        self.levels[key] = (float(value), pen)
+        self.update()
+
+    def set_note(self, note: str) -> None:
+        """A short red remark after the title ("no GPU")."""
+        if note != self.note:
+            self.note = note
+            self._frame = None
+            self.update()
+
+    def set_data(self, x_ago: np.ndarray, ys: dict[str, np.ndarray]) -> None:
+        """x_ago: seconds before now (≤ 0); ys: per series key, same length as x_ago. NaN breaks a line."""
+        for key, y in ys.items():
+            s = self.series.get(key)
+            if s is not None and len(y) == len(x_ago):
+                s.x, s.y = x_ago, y
+        covered = -float(x_ago[0]) if len(x_ago) else 0.0
+        self.span = next((sp for sp in self.SPANS if covered <= sp <= self.max_span), self.max_span)
+        if self.fixed is None:
+            peak = max((float(np.nanmax(s.y)) for s in self.series.values()
+                        if len(s.y) and np.isfinite(s.y).any()), default=0.0)
+            peak = max([peak] + [v for v, _ in self.levels.values()])
+            want = nice_ceiling(peak * 1.08)  # a little headroom above the peak
+            # Grow at once, shrink only when the data fell well below: the frame is rebuilt rarely.
+            if want > self.top or want < self.top / 4:
+                self.top = want
+        self.update()
+
+    def value_at(self, key: str, ago: float) -> float:
+        """The series' value at `ago` seconds before now (the nearest sample), NaN when there is none."""
+        s = self.series[key]
+        if not len(s.x):
+            return float("nan")
+        i = int(np.clip(np.searchsorted(s.x, ago), 0, len(s.x) - 1))
+        if i > 0 and abs(s.x[i - 1] - ago) < abs(s.x[i] - ago):
+            i -= 1
+        return float(s.y[i])
+
+    # -- geometry -------------------------------------------------------------------------------
+    def _plot_rect(self) -> QtCore.QRectF:
+        fm = QtGui.QFontMetrics(self._font)
+        left = fm.horizontalAdvance(_fmt(self.top, _tick_step(self.top)) + "0") + 8
+        top = self._line_h * (1 + self._legend_rows()) + 6
+        bottom = self._line_h + 6
+        return QtCore.QRectF(left, top, max(10.0, self.width() - left - 8), max(10.0, self.height() - top - bottom))
+
+    def _legend_layout(self) -> list[tuple[_Series, float, int]]:
+        """(series, x, row) for each legend entry, wrapped into rows under the title."""
+        fm = QtGui.QFontMetrics(self._font)
+        out, x, row = [], 8.0, 1
+        for s in self.series.values():
+            w = fm.horizontalAdvance(s.label) + 30
+            if x + w > self.width() - 8 and x > 8:
+                x, row = 8.0, row + 1
+            out.append((s, x, row))
+            x += w
+        return out
+
+    def _legend_rows(self) -> int:
+        return max((row for _, _, row in self._legend_layout()), default=1)
+
+    def _ticks(self) -> list[float]:
+        if self.fixed_ticks:
+            return list(self.fixed_ticks)
+        step = _tick_step(self.top)
+        lo = self.fixed[0] if self.fixed else 0.0
+        return [lo + i * step for i in range(int(round((self.top - lo) / step)) + 1)]
+
+    def _y_to_px(self, r: QtCore.QRectF, y):
+        lo = self.fixed[0] if self.fixed else 0.0
+        return r.bottom() - (y - lo) / max(self.top - lo, 1e-12) * r.height()
+
+    # -- painting -------------------------------------------------------------------------------
+    def _build_frame(self) -> QtGui.QPixmap:
+        dpr = self.devicePixelRatioF()
+        pm = QtGui.QPixmap(QtCore.QSize(int(self.width() * dpr), int(self.height() * dpr)))
+        pm.setDevicePixelRatio(dpr)
+        pm.fill(BG)
+        p = QtGui.QPainter(pm)
+        r = self._rect = self._plot_rect()
+        p.setFont(self._title_font)
+        p.setPen(TITLE)
+        p.drawText(QtCore.QPointF(6, self._line_h), self.title)
+        if self.note:
+            x = 6 + QtGui.QFontMetrics(self._title_font).horizontalAdvance(self.title + "  ")
+            p.setPen(QtGui.QColor("#ff8a80"))
+            p.drawText(QtCore.QPointF(x, self._line_h), self.note)
+        # Legend: a swatch and a label per series, wrapped into rows under the title.
+        p.setFont(self._font)
+        fm = QtGui.QFontMetrics(self._font)
+        for s, x, row in self._legend_layout():
+            y = self._line_h * (row + 1)
+            p.setPen(s.pen)
+            p.drawLine(QtCore.QPointF(x, y - fm.ascent() / 2 + 1), QtCore.QPointF(x + 18, y - fm.ascent() / 2 + 1))
+            p.setPen(TICK_TEXT)
+            p.drawText(QtCore.QPointF(x + 22, y), s.label)
+        # Axes, y ticks with faint grid lines, x ticks every span/6 seconds.
+        p.setPen(QtGui.QPen(AXIS, 1))
+        p.drawLine(r.bottomLeft(), r.bottomRight())
+        p.drawLine(r.bottomLeft(), r.topLeft())
+        step = _tick_step(self.top) if not self.fixed_ticks else 1.0
+        grid = QtGui.QPen(QtGui.QColor(255, 255, 255, 18), 1)
+        for v in self._ticks():
+            py = self._y_to_px(r, v)
+            p.setPen(grid)
+            p.drawLine(QtCore.QPointF(r.left() + 1, py), QtCore.QPointF(r.right(), py))
+            p.setPen(TICK_TEXT)
+            label = _fmt(v, step if not self.fixed_ticks else 0.1)
+            p.drawText(QtCore.QRectF(0, py - self._line_h / 2, r.left() - 4, self._line_h),
+                       QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter, label)
+        for i in range(7):
+            ago = -self.span + i * self.span / 6
+            px = r.left() + (ago + self.span) / self.span * r.width()
+            p.setPen(AXIS)
+            p.drawLine(QtCore.QPointF(px, r.bottom()), QtCore.QPointF(px, r.bottom() + 3))
+            p.setPen(TICK_TEXT)
+            text = f"{ago:.0f}" if i < 6 else "now"
+            tw = fm.horizontalAdvance(text)
+            p.drawText(QtCore.QPointF(min(max(px - tw / 2, r.left()), self.width() - tw - 2), r.bottom() + 3 + fm.ascent()),
+                       text)
+        p.setPen(TICK_TEXT)
+        unit = f"{self.unit}  ·  seconds ago"
+        p.drawText(QtCore.QPointF(r.right() - fm.horizontalAdvance(unit), r.top() - 3), unit)
+        p.end()
+        return pm
+
+    def paintEvent(self, event) -> None:
+        key = (self.width(), self.height(), self.top, self.span, self.title, self.note, self.devicePixelRatioF())
+        if self._frame is None or self._frame_key != key:
+            self._frame, self._frame_key = self._build_frame(), key
+        p = QtGui.QPainter(self)
+        p.drawPixmap(0, 0, self._frame)
+        r = self._rect
+        p.setClipRect(r.adjusted(0, -1, 1, 0))
+        for value, pen in self.levels.values():
+            py = self._y_to_px(r, value)
+            p.setPen(pen)
+            p.drawLine(QtCore.QPointF(r.left(), py), QtCore.QPointF(r.right(), py))
+        sx = r.width() / self.span
+        for s in self.series.values():
+            n = len(s.x)
+            if n < 2:
+                continue
+            px = r.left() + (s.x + self.span) * sx
+            py = self._y_to_px(r, s.y)
+            finite = np.isfinite(py)
+            p.setPen(s.pen)
+            if finite.all():
+                self._polyline(p, px, py)
+            else:  # NaN (an unreadable sample) breaks the line into runs
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], finite.view(np.int8), [0]))))
+                for a, b in zip(edges[::2], edges[1::2]):
+                    if b - a >= 2:
+                        self._polyline(p, px[a:b], py[a:b])
+        if self._hover_x is not None and r.left() <= self._hover_x <= r.right():
+            self._paint_hover(p, r)
+        p.end()
+
+    def _polyline(self, p: QtGui.QPainter, px: np.ndarray, py: np.ndarray) -> None:
+        if self._poly.size() != len(px):
+            self._poly = create_qpolygonf(len(px))
+        buf = ndarray_from_qpolygonf(self._poly)
+        buf[:, 0] = px
+        buf[:, 1] = py
+        p.drawPolyline(self._poly)
+
+    def _paint_hover(self, p: QtGui.QPainter, r: QtCore.QRectF) -> None:
+        hx = self._hover_x
+        ago = (hx - r.left()) / r.width() * self.span - self.span
+        p.setPen(QtGui.QPen(CURSOR, 1))
+        p.drawLine(QtCore.QPointF(hx, r.top()), QtCore.QPointF(hx, r.bottom()))
+        lines = [f"{-ago:.1f} s ago"]
+        for s in self.series.values():
+            v = self.value_at(s.key, ago)
+            lines.append(f"{s.label}: " + ("—" if math.isnan(v) else _fmt(v, 0.001 if abs(v) < 10 else 1)))
+        p.setClipping(False)
+        p.setFont(self._font)
+        fm = QtGui.QFontMetrics(self._font)
+        w = max(fm.horizontalAdvance(t) for t in lines) + 10
+        h = self._line_h * len(lines) + 6
+        x = hx + 8 if hx + 8 + w < self.width() else hx - 8 - w
+        box = QtCore.QRectF(x, r.top() + 2, w, h)
+        p.fillRect(box, QtGui.QColor(37, 41, 48, 235))
+        p.setPen(TICK_TEXT)
+        for i, t in enumerate(lines):
+            p.drawText(QtCore.QPointF(x + 5, r.top() + 2 + fm.ascent() + 3 + i * self._line_h), t)
+
+    def mouseMoveEvent(self, event) -> None:
+        self._hover_x = event.position().x()
+        self.update()
+
+    def leaveEvent(self, event) -> None:
+        self._hover_x = None
+        self.update()
+
+    def resizeEvent(self, event) -> None:
+        self._frame = None
+        super().resizeEvent(event)
