@@ -247,13 +247,21 @@ class Telemetry:
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
-        # float32 throughout: half the bytes to move, and exp is the costliest op here.
-        age = (now - t.last).astype(np.float32)
-        heat = t.heat.astype(np.float32) * np.exp(np.float32(np.log(pool.config.decay)) * np.maximum(age, 0))
-        state = (t.lid >= 0).astype(np.uint8) + (t.ref > 0).astype(np.uint8)  # 0 free, 1 cached, 2 in use
+        # float32 throughout (half the bytes to move; exp is the costliest op here), each array written once:
+        # at a million blocks this is memory-bound, so temporaries cost as much as the arithmetic.
+        n = t.capacity
+        age = np.empty(n, np.float32)
+        np.subtract(now, t.last, out=age, casting="unsafe")  # in float64 (clocks run to large values), stored f32
+        heat = np.maximum(age, 0)
+        heat *= np.float32(np.log(pool.config.decay))
+        np.exp(heat, out=heat)
+        np.multiply(heat, t.heat, out=heat, casting="unsafe", dtype=np.float32)
+        ref = t.ref.copy()
+        state = np.greater_equal(t.lid, 0).view(np.uint8)  # 0 free, 1 cached, 2 in use
+        state += np.greater(ref, 0).view(np.uint8)
         return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
-                            owner=t.owner.copy(), ref=t.ref.copy(), fill=t.fill.copy(), heat=heat, age=age,
-                            hashed=t.hash != 0)
+                            owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
+                            hashed=t.hash.view(np.int64) != 0)
 
     def _tables(self) -> list[np.ndarray]:
         """Each sequence's block table as a numpy array, recopied only when the table changed."""
@@ -274,13 +282,17 @@ class Telemetry:
         pool = e.pool
         rows = list(e.seqs.values())
         arrays = self._tables()
-        lens = np.asarray([len(t) for t in arrays], dtype=np.int64)
+        lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
         flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
         tier = pool.tier[flat]
         ends = np.cumsum(lens)
         starts = ends - lens
-        on_dev = np.concatenate(([0], np.cumsum(tier == 0)))
-        dev = on_dev[ends] - on_dev[starts]  # device blocks per sequence (empty tables give 0)
+        # Device blocks per sequence: a segmented sum over the tables (empty tables are skipped: reduceat
+        # would give them the element at their start).
+        dev = np.zeros(len(rows), np.int64)
+        nz = lens > 0
+        if nz.any():
+            dev[nz] = np.add.reduceat((tier == 0).view(np.uint8), starts[nz], dtype=np.int64)
         if tables == "auto":
             tables = "all" if len(flat) <= AUTO_TABLES_MAX else set()
         empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
@@ -292,23 +304,26 @@ class Telemetry:
             block_tier = tuple(tier[a:b] if s.id in tables else empty_t for s, a, b in zip(rows, starts, ends))
             block_slot = tuple(pool.slot[arrays[i]] if s.id in tables else empty_s for i, s in enumerate(rows))
 
-        def tps(s) -> float:
-            if s.first_token_at is None or len(s.output) < 2:
-                return 0.0
-            end = s.finished_at if s.finished_at is not None else now
-            return (len(s.output) - 1) / max(end - s.first_token_at, 1e-6)
-
+        # One pass over the sequences for their scalar columns; the rates are computed on the arrays.
+        nan = float("nan")
+        cols = np.array([(s.id, int(s.state), len(s.tokens), len(s.output), s.prefix_reused, s.arrival,
+                          nan if s.first_token_at is None else s.first_token_at,
+                          now if s.finished_at is None else s.finished_at) for s in rows],
+                        dtype=np.float64).reshape(len(rows), 8)
+        generated, first, end = cols[:, 3], cols[:, 6], cols[:, 7]
+        with np.errstate(invalid="ignore"):
+            tps = np.where((generated >= 2) & ~np.isnan(first),
+                           (generated - 1) / np.maximum(end - first, 1e-6), 0.0)
         return SeqTable(
-            id=np.asarray([s.id for s in rows], dtype=np.int32),
-            state=np.asarray([int(s.state) for s in rows], dtype=np.int8),
-            tokens=np.asarray([len(s.tokens) for s in rows], dtype=np.int32),
-            generated=np.asarray([len(s.output) for s in rows], dtype=np.int32),
+            id=cols[:, 0].astype(np.int32),
+            state=cols[:, 1].astype(np.int8),
+            tokens=cols[:, 2].astype(np.int32),
+            generated=generated.astype(np.int32),
             blocks_device=dev.astype(np.int32),
             blocks_host=(lens - dev).astype(np.int32),
-            tokens_per_s=np.asarray([tps(s) for s in rows], dtype=np.float32),
-            ttft=np.asarray([(s.first_token_at - s.arrival) if s.first_token_at is not None else np.nan for s in rows],
-                            dtype=np.float32),
-            prefix_reused=np.asarray([s.prefix_reused for s in rows], dtype=np.int32),
+            tokens_per_s=tps.astype(np.float32),
+            ttft=(first - cols[:, 5]).astype(np.float32),
+            prefix_reused=cols[:, 4].astype(np.int32),
             labels=tuple(s.label for s in rows),
             block_tier=block_tier,
             block_slot=block_slot,
