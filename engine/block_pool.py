@@ -155,6 +155,7 @@ class BlockPool:
         self.free_lids = list(range(n - 1, -1, -1))
         self.tier = np.full(n, -1, dtype=np.int8)
         self.slot = np.full(n, -1, dtype=np.int64)
+        self.moves = 0  # bumped whenever a live block changes tier (snapshots cache per-sequence placement on it)
         self.serial = np.full(n, -1, dtype=np.int64)  # allocation serial: names a block in access traces
         self.next_serial = first_serial
         self.by_hash: dict[int, int] = {}
@@ -373,6 +374,7 @@ class BlockPool:
         lids = lids[self.tier[lids] != to]
         if len(lids) == 0:
             return 0
+        self.moves += 1
         dst = self.tiers[to]
         if len(dst.free_slots) < len(lids):
             self.evict(to, max(len(lids) - len(dst.free_slots), self.config.evict_batch), now)

@@ -129,6 +129,12 @@ class Telemetry:
         self._nvml = None
         self._nvml_error = ""
         self._table_cache: dict[int, tuple[int, np.ndarray]] = {}
+        self._table_ids: list[int] = []
+        # Device blocks per sequence (sid -> (table_version, count)), valid for one placement epoch
+        # (id(pool), pool.moves); the concatenated tables behind a full recount, kept while no table changes.
+        self._dev_cache: dict[int, tuple[int, int]] = {}
+        self._dev_epoch: tuple[int, int] | None = None
+        self._flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     # -- inputs -------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -263,10 +269,12 @@ class Telemetry:
                             owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
                             hashed=t.hash.view(np.int64) != 0)
 
-    def _tables(self) -> list[np.ndarray]:
-        """Each sequence's block table as a numpy array, recopied only when the table changed."""
+    def _tables(self) -> tuple[list[np.ndarray], bool]:
+        """Each sequence's block table as a numpy array, recopied only when the table changed; and whether
+        any table (or the set of sequences) changed since the last call."""
         e = self.engine
         out = []
+        changed = False
         if len(self._table_cache) > 2 * len(e.seqs) + 64:
             self._table_cache = {k: v for k, v in self._table_cache.items() if k in e.seqs}
         for s in e.seqs.values():
@@ -274,34 +282,65 @@ class Telemetry:
             if hit is None or hit[0] != s.table_version:
                 hit = (s.table_version, np.asarray(s.blocks, dtype=np.int64))
                 self._table_cache[s.id] = hit
+                changed = True
             out.append(hit[1])
-        return out
+        ids = list(e.seqs)
+        if ids != self._table_ids:
+            self._table_ids, changed = ids, True
+        return out, changed
+
+    def _device_blocks(self, rows: list, arrays: list[np.ndarray], lens: np.ndarray, changed: bool) -> np.ndarray:
+        """Blocks on the device tier, per sequence.
+
+        Counts hold while blocks stay on their tiers (pool.moves unchanged): then only sequences whose
+        table changed are recounted. After a migration every sequence is recounted in one segmented sum
+        over the concatenated tables, which are themselves kept while no table changes.
+        """
+        pool = self.engine.pool
+        epoch = (id(pool), pool.moves)
+        if changed:
+            self._flat = None
+        cache = self._dev_cache
+        if epoch == self._dev_epoch:
+            stale = [i for i, s in enumerate(rows) if cache.get(s.id, (-1,))[0] != s.table_version]
+            if len(stale) <= 64:
+                for i in stale:
+                    s = rows[i]
+                    cache[s.id] = (s.table_version, int(np.count_nonzero(pool.tier[arrays[i]] == 0)))
+                if len(cache) > 2 * len(rows) + 64:
+                    live = {s.id for s in rows}
+                    self._dev_cache = cache = {k: v for k, v in cache.items() if k in live}
+                return np.fromiter((cache[s.id][1] for s in rows), dtype=np.int64, count=len(rows))
+        if self._flat is None:
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            nz = lens > 0  # reduceat would give an empty segment the element at its start
+            self._flat = (flat, (np.cumsum(lens) - lens)[nz], nz)
+        flat, starts, nz = self._flat
+        dev = np.zeros(len(rows), np.int64)
+        if len(starts):
+            dev[nz] = np.add.reduceat((pool.tier[flat] == 0).view(np.uint8), starts, dtype=np.int64)
+        self._dev_epoch = epoch
+        self._dev_cache = {s.id: (s.table_version, int(d)) for s, d in zip(rows, dev)}
+        return dev
 
     def _seqs(self, now: float, tables: str | set[int]) -> SeqTable:
         e = self.engine
         pool = e.pool
         rows = list(e.seqs.values())
-        arrays = self._tables()
+        arrays, changed = self._tables()
         lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-        flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
-        tier = pool.tier[flat]
-        ends = np.cumsum(lens)
-        starts = ends - lens
-        # Device blocks per sequence: a segmented sum over the tables (empty tables are skipped: reduceat
-        # would give them the element at their start).
-        dev = np.zeros(len(rows), np.int64)
-        nz = lens > 0
-        if nz.any():
-            dev[nz] = np.add.reduceat((tier == 0).view(np.uint8), starts[nz], dtype=np.int64)
+        dev = self._device_blocks(rows, arrays, lens, changed)
         if tables == "auto":
-            tables = "all" if len(flat) <= AUTO_TABLES_MAX else set()
+            tables = "all" if int(lens.sum()) <= AUTO_TABLES_MAX else set()
         empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
         if tables == "all":
-            slot = pool.slot[flat]
-            block_tier = tuple(tier[a:b] for a, b in zip(starts, ends))
-            block_slot = tuple(slot[a:b] for a, b in zip(starts, ends))
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            tier, slot = pool.tier[flat], pool.slot[flat]
+            ends = np.cumsum(lens)
+            block_tier = tuple(tier[a:b] for a, b in zip(ends - lens, ends))
+            block_slot = tuple(slot[a:b] for a, b in zip(ends - lens, ends))
         else:
-            block_tier = tuple(tier[a:b] if s.id in tables else empty_t for s, a, b in zip(rows, starts, ends))
+            block_tier = tuple(pool.tier[arrays[i]] if s.id in tables else empty_t for i, s in enumerate(rows))
             block_slot = tuple(pool.slot[arrays[i]] if s.id in tables else empty_s for i, s in enumerate(rows))
 
         # One pass over the sequences for their scalar columns; the rates are computed on the arrays.

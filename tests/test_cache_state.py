@@ -117,6 +117,12 @@ def make_machine(model):
             for s in e.seqs.values():
                 if not s.done and s.state != SeqState.RUNNING:
                     assert len(s.blocks) * e.config.block_size >= s.num_cached
+            # What the window shows: the snapshot's per-sequence placement (cached between snapshots while
+            # tables and tiers hold still) equals a recount.
+            snap = e.snapshot(set())
+            for i, sid in enumerate(snap.seqs.id.tolist()):
+                tiers = p.tier[np.asarray(e.seqs[sid].blocks, dtype=np.int64)]
+                assert (snap.seqs.blocks_device[i], snap.seqs.blocks_host[i]) == ((tiers == 0).sum(), (tiers == 1).sum())
 
         def teardown(self):
             e = self.engine
