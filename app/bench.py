@@ -180,13 +180,15 @@ def filled_engine(n_blocks: int, seq_tokens: int = 1000):
                                     demote_after_s=1.0),
                  EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])
     rng = np.random.default_rng(0)
+    seq_tokens = max(1, min(seq_tokens, n_blocks // 8))  # small pools (tests) still hold several sequences
+    max_new = max(1, min(1 << 20, n_blocks // 2 - seq_tokens))  # a request must fit the device tier
     per_phase = max(1, int(0.95 * n_blocks / 2) // seq_tokens)
     n_seqs = 2 * per_phase
     t0 = time.perf_counter()
     ids: list[int] = []
     for phase in range(2):
         batch = [eng.add_request(rng.integers(3, s.vocab_size, seq_tokens).tolist(),
-                                 SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for _ in range(per_phase)]
+                                 SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for _ in range(per_phase)]
         while any(eng.seqs[i].first_token_at is None for i in batch):
             eng.step()
         ids += batch

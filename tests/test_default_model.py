@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -87,3 +88,24 @@ def test_block_size_change_mid_generation_is_exact(default_model, default_ref):
     eng.run_until_done()
     eng.check_invariants()
     assert eng.seqs[sid].output == default_ref.greedy(ids, 40)
+
+
+def test_ui_bench_runs_every_part_and_reports_frames(tmp_path):
+    """`kvscope bench --ui`, scaled down: each part runs on real widgets and a real engine and reports
+    frame times; the panels it times are the ones on screen (the tabbed-away Residency panel is not)."""
+    code = ("import json; from app.ui_bench import run_ui_bench; "
+            "print(json.dumps(run_ui_bench(big=20_000, medium=5_000, stall_s=3.0, say=lambda *a: None)))")
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert out.returncode == 0, out.stderr
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    for part in ("blockmap_1m", "blockmap_1m_after_migration", "full_refresh_100k"):
+        r = res[part]
+        assert 0 < r["median_ms"] <= r["p99_ms"] <= r["max_ms"] < 5_000
+    assert res["blockmap_1m"]["blocks"] == 20_000 and res["full_refresh_100k"]["blocks"] == 5_000
+    panels = res["full_refresh_100k"]["panels"]
+    assert {"BlockMap", "HitRatePanel", "MemoryPanel", "HeatPanel", "SequencesPanel", "EventsPanel"} <= set(panels)
+    assert "ResidencyPanel" not in panels
+    ev = res["event_loop"]
+    assert ev["engine_steps"] > 0 and ev["ticks"] > 100  # the engine decoded while the 5 ms probe ran
+    assert 0 <= ev["p99_stall_ms"] <= ev["max_stall_ms"]
