@@ -67,7 +67,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     say(f"[bench] (a) 1 x ({P} prompt + {N} new), greedy")
     e_out, e_s = _timed(lambda: eng_run(one, N))
     seq = engine.seqs[max(engine.seqs)]
-    e_ttft = seq.first_token_at - seq.arrival
+    e_ttft = seq.ttft
     h_out, h_s = _timed(lambda: hf_generate(one[0], N))
     # transformers' time to first token: the same call with one new token (best of two).
     h_ttft = min(_timed(lambda: hf_generate(one[0], 1))[1] for _ in range(2))

@@ -45,7 +45,7 @@ def _encode(engine, text: str, chat: bool) -> list[int]:
 
 def _stats(engine, seq) -> dict:
     c = engine.counters
-    ttft = (seq.first_token_at - seq.arrival) if seq.first_token_at is not None else None
+    ttft = seq.ttft
     decode_s = (seq.finished_at or engine.clock()) - (seq.first_token_at or seq.arrival)
     return {
         "prompt_tokens": seq.prompt_len,

@@ -598,7 +598,8 @@ class Engine:
             self.counters.generated += 1
             if seq.first_token_at is None:
                 seq.first_token_at = now
-                self.telemetry.ttft(now - seq.arrival)
+                seq.ttft = now - seq.arrival
+                self.telemetry.ttft(seq.ttft)
             finished = (tok in self.eos and not seq.sampling.ignore_eos) or len(seq.output) >= seq.sampling.max_new_tokens
             if finished:
                 self._finish(seq, "eos" if tok in self.eos else "length", now)
@@ -702,7 +703,7 @@ class Engine:
             dst.table_version += 1
             dst.hashes = list(src.hashes)
             dst.num_cached, dst.canonical = src.num_cached, src.canonical
-            dst.first_token_at = src.first_token_at
+            dst.first_token_at, dst.ttft = src.first_token_at, src.ttft
             for lid in dst.blocks:
                 self.pool.incref(lid)
             if src.state == SeqState.RUNNING:

@@ -45,6 +45,7 @@ class Sequence:
     prefix_reused: int = 0  # prompt tokens served from cached blocks
     arrival: float = 0.0
     first_token_at: float | None = None
+    ttft: float | None = None  # arrival to first generated token, s; a fork carries its parent's
     finished_at: float | None = None
     finish_reason: str = ""
     shifts: int = 0

@@ -345,7 +345,8 @@ class Telemetry:
 
         # One pass over the sequences for their scalar columns; the rates are computed on the arrays.
         nan = float("nan")
-        cols = np.array([(s.id, int(s.state), len(s.tokens), len(s.output), s.prefix_reused, s.arrival,
+        cols = np.array([(s.id, int(s.state), len(s.tokens), len(s.output), s.prefix_reused,
+                          nan if s.ttft is None else s.ttft,
                           nan if s.first_token_at is None else s.first_token_at,
                           now if s.finished_at is None else s.finished_at) for s in rows],
                         dtype=np.float64).reshape(len(rows), 8)
@@ -361,7 +362,7 @@ class Telemetry:
             blocks_device=dev.astype(np.int32),
             blocks_host=(lens - dev).astype(np.int32),
             tokens_per_s=tps.astype(np.float32),
-            ttft=(first - cols[:, 5]).astype(np.float32),
+            ttft=cols[:, 5].astype(np.float32),
             prefix_reused=cols[:, 4].astype(np.int32),
             labels=tuple(s.label for s in rows),
             block_tier=block_tier,

@@ -75,6 +75,9 @@ def test_snapshot_fields_match_the_engine(engine):
         assert np.array_equal(snap.seqs.block_slot[i], pool.slot[lids])
         if s.first_token_at is None:
             assert math.isnan(snap.seqs.ttft[i])
+        elif sid == fork:  # a fork's first tokens are its parent's: so is its TTFT, never negative
+            assert snap.seqs.ttft[i] == pytest.approx(snap.seqs.ttft[list(snap.seqs.id).index(ids[1])])
+            assert snap.seqs.ttft[i] > 0
         else:
             assert snap.seqs.ttft[i] == pytest.approx(s.first_token_at - s.arrival, rel=1e-5)
         if s.first_token_at is not None and len(s.output) >= 2:

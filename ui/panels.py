@@ -109,7 +109,9 @@ class MemoryPanel(QtWidgets.QWidget):
                 # NaN where NVML could not be read: the chart breaks the line there.
                 chart.set_data(x, {k: snap.series[k] / MB for k in chart.series if k in snap.series})
         self.proc.set_note("" if gpu.get("available") else "no GPU")
-        if time.monotonic() - self._text_at < 1.0:  # the text changes slowly; re-rendering it is not free
+        # The text changes slowly and re-rendering it is not free: once a second, and at every full refresh
+        # (a screenshot must agree with itself).
+        if part != "all" and time.monotonic() - self._text_at < 1.0:
             return
         self._text_at = time.monotonic()
         rows = []
@@ -262,7 +264,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
             "running, paused, preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
             "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
             "time to first token, ms", "prompt tokens reused from the prefix cache")
-    WIDTHS = (42, 84, 62, 44, 34, 34, 36, 38, 38, 44)
+    WIDTHS = (40, 80, 60, 50, 34, 34, 38, 40, 42, 48)
     NUMERIC = frozenset(range(3, 10))
     STATE_COLOURS = {"running": "#81c784", "paused": "#ffb74d", "preempted": "#e57373", "waiting": "#aab0b8",
                      "finished": "#737a84"}
