@@ -30,6 +30,7 @@ class EngineRunner:
         self._decoders: dict[int, Any] = {}
         self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
         self.error: str | None = None
+        self._next_workload: list = []  # a replacement, applied by the engine thread between steps
         self.steps = 0
         self._last = None
 
@@ -54,6 +55,13 @@ class EngineRunner:
                 time.sleep(0.02)
                 continue
             try:
+                with self._lock:
+                    nxt = self._next_workload.pop() if self._next_workload else None
+                if nxt is not None:
+                    if self.workload is not None:
+                        self.workload.close()
+                    self.workload = nxt[0]
+                    eng.telemetry.emit("workload", name=nxt[0].name if nxt[0] is not None else "none")
                 if self.workload is not None and not self.workload.paused:
                     self.workload.tick(eng.clock())
                 if not eng.has_work():
@@ -61,6 +69,8 @@ class EngineRunner:
                     continue
                 outs = eng.step()
                 self.steps += 1
+                if self.workload is not None:
+                    self.workload.observe(outs)
                 self._stream(outs)
             except Exception as e:  # keep the window alive and say what broke
                 import traceback
@@ -131,6 +141,36 @@ class EngineRunner:
     def step_once(self) -> None:
         with self._lock:
             self._single_steps += 1
+
+    def workload_name(self) -> str:
+        with self._lock:
+            if self._next_workload:
+                w = self._next_workload[-1][0]
+                return w.name if w is not None else "none"
+        return self.workload.name if self.workload is not None else "none"
+
+    def replay_trace(self, path: str) -> str:
+        """Replace the workload with a live, looping replay of a JSONL request trace. The file is read and
+        checked now (RequestError names the problem, and the running workload stays); the swap happens
+        between two steps, and the old workload's sequences are cancelled."""
+        from app.trace_workload import TraceWorkload
+
+        w = TraceWorkload(self.engine, path)
+        self._replace_workload(w)
+        return w.name
+
+    def use_demo_workload(self, seed: int = 0) -> None:
+        from engine.workloads import DemoWorkload
+
+        self._replace_workload(DemoWorkload(self.engine, seed=seed))
+
+    def _replace_workload(self, w) -> None:
+        old = self.workload
+        if old is not None:
+            w.paused = old.paused
+            w.set_intensity(old.intensity)
+        with self._lock:
+            self._next_workload[:] = [(w,)]
 
     def set_workload_paused(self, paused: bool) -> None:
         if self.workload is not None:

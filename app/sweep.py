@@ -234,18 +234,10 @@ class Replay:
         e, clock = self.engine, self.clock
         t0, w0 = clock(), time.perf_counter()
         while True:
-            now = clock() - t0
-            while self.queue and self.queue[0][0] <= now:
-                self.ready.append(self.queue.popleft()[1])
-            self._submit_ready(result, force=False)
+            self.feed(clock() - t0, result)
             if e.has_work():
                 outs = e.step()
-                t = clock()
-                for out in outs:
-                    self.tokens_at[out.seq_id].append(t)
-                    if out.finished:
-                        self._finished(out.seq_id, result)
-                result.generated += len(outs)
+                self.observe(outs, clock(), result)
                 pool = e.pool
                 result.peak_device_bytes = max(result.peak_device_bytes, pool.tiers[0].used * pool.block_bytes)
                 result.peak_host_bytes = max(result.peak_host_bytes, pool.tiers[1].used * pool.block_bytes)
@@ -264,6 +256,27 @@ class Replay:
         result.counters = e.counters.as_dict()
         result.residency = {k: np.asarray(e.telemetry.residency[k], dtype=np.float64) for k in RESIDENCY}
         return result
+
+    def feed(self, now: float, result: RunResult) -> None:
+        """Submit what has arrived by `now` (seconds since the replay began) and can start."""
+        while self.queue and self.queue[0][0] <= now:
+            self.ready.append(self.queue.popleft()[1])
+        self._submit_ready(result, force=False)
+
+    def observe(self, outs, t: float, result: RunResult) -> None:
+        """Record one engine step's tokens (at time t) of this replay's sequences."""
+        for out in outs:
+            times = self.tokens_at.get(out.seq_id)
+            if times is None:
+                continue  # not ours (a prompt typed in the window)
+            times.append(t)
+            result.generated += 1
+            if out.finished:
+                self._finished(out.seq_id, result)
+
+    @property
+    def done(self) -> bool:
+        return not (self.queue or self.ready or self.live)
 
     def _submit_ready(self, result: RunResult, force: bool) -> None:
         for r in list(self.ready):

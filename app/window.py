@@ -22,6 +22,9 @@ def add_window_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run-for", type=float, default=20.0, metavar="SECONDS", help="with --headless: run this long first")
     p.add_argument("--open-snapshot", metavar="FILE.json", help="show a saved snapshot, read-only")
     p.add_argument("--no-workload", action="store_true", help="start without the built-in demo workload")
+    p.add_argument("--replay", metavar="TRACE.jsonl",
+                   help="replay your own requests (a JSONL trace, the bench --trace format) instead of the demo, "
+                        "at their arrival times, looping")
     p.add_argument("--seed", type=int, default=0, help="demo workload seed")
 
 
@@ -42,6 +45,15 @@ def run_window(args: argparse.Namespace) -> int:
         print("kvscope: error: --screenshot needs --headless (in the window, use File > Save screenshot)",
               file=sys.stderr)
         return 2
+    if getattr(args, "replay", None):  # read and check the trace before the model loads
+        from engine.workloads import load_trace
+
+        try:
+            if not load_trace(args.replay):
+                raise ValueError(f"{args.replay}: no requests in the trace")
+        except (OSError, ValueError) as e:
+            print(f"kvscope: error: {e}", file=sys.stderr)
+            return 2
     from PySide6 import QtCore, QtWidgets
 
     from engine import snapshot_io
@@ -90,7 +102,12 @@ def start_runner(args: argparse.Namespace):
     print("[kvscope] loading the model…", file=sys.stderr, flush=True)
     engine, load_s = open_engine(args)
     print(f"[kvscope] model ready in {load_s:.1f} s", file=sys.stderr, flush=True)
-    workload = None if args.no_workload else DemoWorkload(engine, seed=args.seed)
+    if getattr(args, "replay", None):
+        from app.trace_workload import TraceWorkload
+
+        workload = TraceWorkload(engine, args.replay)
+    else:
+        workload = None if args.no_workload else DemoWorkload(engine, seed=args.seed)
     return EngineRunner(engine, workload).start()
 
 

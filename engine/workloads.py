@@ -533,6 +533,16 @@ class DemoWorkload:
         out["live"] = len(self._sessions)
         return out
 
+    name = "demo"
+
+    def observe(self, outs) -> None:
+        """Called with each step's tokens; the demo tends its sessions from the engine's state in tick()."""
+
+    def close(self) -> None:
+        """End every session (cancel its sequence): the workload is being replaced."""
+        for s in list(self._sessions.values()):
+            self._end(s)
+
     # -- the tick -------------------------------------------------------------------------------
     def tick(self, now: float) -> None:
         if self._t0 is None:

@@ -81,3 +81,21 @@ def test_headless_screenshot_and_open_snapshot_round_trip(tiny_llama, tmp_path):
     bad.write_text("{}")
     out = kvscope("--headless", "--open-snapshot", str(bad), ok=False)
     assert out.returncode == 2 and "not a KV Scope snapshot" in out.stderr
+
+
+def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_path):
+    from engine import snapshot_io
+
+    trace = tmp_path / "mine.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": 0.2 * i, "session": f"mine-{i}", "prompt_tokens": p,
+                                         "max_new_tokens": 400}) + "\n" for i, p in enumerate(prompts(5, [8, 20, 33]))))
+    png = tmp_path / "replay.png"
+    kvscope("--headless", "--screenshot", str(png), "--run-for", "3", "--model", tiny_llama, "--replay", str(trace))
+    snap, _ = snapshot_io.load(str(tmp_path / "replay.json"))
+    assert {"mine-0", "mine-1", "mine-2"} <= set(snap.seqs.labels)  # the trace's requests, not the demo's
+    assert not any(label.startswith("chat") for label in snap.seqs.labels)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "session": "x", "prompt": "hi", "max_new_tokens": "many"}\n')
+    out = kvscope("--headless", "--replay", str(bad), "--run-for", "1", ok=False)
+    assert out.returncode == 2 and "bad.jsonl:1: max_new_tokens must be an integer" in out.stderr
+    assert "Traceback" not in out.stderr

@@ -155,3 +155,71 @@ def test_residency_histograms_fill_when_a_small_cache_evicts(tiny_llama, capsys)
         assert h["edges_s"] == list(BIN_EDGES_S) and len(h["counts"]) == len(BIN_EDGES_S) - 1
         assert 0 <= h["p50_s"] <= h["p90_s"]
         assert row[f"{key}_p50_s"] == pytest.approx(h["p50_s"])
+
+
+def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_path):
+    """The window's trace workload: requests start at their arrival times (scaled by intensity), a later
+    turn waits for its session's reply, a fork shares its parent's blocks, every plain request's tokens equal
+    transformers' greedy ones, and a finished trace starts its next round."""
+    from app.trace_workload import TraceWorkload
+    from conftest import prompts
+    from engine.config import CacheConfig, EngineOptions
+    from engine.engine import Engine
+
+    ps = prompts(7, [12, 30, 9])
+    lines = [{"arrival_s": 0.0, "session": "a", "prompt_tokens": ps[0], "max_new_tokens": 6},
+             {"arrival_s": 0.5, "session": "b", "prompt_tokens": ps[1], "max_new_tokens": 8},
+             {"arrival_s": 0.5, "session": "n", "prompt_tokens": ps[2], "max_new_tokens": 6, "kind": "nbest",
+              "n_forks": 1},
+             {"arrival_s": 0.6, "session": "n/1", "prompt_tokens": ps[2], "max_new_tokens": 6, "kind": "fork",
+              "fork_of": "n"},
+             {"arrival_s": 2.0, "session": "a", "prompt_tokens": ps[1][:5], "max_new_tokens": 4, "kind": "turn"}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    now = [0.0]
+    eng = Engine(llama_model, CacheConfig(block_size=4), EngineOptions(context_limit=256), clock=lambda: now[0])
+    w = TraceWorkload(eng, str(path))
+    w.set_intensity(2.0)  # the trace's 2.0 s arrive after 1.0 s
+    started_at: dict[str, float] = {}
+    for _ in range(400):
+        w.tick(eng.clock())
+        for s in eng.seqs.values():
+            started_at.setdefault(f"{s.label}#{s.id}", now[0])
+        if eng.has_work():
+            w.observe(eng.step())
+        now[0] += 0.01
+        if w.rounds == 2:
+            break
+    assert w.rounds == 2, w.stats()
+    first_round = sorted(eng.seqs.values(), key=lambda s: s.id)[:5]
+    by_label = {}
+    for s in first_round:
+        by_label.setdefault(s.label, []).append(s)
+    assert [s.output for s in by_label["b"]] == [llama_ref.greedy(ps[1], 8)]
+    assert by_label["a"][0].output == llama_ref.greedy(ps[0], 6)
+    turn = by_label["a"][1]  # the second turn: the first turn's prompt and reply, then its own tokens
+    assert turn.tokens[: len(ps[0]) + 6] == ps[0] + by_label["a"][0].output
+    assert started_at[f"a#{turn.id}"] >= 1.0 - 1e-9  # arrival 2.0 s at intensity 2
+    assert started_at[f"b#{by_label['b'][0].id}"] >= 0.25 - 1e-9
+    st = w.stats()
+    assert st["forked"] >= 1 and st["refused"] == 0
+    assert st["finished"] >= 5 and st["requests"] == 10
+
+
+def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
+    from app.trace_workload import TraceWorkload
+    from engine.config import CacheConfig
+    from engine.engine import Engine
+    from engine.errors import RequestError
+
+    eng = Engine(llama_model, CacheConfig(block_size=4))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 3}\n{"arrival_s": 1}\n')
+    with pytest.raises(RequestError, match=r"bad.jsonl:2: missing 'session'"):
+        TraceWorkload(eng, str(bad))
+    with pytest.raises(RequestError, match="nope.jsonl"):
+        TraceWorkload(eng, str(tmp_path / "nope.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(RequestError, match="no requests"):
+        TraceWorkload(eng, str(empty))

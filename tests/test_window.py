@@ -235,3 +235,37 @@ def test_residency_panel_shows_reuse_and_eviction_ages(qtbot, llama_model):
     assert lines["reuse gap"].startswith("n=") and lines["age at eviction"].startswith("n=")
     curve_y = win.residency.curves["age_at_eviction"].getData()[1]
     assert curve_y is not None and abs(float(np.sum(curve_y)) - 1.0) < 1e-6
+
+
+def test_replacing_the_workload_with_a_trace_and_back(qtbot, window, runner, tmp_path):
+    import json as _json
+
+    from engine.sequence import SeqState
+
+    c = window.controls
+    assert c.workload_label.text() == "workload: none"
+    ps = prompts(11, [10, 14])
+    path = tmp_path / "traffic.jsonl"
+    path.write_text("".join(_json.dumps({"arrival_s": 0.1 * i, "session": f"user{i}", "prompt_tokens": p,
+                                         "max_new_tokens": 300}) + "\n" for i, p in enumerate(ps)))
+    bad = tmp_path / "broken.jsonl"
+    bad.write_text("{oops\n")
+    assert not c.replay_trace(str(bad))  # refused visibly; nothing replaced
+    assert "refused" in c.message.text() and "broken.jsonl:1" in c.message.text()
+    assert c.workload_label.text() == "workload: none"
+
+    c.workload_path = lambda: str(path)  # what the file dialog would return
+    c.replay.click()
+    assert c.workload_label.text() == "workload: traffic.jsonl"
+    qtbot.waitUntil(lambda: {s.label for s in runner.engine.seqs.values()} >= {"user0", "user1"}, timeout=10_000)
+    trace_ids = [s.id for s in runner.engine.seqs.values() if s.label.startswith("user")]
+    c.demo.click()  # back to the demo: the trace's running sequences are cancelled, the demo starts
+    assert c.workload_label.text() == "workload: demo"
+    qtbot.waitUntil(lambda: all(runner.engine.seqs[i].state == SeqState.FINISHED for i in trace_ids), timeout=10_000)
+    assert {runner.engine.seqs[i].finish_reason for i in trace_ids} == {"cancelled"}
+    qtbot.waitUntil(lambda: any(s.label.startswith(("chat", "long-chat")) for s in runner.engine.seqs.values()),
+                    timeout=10_000)
+    runner.pause_engine(True)
+    qtbot.wait(300)  # the engine thread finishes its step
+    with runner.engine.lock:
+        runner.engine.check_invariants()

@@ -14,6 +14,7 @@ import tomllib
 from PySide6 import QtCore, QtWidgets
 
 from engine.config import KNOBS, CacheConfig, ConfigError, Knob
+from engine.errors import RequestError
 
 # Slider resolution for float knobs: sliders are int, these map position <-> value.
 LOG_KNOBS = {"device_budget_mb", "host_budget_mb", "demote_after_s"}
@@ -132,7 +133,14 @@ class ControlsPanel(QtWidgets.QWidget):
         self.intensity = QtWidgets.QSlider(QtCore.Qt.Horizontal)
         self.intensity.setRange(1, 30)
         self.intensity.setValue(10)
-        self.intensity.setToolTip("demo workload intensity (0.1x to 3x)")
+        self.intensity.setToolTip("workload intensity: arrival rate of the demo, or speed of a replayed trace "
+                                  "(0.1x to 3x)")
+        self.workload_label = QtWidgets.QLabel()
+        self.replay = QtWidgets.QPushButton("Replay trace…")
+        self.replay.setToolTip("replace the demo with your own requests: a JSONL trace (the kvscope bench --trace "
+                               "format), replayed at its arrival times, looping")
+        self.demo = QtWidgets.QPushButton("Demo")
+        self.demo.setToolTip("go back to the built-in demo workload")
         self.record = QtWidgets.QPushButton("Record trace")
         self.record.setCheckable(True)
         self.record.setToolTip("record every block read (time, sequence, tier, hit/miss) for kvscope policy-lab")
@@ -140,7 +148,10 @@ class ControlsPanel(QtWidgets.QWidget):
         g.addWidget(self.step, 0, 1)
         g.addWidget(self.wl_pause, 1, 0)
         g.addWidget(self.intensity, 1, 1)
-        g.addWidget(self.record, 2, 0, 1, 2)
+        g.addWidget(self.workload_label, 2, 0, 1, 2)
+        g.addWidget(self.replay, 3, 0)
+        g.addWidget(self.demo, 3, 1)
+        g.addWidget(self.record, 4, 0, 1, 2)
         lay.addWidget(eng)
         lay.addStretch(1)
         self.pause.toggled.connect(lambda on: (controller.pause_engine(on),
@@ -150,9 +161,12 @@ class ControlsPanel(QtWidgets.QWidget):
                                                   self.wl_pause.setText("Resume workload" if on else "Pause workload")))
         self.intensity.sliderReleased.connect(lambda: controller.set_intensity(self.intensity.value() / 10))
         self.record.toggled.connect(self._record)
+        self.replay.clicked.connect(lambda: (lambda p: p and self.replay_trace(p))(self.workload_path()))
+        self.demo.clicked.connect(self.use_demo)
+        self._show_workload()
         if controller.read_only:
             for w in [*self.controls.values(), self.reset, self.load, self.pause, self.step, self.wl_pause,
-                      self.intensity, self.record]:
+                      self.intensity, self.record, self.replay, self.demo]:
                 w.setEnabled(False)
             self.message.setText("read-only: a saved snapshot")
         self.sync()
@@ -241,6 +255,31 @@ class ControlsPanel(QtWidgets.QWidget):
             self.show_error(f"{path}: {e}")
             return
         self.show_ok(f"saved {n:,} block reads to {path} (kvscope policy-lab {path})")
+
+    def replay_trace(self, path: str) -> bool:
+        """Replace the workload with a replay of the JSONL trace at path; a bad file is refused, visibly."""
+        try:
+            name = self.controller.replay_trace(path)
+        except RequestError as e:
+            self.show_error(str(e))
+            return False
+        self.show_ok(f"replaying {name} (the demo's sequences are cancelled)")
+        self._show_workload()
+        return True
+
+    def use_demo(self) -> None:
+        self.controller.use_demo_workload()
+        self.show_ok("demo workload")
+        self._show_workload()
+
+    def _show_workload(self) -> None:
+        self.workload_label.setText(f"workload: {self.controller.workload_name()}")
+
+    def workload_path(self) -> str:
+        """Which trace to replay (a file dialog; tests replace this)."""
+        path, _ = QtWidgets.QFileDialog.getOpenFileName(self, "Replay a request trace", "",
+                                                        "Request trace (*.jsonl);;All files (*)")
+        return path
 
     def trace_path(self) -> str:
         """Where to save a recorded trace (a file dialog; tests replace this)."""

@@ -297,6 +297,14 @@ class SnapshotController:
 
     def set_workload_paused(self, paused: bool) -> None: ...
 
+    def workload_name(self) -> str:
+        return "none (a saved snapshot)"
+
+    def replay_trace(self, path: str) -> str:
+        raise RequestError("a saved snapshot is read-only")
+
+    def use_demo_workload(self) -> None: ...
+
     def set_intensity(self, x: float) -> None: ...
 
 

@@ -264,7 +264,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
             "running, paused, preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
             "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
             "time to first token, ms", "prompt tokens reused from the prefix cache")
-    WIDTHS = (40, 80, 60, 50, 34, 34, 38, 40, 42, 48)
+    WIDTHS = (38, 76, 58, 46, 32, 32, 36, 38, 40, 46)
     NUMERIC = frozenset(range(3, 10))
     STATE_COLOURS = {"running": "#81c784", "paused": "#ffb74d", "preempted": "#e57373", "waiting": "#aab0b8",
                      "finished": "#737a84"}
@@ -383,7 +383,7 @@ class EventsPanel(QtWidgets.QWidget):
     """Evictions, migrations, preemptions, context shifts, config changes and errors, newest first."""
 
     KINDS = ("all", "evict", "promote", "demote", "preempt", "context_shift", "config", "config_error", "error",
-             "cow", "request", "finish", "seq_cp")
+             "cow", "request", "finish", "seq_cp", "workload")
     MAX = 3000
     SHOWN = 400
 
