@@ -115,6 +115,19 @@ def main(argv: list[str] | None = None) -> int:
     report["device_tier_on"] = snap.memory["tiers"]["device"]["device"]
     report["copy_stream"] = eng.pool.copy_stream is not None
     report["gpu_memory"] = snap.memory["gpu"]
+    # Every lossy format on CUDA, through migrations: runs, keeps its invariants, stays close to fp32.
+    report["lossy"] = {}
+    for dtype in ("fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8"):
+        try:
+            eng = Engine(model, CacheConfig(block_size=8, kv_dtype=dtype, device_budget_mb=0.25, host_budget_mb=8,
+                                            demote_after_s=0.0), EngineOptions(device=args.device, max_batched_tokens=128))
+            got = eng.generate(prompts, sp)
+            eng.check_invariants()
+            same = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(o)) for o, r in zip(got, refs)]
+            report["lossy"][dtype] = {"identical_prefix": same, "promotions": eng.counters.promotions}
+        except Exception as e:  # a format this GPU or torch build cannot store: say so, do not stop
+            report["lossy"][dtype] = {"error": f"{type(e).__name__}: {e}"}
+    checks["lossy_formats_run"] = all("error" not in v for k, v in report["lossy"].items() if k != "fp8")
     report["checks"] = checks
     # Throughput: SmolLM2-135M geometry with random weights, engine vs transformers on the same GPU.
     big = _tiny_dir(root, tiny, vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

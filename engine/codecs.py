@@ -2,7 +2,8 @@
 
 A tier stores, for K and for V, a dict of "parts", each a tensor whose first two dims are
 [layers, blocks]: `data` [L, N, kv_heads, block_size, head_dim] always; `scale` [L, N, kv_heads]
-for the scaled formats; `anchor` [L, N, kv_heads, head_dim] for delta-encoded keys.
+for the scaled formats ([L, N, kv_heads, head_dim] per channel for int8-kivi keys, [L, N, kv_heads,
+block_size] per token for its values); `anchor` [L, N, kv_heads, head_dim] for delta-encoded keys.
 Blocks are encoded whole: appending to a block decodes it, adds the tokens and re-encodes it with
 a scale that never shrinks, so codes already written round-trip to themselves.
 """
@@ -152,6 +153,59 @@ class DeltaInt8Codec(Int8Codec):
         parts["data"][layer][slots] = codes
 
 
+class Int8ChannelCodec(Int8Codec):
+    """Keys with one scale per channel (head dim), block and head (KIVI's key layout).
+
+    After RoPE a few channels of a key carry most of its magnitude; one scale per head is set by them and
+    leaves the other channels a handful of levels. Scales are stored in fp16, rounded up, so a stored scale
+    always covers the values it was computed from.
+    """
+
+    def parts_shapes(self, g: Geometry, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"data": ((g.layers, n, g.kv_heads, g.block_size, g.head_dim), torch.int8),
+                "scale": ((g.layers, n, g.kv_heads, g.head_dim), torch.float16)}
+
+    def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None, :]
+
+    def encode(self, parts: Parts, layer: int, slots: torch.Tensor, x: torch.Tensor, keep_scale: torch.Tensor) -> None:
+        need = x.abs().amax(dim=-2) / self.qmax  # [n, H, D]: over the block's tokens
+        old = parts["scale"][layer][slots].float()
+        old = torch.where(keep_scale[:, None, None], old, torch.zeros_like(old))
+        scale = _fp16_up(torch.maximum(old, need))
+        parts["scale"][layer][slots] = scale
+        parts["data"][layer][slots] = self._quantize(x / scale.float()[..., None, :])
+
+
+class Int8TokenCodec(Int8Codec):
+    """Values with one scale per token and head (KIVI's value layout). A token's codes and scale never
+    change once written, so appending tokens takes the scatter fast path: no block is re-encoded."""
+
+    def parts_shapes(self, g: Geometry, n: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        return {"data": ((g.layers, n, g.kv_heads, g.block_size, g.head_dim), torch.int8),
+                "scale": ((g.layers, n, g.kv_heads, g.block_size), torch.float16)}
+
+    def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        return parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None]
+
+    def encode(self, parts: Parts, layer: int, slots: torch.Tensor, x: torch.Tensor, keep_scale: torch.Tensor) -> None:
+        scale = _fp16_up(x.abs().amax(dim=-1) / self.qmax)  # [n, H, B]
+        parts["scale"][layer][slots] = scale
+        parts["data"][layer][slots] = self._quantize(x / scale.float()[..., None])
+
+    def scatter(self, parts: Parts, layer: int, slots: torch.Tensor, offsets: torch.Tensor, x: torch.Tensor) -> bool:
+        scale = _fp16_up(x.abs().amax(dim=-1) / self.qmax)  # [T, H]
+        parts["scale"][layer][slots, :, offsets] = scale
+        parts["data"][layer][slots, :, offsets] = self._quantize(x.float() / scale.float()[..., None])
+        return True
+
+
+def _fp16_up(scale: torch.Tensor) -> torch.Tensor:
+    """fp16 scales at or above `scale` (fp32), and at least fp16's smallest normal number: rounding to
+    nearest after a 2^-10 nudge never lands below, since the rounding error is at most 2^-11 relative."""
+    return (scale.clamp(2.0**-14, 6.0e4) * (1 + 2.0**-10)).to(torch.float16)
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -180,4 +234,6 @@ def codecs_for(dtype: KVDtype) -> tuple[Codec, Codec]:
         return DeltaInt8Codec(), Int8Codec()
     if dtype is KVDtype.FP8:
         return Fp8Codec(), Fp8Codec()
+    if dtype is KVDtype.INT8_KIVI:
+        return Int8ChannelCodec(), Int8TokenCodec()
     raise ValueError(dtype)

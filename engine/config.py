@@ -18,6 +18,7 @@ class KVDtype(enum.IntEnum):
     INT8 = 3
     INT8_DELTA = 4  # int8 values, keys stored as closed-loop deltas between consecutive tokens
     FP8 = 5  # e4m3 with per-block per-head scales
+    INT8_KIVI = 6  # int8, keys with per-channel scales, values with per-token scales (KIVI's layout)
 
     @property
     def label(self) -> str:
@@ -44,6 +45,7 @@ _DTYPE_LABELS = {
     KVDtype.INT8: "int8",
     KVDtype.INT8_DELTA: "int8-delta",
     KVDtype.FP8: "fp8",
+    KVDtype.INT8_KIVI: "int8-kivi",
 }
 
 # Lossiness rank: moving to a higher rank loses information.
@@ -54,6 +56,7 @@ DTYPE_PRECISION = {
     KVDtype.INT8: 3,
     KVDtype.INT8_DELTA: 3,
     KVDtype.FP8: 4,
+    KVDtype.INT8_KIVI: 3,
 }
 
 POLICIES = ("lru", "heat", "s3fifo")

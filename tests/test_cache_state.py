@@ -98,7 +98,7 @@ def make_machine(model):
         def cancel(self, data):
             self.engine.cancel(data.draw(st.sampled_from(self.live())))
 
-        @rule(bs=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from(["fp32", "fp16", "int8", "int8-delta"]),
+        @rule(bs=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from(["fp32", "fp16", "int8", "int8-delta", "int8-kivi"]),
               dev=st.sampled_from([0.02, 0.03, 0.05]), policy=st.sampled_from(["lru", "heat"]))
         def reconfigure(self, bs, dtype, dev, policy):
             try:

@@ -210,13 +210,14 @@ def test_int8_bytes_and_bounded_logit_error(llama_model):
     assert e8.pool.block_bytes <= 0.27 * e32.pool.block_bytes
     p = prompts(12, [90])[0]
     logits, tokens = {}, {}
-    for name, eng in (("fp32", e32), ("int8", e8), ("delta", Engine(llama_model, CacheConfig(kv_dtype="int8-delta")))):
+    for name, eng in (("fp32", e32), ("int8", e8), ("delta", Engine(llama_model, CacheConfig(kv_dtype="int8-delta"))),
+                      ("kivi", Engine(llama_model, CacheConfig(kv_dtype="int8-kivi")))):
         captured: list[torch.Tensor] = []
         eng.model.forward = _recording(eng.model.forward, captured)
         tokens[name] = eng.generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
         logits[name] = torch.cat(captured)
     ref = logits["fp32"]
-    for name in ("int8", "delta"):
+    for name in ("int8", "delta", "kivi"):
         # Compare steps up to the first differing token: after it the inputs differ, not just the cache.
         same = next((i for i, (a, b) in enumerate(zip(tokens[name], tokens["fp32"])) if a != b), len(tokens[name]))
         n = max(same, 1)

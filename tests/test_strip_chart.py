@@ -58,6 +58,9 @@ def test_y_range_grows_at_once_and_shrinks_only_far_below(qtbot):
     assert c.top == 150.0  # not rebuilt for a small fall
     c.set_data(x, {"a": np.full(50, 20.0), "b": np.zeros(50)})
     assert c.top == 25.0
+    old = np.concatenate(([-500.0], x))  # a sample older than the span does not set the range
+    c.set_data(old, {"a": np.concatenate(([1e6], np.full(50, 20.0))), "b": np.zeros(51)})
+    assert c.top == 25.0
     c.set_level("cap", 300.0, "#0000ff")  # a capacity line stays in range
     c.set_data(x, {"a": np.full(50, 20.0), "b": np.zeros(50)})
     assert c.top >= 300.0

@@ -130,8 +130,8 @@ class StripChart(QtWidgets.QWidget):
         covered = -float(x_ago[0]) if len(x_ago) else 0.0
         self.span = next((sp for sp in self.SPANS if covered <= sp <= self.max_span), self.max_span)
         if self.fixed is None:
-            peak = max((float(np.nanmax(s.y)) for s in self.series.values()
-                        if len(s.y) and np.isfinite(s.y).any()), default=0.0)
+            shown = [s.y[s.x >= -self.span] for s in self.series.values()]  # what is older is clipped away
+            peak = max((float(np.nanmax(y)) for y in shown if len(y) and np.isfinite(y).any()), default=0.0)
             peak = max([peak] + [v for v, _ in self.levels.values()])
             want = nice_ceiling(peak * 1.08)  # a little headroom above the peak
             # Grow at once, shrink only when the data fell well below: the frame is rebuilt rarely.
