@@ -176,7 +176,12 @@ class LlamaFamily:
                 kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
                 vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
                 qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
-                o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale, enable_gqa=H != Hkv)
+                if x.is_cuda and H != Hkv:
+                    # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
+                    # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
+                    kb, vb = kb.repeat_interleave(H // Hkv, dim=1), vb.repeat_interleave(H // Hkv, dim=1)
+                o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=H != kb.shape[1])
                 attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
             x = x + linear(attn.view(T, H * D), o_w)
             h = self._rms(x, ln2)
