@@ -80,6 +80,7 @@ def from_json(text: str, source: str = "<snapshot>") -> tuple[Snapshot, dict]:
         s["block_tier"] = tuple(s["block_tier"])
         s["block_slot"] = tuple(s["block_slot"])
         seqs = SeqTable(**s)
+        body["marks"] = tuple((float(t), str(k), str(label)) for t, k, label in body.get("marks", ()))
         snap = Snapshot(tiers=tiers, seqs=seqs, **body)
         for t in tiers:
             for name in ("state", "owner", "ref", "fill", "heat", "age", "hashed"):

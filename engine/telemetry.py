@@ -19,6 +19,8 @@ RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
 SERIES_PERIOD_S = 0.1
 WINDOW_S = 5.0  # windowed rates look this far back
+MARK_KINDS = ("config", "workload", "context_shift", "preempt")
+MARKS_KEPT = 512
 AUTO_TABLES_MAX = 200_000  # block-table entries above which snapshots list blocks only for chosen sequences
 
 
@@ -113,12 +115,16 @@ class Snapshot:
     series: dict[str, np.ndarray]
     residency: dict[str, np.ndarray]
     timing: dict = field(default_factory=dict)
+    # Moments worth marking on the time series: (engine-clock time, kind, label), oldest first. Kinds:
+    # "config", "workload", "context_shift", "preempt".
+    marks: tuple = ()
 
 
 class Telemetry:
     def __init__(self, engine):  # engine.engine.Engine; not imported, so this module stays torch-free
         self.engine = engine
         self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
+        self.marks: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=MARKS_KEPT)
         self.history: collections.deque[tuple] = collections.deque()
         self.series: collections.deque[tuple] = collections.deque(maxlen=SERIES_LEN)
         self.residency = {k: collections.deque(maxlen=RESIDENCY_SAMPLES)
@@ -139,6 +145,8 @@ class Telemetry:
     # -- inputs -------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
         self.events.append(Event(time.time(), kind, fields))
+        if kind in MARK_KINDS:
+            self.marks.append((self.engine.clock(), kind, _mark_label(kind, fields)))
         c = self.engine.counters
         if kind == "context_shift":
             c.context_shifts += 1
@@ -250,7 +258,8 @@ class Telemetry:
         timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
                   "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
         return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
-                        windowed=windowed, memory=memory, series=series, residency=residency, timing=timing)
+                        windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
+                        marks=tuple(self.marks))
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
         # float32 throughout (half the bytes to move; exp is the costliest op here), each array written once:
@@ -417,3 +426,14 @@ class Telemetry:
         else:
             out["nvml_error"] = self._nvml_error
         return out
+
+
+def _mark_label(kind: str, fields: dict) -> str:
+    if kind == "config":
+        changes = ", ".join(f"{k}={v}" for k, v in fields.get("changes", {}).items())
+        return changes + (" (lossy)" if fields.get("lossy") else "")
+    if kind == "workload":
+        return f"workload: {fields.get('name', '?')}"
+    if kind == "context_shift":
+        return f"context shift, seq {fields.get('seq', '?')}"
+    return f"preempted seq {fields.get('seq', '?')} ({fields.get('mode', '?')})"

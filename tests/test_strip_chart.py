@@ -115,3 +115,21 @@ def test_note_and_title_rebuild_the_frame(qtbot):
     plain = _paint(c)
     c.set_note("no GPU")
     assert _paint(c) != plain
+
+
+def test_marks_are_drawn_where_they_happened_and_read_on_hover(qtbot):
+    c = _chart(qtbot)
+    x = np.linspace(-20, 0, 100)
+    c.set_data(x, {"a": np.full(100, 1.0), "b": np.full(100, 1.0)})
+    c.set_marks([(-10.0, "config", "block_size=32"), (-5.0, "context_shift", "context shift, seq 3"),
+                 (-400.0, "config", "too old to show"), (-3.0, "unknown", "ignored")])
+    assert [m[1] for m in c.marks] == ["config", "context_shift", "config"]
+    img = _paint(c)
+    r = c._rect
+    x_cfg = int(round(r.left() + (-10.0 + c.span) / c.span * r.width()))
+    column = img.copy(QtCore.QRect(x_cfg - 1, int(r.top()), 3, int(r.height())))
+    assert _count(column, (0x4F, 0xC3, 0xF7)) > r.height() / 4  # a dashed line down the plot
+    x_shift = r.left() + (-5.0 + c.span) / c.span * r.width()
+    assert c.marks_near(x_cfg) == ["block_size=32"]
+    assert c.marks_near(x_shift) == ["context shift, seq 3"]
+    assert c.marks_near(r.left() + 2) == []  # the 400 s old mark is outside the span

@@ -93,3 +93,39 @@ def test_snapshot_fields_match_the_engine(engine):
     for i, sid in enumerate(some.seqs.id.tolist()):
         assert (len(some.seqs.block_tier[i]) > 0) == (sid == fork)
         assert some.seqs.blocks_device[i] + some.seqs.blocks_host[i] == len(eng.seqs[sid].blocks)
+
+
+def test_marks_record_changes_and_engine_actions_and_survive_a_snapshot_file(llama_model, tmp_path):
+    import json
+
+    from engine import snapshot_io
+
+    now = [50.0]
+    eng = Engine(llama_model, CacheConfig(block_size=4), EngineOptions(context_limit=32, n_keep=4),
+                 clock=lambda: now[0])
+    eng.fake_now = now
+    sid = eng.add_request(prompts(4, [20])[0], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    _run(eng, 3)
+    eng.reconfigure(block_size=8)
+    _run(eng, 1)
+    t_config = eng.clock()
+    eng.reconfigure(kv_dtype="int8")
+    _run(eng, 2)
+    snap = eng.snapshot()
+    configs = [m for m in snap.marks if m[1] == "config"]
+    assert [label for _, _, label in configs] == ["block_size=8", "kv_dtype=int8 (lossy)"]
+    _run(eng, 20)  # past the 32-token context limit: a shift
+    snap = eng.snapshot()
+    assert f"context shift, seq {sid}" in [label for _, kind, label in snap.marks if kind == "context_shift"]
+    # Engine-clock time (the clock the series use) of the step that applied it, the one after the call.
+    assert configs[1][0] == pytest.approx(t_config + 0.05)
+    assert all(a[0] <= b[0] for a, b in zip(snap.marks, snap.marks[1:]))
+    path = tmp_path / "s.json"
+    snapshot_io.save(str(path), snap)
+    back, _ = snapshot_io.load(str(path))
+    assert back.marks == snap.marks
+    doc = json.loads(path.read_text())  # a file from before marks existed still opens, with none
+    del doc["snapshot"]["marks"]
+    path.write_text(json.dumps(doc))
+    assert snapshot_io.load(str(path))[0].marks == ()
+    assert sid in eng.seqs

@@ -269,3 +269,15 @@ def test_replacing_the_workload_with_a_trace_and_back(qtbot, window, runner, tmp
     qtbot.wait(300)  # the engine thread finishes its step
     with runner.engine.lock:
         runner.engine.check_invariants()
+
+
+def test_a_config_change_is_marked_on_the_time_series(qtbot, window, runner):
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 5, timeout=10_000)
+    assert window.controls.apply("block_size", 8)
+    qtbot.waitUntil(lambda: runner.engine.config.block_size == 8, timeout=10_000)
+    window.refresh_all()
+    for chart in (window.hit.rates, window.hit.flow, window.memory.plot):
+        assert [label for _, kind, label in chart.marks if kind == "config"] == ["block_size=8"]
+        ago = chart.marks[-1][0]
+        assert -5.0 < ago <= 0.0

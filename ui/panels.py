@@ -36,6 +36,11 @@ def _plot(title: str, y_label: str, legend_cols: int = 2) -> pg.PlotWidget:
     return w
 
 
+def _marks(snap: Snapshot) -> list[tuple[float, str, str]]:
+    """The snapshot's marks as (seconds ago, kind, label)."""
+    return [(t - snap.t, kind, label) for t, kind, label in snap.marks]
+
+
 def _ago(series: dict, snap_t: float) -> np.ndarray:
     t = series.get("t", np.zeros(0))
     return t - snap_t
@@ -64,8 +69,10 @@ class HitRatePanel(QtWidgets.QWidget):
     def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
         """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one chart)."""
         x = _ago(snap.series, snap.t)
+        marks = _marks(snap)
         for chart in (self.rates, self.flow):
             if part == "all" or (chart is self.flow) == (part == "flow"):
+                chart.set_marks(marks)
                 chart.set_data(x, {k: snap.series[k] for k in chart.series if k in snap.series})
 
 
@@ -104,8 +111,10 @@ class MemoryPanel(QtWidgets.QWidget):
         tiers = snap.memory["tiers"]
         self.plot.set_level("device", tiers["device"]["capacity_bytes"] / MB, "#4fc3f7")
         self.plot.set_level("host", tiers["host"]["capacity_bytes"] / MB, "#ba68c8")
+        changes = [m for m in _marks(snap) if m[1] in ("config", "workload")]
         for chart in (self.plot, self.proc):
             if part == "all" or (chart is self.plot) == (part == "tiers"):
+                chart.set_marks(changes)
                 # NaN where NVML could not be read: the chart breaks the line there.
                 chart.set_data(x, {k: snap.series[k] / MB for k in chart.series if k in snap.series})
         self.proc.set_note("" if gpu.get("available") else "no GPU")

@@ -6,7 +6,9 @@ once into a cached pixmap, rebuilt only when the size, the y range or the title 
 just the polylines over it. The x axis is "seconds ago" over a span that changes only as history grows
 (30, 60, 120 s); the y range snaps to round values with hysteresis, so it moves rarely.
 
-Hovering shows a cursor line and every series' value at that time.
+Marks (config changes, workload switches: labelled dashed lines; context shifts, preemptions: ticks at the
+bottom) put causes next to their effects. Hovering shows a cursor line, every series' value at that time and
+the marks under the cursor.
 """
 
 from __future__ import annotations
@@ -23,6 +25,10 @@ AXIS = QtGui.QColor("#5c626b")
 TICK_TEXT = QtGui.QColor("#aab0b8")
 TITLE = QtGui.QColor("#c8ccd4")
 CURSOR = QtGui.QColor(200, 204, 212, 140)
+# Marks on the time axis, by kind: colour, and whether it is a labelled full-height line (a change the user
+# or the workload made) or a short tick at the bottom (something the engine did).
+MARK_STYLE = {"config": ("#4fc3f7", True), "workload": ("#aab0b8", True), "context_shift": ("#ffd54f", False),
+              "preempt": ("#ff8a65", False)}
 
 
 @dataclass
@@ -80,6 +86,12 @@ class StripChart(QtWidgets.QWidget):
         self.top = y_range[1] if y_range else 1.0
         self.series: dict[str, _Series] = {}
         self.levels: dict[str, tuple[float, QtGui.QPen]] = {}  # horizontal lines (capacities)
+        self.marks: list[tuple[float, str, str]] = []  # (seconds ago, kind, label)
+        self._mark_pens = {}
+        for kind, (colour, full) in MARK_STYLE.items():
+            pen = QtGui.QPen(QtGui.QColor(colour), 1, QtCore.Qt.DashLine if full else QtCore.Qt.SolidLine)
+            pen.setCosmetic(True)
+            self._mark_pens[kind] = pen
         self._frame: QtGui.QPixmap | None = None
         self._frame_key = None
         self._rect = QtCore.QRectF()
@@ -113,6 +125,13 @@ class StripChart(QtWidgets.QWidget):
         pen = QtGui.QPen(QtGui.QColor(colour), 1, QtCore.Qt.DotLine)
         self.levels[key] = (float(value), pen)
         self.update()
+
+    def set_marks(self, marks: list[tuple[float, str, str]]) -> None:
+        """(seconds ago, kind, label) moments to mark; kinds as in MARK_STYLE, others are ignored."""
+        marks = [m for m in marks if m[1] in MARK_STYLE]
+        if marks != self.marks:
+            self.marks = marks
+            self.update()
 
     def set_note(self, note: str) -> None:
         """A short red remark after the title ("no GPU")."""
@@ -265,9 +284,43 @@ class StripChart(QtWidgets.QWidget):
                 for a, b in zip(edges[::2], edges[1::2]):
                     if b - a >= 2:
                         self._polyline(p, px[a:b], py[a:b])
+        self._paint_marks(p, r)
         if self._hover_x is not None and r.left() <= self._hover_x <= r.right():
             self._paint_hover(p, r)
         p.end()
+
+    def _mark_x(self, r: QtCore.QRectF, ago: float) -> float:
+        return r.left() + (ago + self.span) / self.span * r.width()
+
+    def _paint_marks(self, p: QtGui.QPainter, r: QtCore.QRectF) -> None:
+        if not self.marks:
+            return
+        p.setFont(self._font)
+        fm = QtGui.QFontMetrics(self._font)
+        taken: list[list[tuple[float, float]]] = [[], [], []]  # label extents per text row
+        for ago, kind, label in self.marks:
+            if not -self.span <= ago <= 0:
+                continue
+            x = self._mark_x(r, ago)
+            p.setPen(self._mark_pens[kind])
+            if MARK_STYLE[kind][1]:
+                p.drawLine(QtCore.QPointF(x, r.top()), QtCore.QPointF(x, r.bottom()))
+                text = fm.elidedText(label, QtCore.Qt.ElideRight, 140)
+                w = fm.horizontalAdvance(text)
+                tx = x + 3 if x + 3 + w < r.right() else x - 3 - w
+                # The first row where the label overlaps no other; past three rows, labels are left to hover.
+                row = next((i for i, spans in enumerate(taken) if all(tx + w < a or tx > b for a, b in spans)), None)
+                if row is not None:
+                    taken[row].append((tx - 4, tx + w + 4))
+                    p.drawText(QtCore.QPointF(tx, r.top() + fm.ascent() + 1 + row * self._line_h), text)
+            else:
+                p.drawLine(QtCore.QPointF(x, r.bottom() - 7), QtCore.QPointF(x, r.bottom()))
+
+    def marks_near(self, x: float, px: float = 4.0) -> list[str]:
+        """Labels of the marks within px pixels of x (widget coordinates)."""
+        r = self._rect
+        return [label for ago, _, label in self.marks
+                if -self.span <= ago <= 0 and abs(self._mark_x(r, ago) - x) <= px]
 
     def _polyline(self, p: QtGui.QPainter, px: np.ndarray, py: np.ndarray) -> None:
         if self._poly.size() != len(px):
@@ -286,6 +339,7 @@ class StripChart(QtWidgets.QWidget):
         for s in self.series.values():
             v = self.value_at(s.key, ago)
             lines.append(f"{s.label}: " + ("—" if math.isnan(v) else _fmt(v, 0.001 if abs(v) < 10 else 1)))
+        lines += [f"▲ {label}" for label in self.marks_near(hx)]
         p.setClipping(False)
         p.setFont(self._font)
         fm = QtGui.QFontMetrics(self._font)
