@@ -11,6 +11,9 @@ from engine.errors import RequestError
 from engine.workloads import INTENSITY_RANGE, load_trace
 
 
+MAX_STEP_S = 1.0
+
+
 class TraceWorkload:
     """Same interface as engine.workloads.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
     around each step; `paused`, `set_intensity` and `stats()` from any thread; `close()` when replaced.
@@ -31,7 +34,7 @@ class TraceWorkload:
         self.engine = engine
         self.name = os.path.basename(path)
         self.cap = cap
-        self.paused = False
+        self._paused = False
         self._intensity = 1.0
         self.rounds = 0
         self._totals = {"requests": 0, "finished": 0, "refused": 0, "forked": 0}
@@ -41,6 +44,17 @@ class TraceWorkload:
         self._result: RunResult | None = None
 
     # -- knobs (any thread) ---------------------------------------------------------------------
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @paused.setter
+    def paused(self, value: bool) -> None:
+        """While paused (no ticks come) the trace's clock stands still; it resumes where it stopped."""
+        if self._paused and not value:
+            self._last = None
+        self._paused = bool(value)
+
     @property
     def intensity(self) -> float:
         return self._intensity
@@ -72,7 +86,9 @@ class TraceWorkload:
             self._new_round()
         if self._last is None:
             self._last = now
-        self._vt += max(0.0, now - self._last) * self._intensity
+        # At most MAX_STEP_S of trace time per tick: a paused engine (no ticks) does not bring a burst of
+        # every arrival it missed when it resumes.
+        self._vt += min(max(0.0, now - self._last), MAX_STEP_S) * self._intensity
         self._last = now
         self._replay.feed(self._vt, self._result)
 

@@ -223,3 +223,26 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
     empty.write_text("\n")
     with pytest.raises(RequestError, match="no requests"):
         TraceWorkload(eng, str(empty))
+
+
+def test_live_trace_clock_stands_still_while_paused(llama_model, tmp_path):
+    from app.trace_workload import TraceWorkload
+    from engine.config import CacheConfig
+    from engine.engine import Engine
+
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": a, "session": f"s{i}", "prompt_tokens": [5, 6, 7],
+                                        "max_new_tokens": 2}) + "\n" for i, a in enumerate((0.0, 3.0, 6.0))))
+    now = [0.0]
+    eng = Engine(llama_model, CacheConfig(block_size=4), clock=lambda: now[0])
+    w = TraceWorkload(eng, str(path))
+    w.tick(0.0)
+    assert len(eng.seqs) == 1
+    w.paused = True  # the runner stops ticking a paused workload; 60 s pass
+    now[0] = 60.0
+    w.paused = False
+    w.tick(60.0)
+    assert len(eng.seqs) == 1  # nothing that was due during the pause arrives in a burst
+    for t in (60.5, 61.0, 61.5, 62.0, 62.5, 63.1):
+        w.tick(t)
+    assert len(eng.seqs) == 2  # 3.0 s of trace time later, the second request

@@ -258,12 +258,14 @@ class ControlsPanel(QtWidgets.QWidget):
 
     def replay_trace(self, path: str) -> bool:
         """Replace the workload with a replay of the JSONL trace at path; a bad file is refused, visibly."""
+        before = self.controller.workload_name()
         try:
             name = self.controller.replay_trace(path)
         except RequestError as e:
             self.show_error(str(e))
             return False
-        self.show_ok(f"replaying {name} (the demo's sequences are cancelled)")
+        self.show_ok(f"replaying {name}" + (f" (the {before} workload's sequences are cancelled)"
+                                              if before != "none" else ""))
         self._show_workload()
         return True
 
