@@ -30,7 +30,7 @@ class EngineRunner:
         self._decoders: dict[int, Any] = {}
         self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
         self.error: str | None = None
-        self._next_workload: list = []  # a replacement, applied by the engine thread between steps
+        self._next_workload = None  # a replacement, applied by the engine thread between steps
         self.steps = 0
         self._last = None
 
@@ -56,12 +56,12 @@ class EngineRunner:
                 continue
             try:
                 with self._lock:
-                    nxt = self._next_workload.pop() if self._next_workload else None
+                    nxt, self._next_workload = self._next_workload, None
                 if nxt is not None:
                     if self.workload is not None:
                         self.workload.close()
-                    self.workload = nxt[0]
-                    eng.telemetry.emit("workload", name=nxt[0].name if nxt[0] is not None else "none")
+                    self.workload = nxt
+                    eng.telemetry.emit("workload", name=nxt.name)
                 if self.workload is not None and not self.workload.paused:
                     self.workload.tick(eng.clock())
                 if not eng.has_work():
@@ -144,10 +144,8 @@ class EngineRunner:
 
     def workload_name(self) -> str:
         with self._lock:
-            if self._next_workload:
-                w = self._next_workload[-1][0]
-                return w.name if w is not None else "none"
-        return self.workload.name if self.workload is not None else "none"
+            w = self._next_workload or self.workload
+        return w.name if w is not None else "none"
 
     def replay_trace(self, path: str) -> str:
         """Replace the workload with a live, looping replay of a JSONL request trace. The file is read and
@@ -170,7 +168,7 @@ class EngineRunner:
             w.paused = old.paused
             w.set_intensity(old.intensity)
         with self._lock:
-            self._next_workload[:] = [(w,)]
+            self._next_workload = w
 
     def set_workload_paused(self, paused: bool) -> None:
         if self.workload is not None:

@@ -8,7 +8,7 @@ import os
 
 from app.sweep import Replay, RunResult
 from engine.errors import RequestError
-from engine.workloads import INTENSITY_RANGE, load_trace
+from engine.workloads import check_intensity, load_trace
 
 
 MAX_STEP_S = 1.0
@@ -60,10 +60,7 @@ class TraceWorkload:
         return self._intensity
 
     def set_intensity(self, value: float) -> None:
-        lo, hi = INTENSITY_RANGE
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-            raise ValueError(f"intensity: {value!r} is outside [{lo:g}, {hi:g}]")
-        self._intensity = float(value)
+        self._intensity = check_intensity(value)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._totals)

@@ -26,9 +26,12 @@ def _ms(r: dict) -> str:
     return f"median {r['median_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, max {r['max_ms']:.1f} ms"
 
 
-def _frames(fn, n: int) -> dict:
+def _frames(fn, n: int, before=None) -> dict:
+    """fn timed n times; before(i), if given, runs untimed ahead of each."""
     times = []
-    for _ in range(n):
+    for i in range(n):
+        if before is not None:
+            before(i)
         t = time.perf_counter()
         fn()
         times.append(1e3 * (time.perf_counter() - t))
@@ -92,18 +95,15 @@ def run_ui_bench(big: int = 1_000_000, medium: int = 100_000, stall_s: float = 2
     # snapshot's cached per-sequence placement is then recounted for every sequence.
     from engine.block_pool import Tier
 
-    pool, times = eng.pool, []
+    pool = eng.pool
     lids = np.flatnonzero(pool.tier >= 0)
-    for i in range(30):
+
+    def migrate(i: int) -> None:
         lid = lids[i * 997 % len(lids)]
         to = Tier.HOST if pool.tier[lid] == Tier.DEVICE else Tier.DEVICE
         pool.move(np.asarray([lid]), to, eng.clock(), "bench")
-        t = time.perf_counter()
-        frame_big()
-        times.append(1e3 * (time.perf_counter() - t))
-    a = np.asarray(times)
-    out["blockmap_1m_after_migration"] = {"median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)),
-                                          "max_ms": float(a.max())}
+
+    out["blockmap_1m_after_migration"] = _frames(frame_big, 30, before=migrate)
     say(f"[ui-bench] the same, a migration before each frame: {_ms(out['blockmap_1m_after_migration'])}")
     bm.close()
     del eng

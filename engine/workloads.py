@@ -465,6 +465,14 @@ class ChatFormat:
 
 MAX_LIVE = 8  # live sequences (paused ones included) the demo keeps at most
 INTENSITY_RANGE = (0.1, 3.0)
+
+
+def check_intensity(value: object) -> float:
+    """A workload intensity as float, or ValueError naming the range."""
+    lo, hi = INTENSITY_RANGE
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
+        raise ValueError(f"intensity: {value!r} is outside [{lo:g}, {hi:g}]")
+    return float(value)
 _RATES = {"chat": 1 / 6, "document": 1 / 30, "nbest": 1 / 20, "long_chat": 1 / 15}  # arrivals per second at 1.0
 # The opening minute is scripted so that every phenomenon shows within ~20 s: (seconds from start, kind).
 _OPENING = ((0.0, "chat"), (0.0, "long_chat"), (0.6, "chat"), (1.2, "nbest"), (1.8, "chat"), (3.0, "document"))
@@ -523,10 +531,7 @@ class DemoWorkload:
         self.set_intensity(value)
 
     def set_intensity(self, value: float) -> None:
-        lo, hi = INTENSITY_RANGE
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-            raise ValueError(f"intensity: {value!r} is outside [{lo:g}, {hi:g}]")
-        self._intensity = float(value)
+        self._intensity = check_intensity(value)
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)

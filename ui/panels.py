@@ -167,10 +167,7 @@ class HeatPanel(QtWidgets.QWidget):
             item = pg.BarGraphItem(x0=[], x1=[], height=[], brush=pg.mkBrush(colour), pen=None, name=name)
             self.plot.addItem(item)
             self.bars[name] = item
-        self.table = QtWidgets.QLabel()
-        self.table.setStyleSheet("font-size: 8pt; font-family: monospace;")
-        self.table.setFixedHeight(62)
-        self.table.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+        self.table = _text_block(62)
         lay.addWidget(self.plot, 3)
         lay.addWidget(self.table, 1)
 
@@ -217,10 +214,7 @@ class ResidencyPanel(QtWidgets.QWidget):
         self.plot.setLogMode(x=True, y=False)
         self.curves = {k: self.plot.plot(stepMode="center", pen=pg.mkPen(c, width=2), name=label)
                        for k, label, c in self.SERIES}
-        self.summary = QtWidgets.QLabel()
-        self.summary.setStyleSheet("font-size: 8pt; font-family: monospace;")
-        self.summary.setFixedHeight(62)
-        self.summary.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+        self.summary = _text_block(62)
         lay.addWidget(self.plot, 1)
         lay.addWidget(self.summary)
 
@@ -236,6 +230,16 @@ class ResidencyPanel(QtWidgets.QWidget):
             else:
                 lines.append(f"{label:<16} no samples yet")
         self.summary.setText("\n".join(lines))
+
+
+def _text_block(height: int) -> QtWidgets.QLabel:
+    """A few lines of small monospace text under a plot, at a fixed height (a label whose size hint follows
+    its text re-lays out the window on every change)."""
+    label = QtWidgets.QLabel()
+    label.setStyleSheet("font-size: 8pt; font-family: monospace;")
+    label.setFixedHeight(height)
+    label.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+    return label
 
 
 def _extremes(h: np.ndarray, k: int) -> tuple[list[int], list[int]]:
