@@ -10,13 +10,19 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import mmap
 import os
 import shutil
+import socket
 import struct
+import sys
 import tempfile
+import time
+import zlib
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, Iterator
 
+import psutil
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -41,8 +47,12 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 
 CONVERT_STAGE = "converting GGUF (first start only)"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_CACHE_FORMAT = 1  # bump when the cache layout changes, so old entries are rebuilt
+# Bump when the cache layout changes, so old entries are rebuilt. 2: the marker holds per-tensor checksums
+# (format-1 entries are reconverted rather than checksummed in place, which would bless any damage they have).
+_CACHE_FORMAT = 2
 _MARKER = "kvscope-complete.json"
+_BUILDER = "kvscope-builder.json"  # pid, host and start time of the process building a `.building-*` dir
+_ORPHAN_AGE_S = 3600.0  # a build dir whose builder cannot be checked (no record, another host) is dead after this
 
 Progress = Callable[[str, float], None]
 
@@ -101,9 +111,13 @@ def load_model(path: str | None = None, progress: Progress | None = None) -> Loa
         return _load_hf_dir(source, source, _name_of(source))
     directory = _gguf_cache_dir(source, progress, rebuild=False)
     try:
+        # Same-size damage (flipped bytes) loads fine and yields garbage tokens: the checksums catch it.
+        _verify_checksums(directory)
         return _load_hf_dir(directory, source, _name_of(source))
-    except ModelLoadError:
-        # A damaged cache entry (bad safetensors/json) is rebuilt once; a second failure is real.
+    except ModelLoadError as e:
+        # A damaged cache entry (bad bytes, safetensors or json) is rebuilt once; a second failure is real.
+        print(f"[kvscope] the cached conversion of {source} is unusable ({e}); converting it again",
+              file=sys.stderr, flush=True)
         directory = _gguf_cache_dir(source, progress, rebuild=True)
         return _load_hf_dir(directory, source, _name_of(source))
 
@@ -447,6 +461,7 @@ def _gguf_cache_dir(gguf_path: str, progress: Progress | None, rebuild: bool) ->
     if architecture not in _GGUF_ARCHITECTURES:
         raise _unsupported(architecture, gguf_path)
     models = os.path.join(cache_root(), "models")
+    _remove_orphan_builds(models)
     try:
         final = os.path.join(models, _sha256(gguf_path))
         if not rebuild and _is_complete(final):
@@ -460,10 +475,12 @@ def _gguf_cache_dir(gguf_path: str, progress: Progress | None, rebuild: bool) ->
 def _build_cache_entry(gguf_path: str, models: str, final: str, report: Progress) -> None:
     os.makedirs(models, exist_ok=True)
     # Build next to the final place and swap it in whole, so a crash never leaves a half entry.
-    tmp = tempfile.mkdtemp(dir=models, prefix=".building-")
+    tmp = _new_build_dir(models)
     try:
         _convert_gguf(gguf_path, tmp, report)
-        _write_json_atomic(os.path.join(tmp, _MARKER), {"format": _CACHE_FORMAT, "source": gguf_path})
+        checksums = _checksums(tmp, _entry_files(tmp))
+        _write_json_atomic(os.path.join(tmp, _MARKER),
+                           {"format": _CACHE_FORMAT, "source": gguf_path, "checksums": checksums})
         shutil.rmtree(final, ignore_errors=True)
         try:
             os.replace(tmp, final)
@@ -504,3 +521,122 @@ def _convert_gguf(gguf_path: str, out_dir: str, report: Progress) -> None:
     _write_json_atomic(os.path.join(out_dir, "config.json"), config)
     model.generation_config.to_json_file(os.path.join(out_dir, "generation_config.json"))
     tokenizer.save_pretrained(out_dir)
+
+
+# -- cache integrity ------------------------------------------------------------------------------
+
+
+def _entry_files(directory: str) -> list[str]:
+    """The files of a cache entry that its checksums cover: everything but the bookkeeping."""
+    return sorted(f for f in os.listdir(directory)
+                  if f not in (_MARKER, _BUILDER) and os.path.isfile(os.path.join(directory, f)))
+
+
+def _checksums(directory: str, files: list[str]) -> dict[str, dict[str, str]]:
+    """Per file, a crc32 per part: a safetensors file's header and each tensor's bytes, else the whole file.
+
+    crc32 runs ~4 GB/s (the default model's 514 MB in ~0.13 s, sha256 ~0.3 s, blake2b ~0.9 s), so every start
+    checks every byte before a token is produced; it is a corruption check, not a defence against someone who
+    can write the cache (they could rewrite the marker too). Per tensor, so a mismatch names the tensor.
+    """
+    sums: dict[str, dict[str, str]] = {}
+    for name in files:
+        path = os.path.join(directory, name)
+        try:
+            sums[name] = _file_checksums(path)
+        except FileNotFoundError:
+            continue  # _verify_checksums reports the file as missing
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+            raise ModelLoadError(f"cannot checksum {path}: {type(e).__name__}: {e}") from None
+    return sums
+
+
+def _file_checksums(path: str) -> dict[str, str]:
+    with open(path, "rb") as f:
+        if not path.endswith(".safetensors"):
+            return {"": f"{zlib.crc32(f.read()):08x}"}
+        # mmap: the pages are those the mmap-backed weights use anyway, so checking costs no extra memory.
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
+            return {part: f"{zlib.crc32(view[start:end]):08x}" for part, start, end in _safetensors_parts(view)}
+
+
+def _safetensors_parts(view: memoryview) -> Iterator[tuple[str, int, int]]:
+    """(name, start, end) byte ranges that together cover the whole file."""
+    (header_len,) = struct.unpack_from("<Q", view)
+    base = 8 + header_len
+    header = json.loads(bytes(view[8:base]))
+    yield "__header__", 0, base
+    end = base
+    for name, info in header.items():
+        if name != "__metadata__":
+            start, stop = info["data_offsets"]
+            yield name, base + start, base + stop
+            end = max(end, base + stop)
+    yield "__tail__", end, len(view)  # empty unless bytes were appended
+
+
+def _verify_checksums(directory: str) -> None:
+    """Raise ModelLoadError naming the first file/tensor that differs from the checksums recorded at conversion."""
+    expected = _read_json(os.path.join(directory, _MARKER)).get("checksums")
+    if not isinstance(expected, dict) or not expected:
+        raise ModelLoadError(f"{directory} records no checksums")
+    # Every recorded file, plus any weights file the loader would read that the conversion did not write.
+    files = sorted(set(expected) | {f for f in _entry_files(directory) if ".safetensors" in f})
+    actual = _checksums(directory, files)
+    for name in files:
+        path = os.path.join(directory, name)
+        if name not in actual or name not in expected:
+            raise ModelLoadError(f"{path} is {'missing' if name in expected else 'not part of the conversion'}")
+        recorded = expected[name] if isinstance(expected[name], dict) else {}
+        for part in sorted(recorded.keys() | actual[name].keys()):
+            if recorded.get(part) != actual[name].get(part):
+                raise ModelLoadError(f"checksum mismatch in {path}: {part or 'content'}")
+
+
+# -- orphaned builds ------------------------------------------------------------------------------
+
+
+def _new_build_dir(models: str) -> str:
+    """A `.building-*` dir recording its builder, so a later start can tell a killed build from a live one."""
+    tmp = tempfile.mkdtemp(dir=models, prefix=".building-")
+    me = psutil.Process()
+    _write_json_atomic(os.path.join(tmp, _BUILDER),
+                       {"pid": me.pid, "host": socket.gethostname(), "started": me.create_time()})
+    return tmp
+
+
+def _remove_orphan_builds(models: str) -> None:
+    """Delete `.building-*` dirs (~500 MB each) whose builder is dead: a conversion killed before its cleanup."""
+    try:
+        names = [n for n in os.listdir(models) if n.startswith(".building-")]
+    except OSError:
+        return  # no cache yet
+    for name in names:
+        path = os.path.join(models, name)
+        if _is_orphan(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _is_orphan(path: str) -> bool:
+    try:
+        with open(os.path.join(path, _BUILDER), encoding="utf-8") as f:
+            builder = json.load(f)
+        if builder["host"] == socket.gethostname():
+            return not _builder_alive(int(builder["pid"]), float(builder["started"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # no record: a builder between mkdtemp and writing it, or an older KV Scope's dir
+    try:  # no record, or a builder on another host sharing the cache dir: only age tells
+        return time.time() - os.stat(path).st_mtime > _ORPHAN_AGE_S
+    except OSError:
+        return False  # already gone
+
+
+def _builder_alive(pid: int, started: float) -> bool:
+    try:
+        process = psutil.Process(pid)
+        # The start time tells the builder from an unrelated process that got its pid later.
+        return abs(process.create_time() - started) < 1.0 and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+    except psutil.Error:  # e.g. AccessDenied: it exists, so keep its dir
+        return True

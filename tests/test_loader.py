@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -277,14 +278,14 @@ def test_weights_match_transformers_reference(default_model) -> None:
     assert_same_weights(model.weights, {k: v.detach() for k, v in reference.state_dict().items()})
 
 
-def test_corrupt_or_incomplete_cache_is_rebuilt(default_model, tmp_path: Path, monkeypatch) -> None:
-    """The rebuild path, with the 20 s conversion replaced by a copy of the pristine converted files."""
+@pytest.fixture
+def relinked_conversion(default_model, tmp_path: Path, monkeypatch) -> list[str]:
+    """The 20 s conversion replaced by hard links to the pristine converted files; returns the calls made."""
     model, _, _ = default_model
-    cache_dir = Path(model.cache_dir)
     pristine = tmp_path / "pristine"
     pristine.mkdir()
-    for f in cache_dir.iterdir():
-        if f.name != "kvscope-complete.json":
+    for f in Path(model.cache_dir).iterdir():
+        if f.name not in ("kvscope-complete.json", "kvscope-builder.json"):  # written by the loader itself
             os.link(f, pristine / f.name)  # hard links: instant, and survive the cache being deleted
     calls: list[str] = []
 
@@ -295,6 +296,14 @@ def test_corrupt_or_incomplete_cache_is_rebuilt(default_model, tmp_path: Path, m
             os.link(f, Path(out_dir) / f.name)
 
     monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    return calls
+
+
+def test_corrupt_or_incomplete_cache_is_rebuilt(default_model, relinked_conversion: list[str]) -> None:
+    """The rebuild path, with the 20 s conversion replaced by a copy of the pristine converted files."""
+    model, _, _ = default_model
+    cache_dir = Path(model.cache_dir)
+    calls = relinked_conversion
     weights = cache_dir / "model.safetensors"
     truncated = weights.read_bytes()[: 1 << 20]
     weights.unlink()  # a new inode, so the pristine link keeps the good bytes
@@ -309,6 +318,113 @@ def test_corrupt_or_incomplete_cache_is_rebuilt(default_model, tmp_path: Path, m
     load_model()
     assert len(calls) == 2 and (cache_dir / "kvscope-complete.json").exists()
     assert not [p for p in cache_dir.parent.iterdir() if p.name.startswith(".building-")]
+
+
+def flip_bytes_in_tensor(weights: Path, name: str, offset: int, count: int) -> None:
+    """Invert `count` bytes of tensor `name` in a new inode: same size, still a valid safetensors file."""
+    with weights.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        start = 8 + header_len + json.loads(f.read(header_len))[name]["data_offsets"][0] + offset
+    damaged = weights.with_name("damaged.tmp")
+    shutil.copyfile(weights, damaged)  # a copy, so mmap-backed weights of earlier loads keep their bytes
+    with damaged.open("r+b") as f:
+        f.seek(start)
+        flipped = bytes(b ^ 0xFF for b in f.read(count))
+        f.seek(start)
+        f.write(flipped)
+    os.replace(damaged, weights)
+
+
+def test_flipped_bytes_in_cached_weights_are_detected_and_rebuilt(default_model, relinked_conversion: list[str],
+                                                                  capsys) -> None:
+    model, _, _ = default_model
+    cache_dir = Path(model.cache_dir)
+    weights = cache_dir / "model.safetensors"
+    size = weights.stat().st_size
+    name = "model.layers.7.mlp.down_proj.weight"
+    flip_bytes_in_tensor(weights, name, offset=4096, count=16)
+    assert weights.stat().st_size == size
+    # safetensors loads the damaged file without complaint: only the checksums can tell.
+    assert not torch.equal(loader._read_safetensors(str(cache_dir))[name], model.weights[name])
+    capsys.readouterr()
+    rebuilt = load_model()
+    assert relinked_conversion == [model.source]
+    err = capsys.readouterr().err
+    assert f"checksum mismatch in {weights}: {name}" in err and "converting it again" in err
+    assert_same_weights(rebuilt.weights, model.weights)
+    loader._verify_checksums(str(cache_dir))  # the rebuilt entry carries checksums that match it
+
+    marker = cache_dir / "kvscope-complete.json"  # an entry without checksums is not trusted either
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "checksums": {}}))
+    assert_same_weights(load_model().weights, model.weights)
+    assert len(relinked_conversion) == 2 and "records no checksums" in capsys.readouterr().err
+
+
+def test_checksums_cover_every_byte(tmp_path: Path, tiny_tokenizer: Path) -> None:
+    """Damage to the header, to any tensor, to a json file, or bytes appended: each is a mismatch."""
+    make_tiny(tmp_path, tiny_tokenizer)
+    files = loader._entry_files(str(tmp_path))
+    (tmp_path / "kvscope-complete.json").write_text(json.dumps({"checksums": loader._checksums(str(tmp_path), files)}))
+    loader._verify_checksums(str(tmp_path))
+    weights = tmp_path / "model.safetensors"
+    pristine = weights.read_bytes()
+    (header_len,) = struct.unpack("<Q", pristine[:8])
+    for at in (20, 8 + header_len, len(pristine) - 1):  # header, first tensor byte, last tensor byte
+        weights.write_bytes(pristine[:at] + bytes([pristine[at] ^ 1]) + pristine[at + 1:])
+        with pytest.raises(ModelLoadError, match="checksum mismatch|cannot checksum"):  # or a header json broke
+            loader._verify_checksums(str(tmp_path))
+    weights.write_bytes(pristine + b"\0")
+    with pytest.raises(ModelLoadError, match="checksum mismatch.*tail"):
+        loader._verify_checksums(str(tmp_path))
+    weights.write_bytes(pristine)
+    config = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config.replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
+    with pytest.raises(ModelLoadError, match=r"checksum mismatch in .*config\.json"):
+        loader._verify_checksums(str(tmp_path))
+
+
+def test_user_hf_dir_is_never_checked_or_rebuilt(tmp_path: Path, tiny_tokenizer: Path, monkeypatch) -> None:
+    """A user's own directory has no recorded checksums and no source to rebuild from: loaded as it is."""
+    reference = make_tiny(tmp_path / "model", tiny_tokenizer)
+    monkeypatch.setenv("KVSCOPE_CACHE_DIR", str(tmp_path / "cache"))
+    flip_bytes_in_tensor(tmp_path / "model" / "model.safetensors", "model.norm.weight", offset=0, count=4)
+    weights = load_model(str(tmp_path / "model")).weights
+    assert not torch.equal(weights["model.norm.weight"], reference["model.norm.weight"])
+    assert not (tmp_path / "cache").exists()
+
+
+def test_orphaned_build_dirs_are_removed(default_model) -> None:
+    model, _, cache = default_model
+    models = cache / "models"
+
+    def building() -> set[str]:
+        return {p.name for p in models.iterdir() if p.name.startswith(".building-")}
+
+    # A conversion killed midway, in a process that has exited since: its directory is an orphan.
+    code = ("import os, signal\nfrom engine import loader\n"
+            "loader._convert_gguf = lambda *args: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "loader._gguf_cache_dir(loader.default_model_path(), None, rebuild=True)\n")
+    killed = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ))
+    assert killed.wait(timeout=120) == -signal.SIGKILL
+    left = building()
+    try:
+        assert len(left) == 1
+        load_model()
+        assert building() == set(), "the killed conversion's directory survived a load"
+
+        live = Path(loader._new_build_dir(str(models)))  # this process, alive: maybe converting right now
+        reused = Path(loader._new_build_dir(str(models)))  # its pid now belongs to another process
+        record = json.loads((reused / "kvscope-builder.json").read_text())
+        (reused / "kvscope-builder.json").write_text(json.dumps({**record, "started": record["started"] - 1000}))
+        old, young = models / ".building-legacy-old", models / ".building-legacy-young"  # no record at all
+        old.mkdir(), young.mkdir()
+        hours_ago = time.time() - 2 * 3600
+        os.utime(old, (hours_ago, hours_ago))
+        load_model()
+        assert building() == {live.name, young.name}
+    finally:
+        for name in building():
+            shutil.rmtree(models / name)
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
