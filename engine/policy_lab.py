@@ -19,17 +19,19 @@ import argparse
 import heapq
 import json
 import math
+import os
 import sys
 from collections import OrderedDict, deque
 
 import numpy as np
 
 from engine.eviction import s3fifo_sizes
-from engine.trace import AccessTrace
+from engine.trace import MAX_TRACE_ROWS, AccessTrace
 
 POLICIES = ("lru", "heat", "s3fifo", "opt")
 DEFAULT_DECAYS = (0.5, 0.9, 0.99)
 SECONDS_PER_ACCESS = 0.01  # the clock of a trace given without times
+MAX_CAPACITY = MAX_TRACE_ROWS  # more blocks than a trace can have accesses changes nothing
 
 
 # -- simulators: each returns the hit count; `log`, if given, collects evicted keys in order ----------
@@ -427,36 +429,55 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the flag, its valid range and the value given, for a number out of range."""
+    for c in args.capacity or []:
+        if not 1 <= c <= MAX_CAPACITY:
+            raise ValueError(f"--capacity must be a number of blocks from 1 to {MAX_CAPACITY:,}, got {c}")
+    for d in args.decay or []:
+        if not 0.0 < d <= 1.0:  # also refuses nan
+            raise ValueError(f"--decay must be in (0, 1] (heat kept per second), got {d}")
+    if args.seed < 0:
+        raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.plot:
+        folder = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(folder):
+            raise ValueError(f"--plot {args.plot}: no such folder {folder}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`kvscope policy-lab`. Bad input (a number out of range, a file that is not a trace, an empty trace)
+    prints one line, "kvscope policy-lab: error: ...", and returns 2."""
     ap = build_parser()
     args = ap.parse_args(argv)
     if (args.trace is None) == (args.synthetic is None):
         ap.error("give a TRACE file or --synthetic scan (one of them)")
-    if any(c < 1 for c in args.capacity or []):
-        ap.error("--capacity must be >= 1")
-    if any(not 0.0 < d <= 1.0 for d in args.decay or []):
-        ap.error("--decay must be in (0, 1]")
-    if args.synthetic:
-        trace: AccessTrace | np.ndarray = scan_polluted_trace(args.seed)
-        source = f"synthetic scan-polluted chat trace (seed {args.seed})"
-    else:
-        try:
+    try:
+        check_args(args)
+        if args.synthetic:
+            trace: AccessTrace | np.ndarray = scan_polluted_trace(args.seed)
+            source = f"synthetic scan-polluted chat trace (seed {args.seed})"
+        else:
             trace = AccessTrace.load(args.trace)
-        except ValueError as e:
-            print(f"kvscope policy-lab: {e}", file=sys.stderr)
-            return 2
-        source = args.trace
-    keys, _ = lab_input(trace, args.every_read)
-    if len(keys) == 0:
-        print(f"kvscope policy-lab: {source}: the trace is empty", file=sys.stderr)
+            source = args.trace
+        if len(trace) == 0:
+            raise ValueError(f"{source}: the trace is empty")
+    except ValueError as e:
+        print(f"kvscope policy-lab: error: {e}", file=sys.stderr)
         return 2
+    keys, _ = lab_input(trace, args.every_read)
     caps = sorted(set(args.capacity)) if args.capacity else default_capacities(keys)
     decays = tuple(args.decay) if args.decay else DEFAULT_DECAYS
     policies = tuple(dict.fromkeys(args.policy)) if args.policy else POLICIES
     rows = run_lab(trace, caps, decays=decays, policies=policies, every_read=args.every_read)
     distinct = len(np.unique(keys))
     if args.plot:
-        plot(rows, args.plot, title=f"Eviction policies against OPT: {len(keys):,} accesses, {distinct:,} blocks")
+        try:
+            plot(rows, args.plot, title=f"Eviction policies against OPT: {len(keys):,} accesses, {distinct:,} blocks")
+        except OSError as e:
+            print(f"kvscope policy-lab: error: --plot {args.plot}: cannot write the figure ({e.strerror or e})",
+                  file=sys.stderr)
+            return 2
     if args.json:
         print(json.dumps({"trace": source, "accesses": len(keys), "distinct_blocks": distinct,
                           "reads": "every" if args.every_read or args.synthetic else "first", "rows": rows}))

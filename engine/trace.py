@@ -7,11 +7,138 @@ one), so a replay sees exactly the reuse the engine saw. Saved as .npz with one 
 
 from __future__ import annotations
 
+import os
+import zipfile
+import zlib
+from contextlib import ExitStack
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib import format as npy_format
 
 COLUMNS = ("t", "seq", "block", "tier", "hit")
+
+# The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
+# their widest), so a file that passes holds at most ~1.65 GB of columns however well it compresses: a
+# .npz is a zip, and 2.3 MB of deflated zeros is 2.4 GB of array.
+MAX_TRACE_ROWS = 50_000_000
+
+# Per column: the dtype kinds accepted (numpy's dtype.kind letters) and how to say so.
+_KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block": ("iu", "integers"),
+          "tier": ("iu", "integers"), "hit": ("b", "booleans")}
+_READ_CHUNK = 1 << 24  # bytes decompressed per read: the only buffer besides the columns themselves
+# The compressions np.savez and np.savez_compressed write, and the most bytes one stored byte can become
+# (deflate's limit is 1032; a zip entry's sizes are declared, so this catches an entry that lies about its).
+_MAX_EXPANSION = {zipfile.ZIP_STORED: 1, zipfile.ZIP_DEFLATED: 1100}
+
+
+class TraceFileError(ValueError):
+    """A file that is not a usable access trace; the message starts with the file's path."""
+
+
+def _member(z: zipfile.ZipFile, col: str) -> zipfile.ZipInfo | None:
+    for name in (col + ".npy", col):  # np.savez names members "t.npy"; np.load also takes a bare "t"
+        try:
+            return z.getinfo(name)
+        except KeyError:
+            pass
+    return None
+
+
+def _header(fp, path: str, col: str, info: zipfile.ZipInfo) -> tuple[int, np.dtype]:
+    """Rows and dtype of the column whose .npy member `fp` is, read from its header alone and checked
+    against everything the data must satisfy, before any of the data is read."""
+    try:
+        version = npy_format.read_magic(fp)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(fp)
+        elif version == (2, 0):
+            shape, _, dtype = npy_format.read_array_header_2_0(fp)
+        else:
+            raise ValueError(f"unsupported .npy format version {version[0]}.{version[1]}")
+    except ValueError as e:
+        raise TraceFileError(f"{path}: column {col!r} is not a readable .npy array ({e})") from None
+    if len(shape) != 1:
+        what = "0-d (a single value)" if not shape else f"{len(shape)}-d, shape {shape}"
+        raise TraceFileError(f"{path}: column {col!r} is {what}; each column must be a 1-d array")
+    kinds, expected = _KINDS[col]
+    if dtype.kind not in kinds or dtype.fields is not None or dtype.itemsize > 8:
+        raise TraceFileError(f"{path}: column {col!r} has dtype {dtype}; expected {expected}")
+    rows = shape[0]
+    if rows > MAX_TRACE_ROWS:
+        raise TraceFileError(f"{path}: column {col!r} declares {rows:,} rows; the limit is {MAX_TRACE_ROWS:,}")
+    declared = fp.tell() + rows * dtype.itemsize
+    if info.file_size != declared:
+        raise TraceFileError(f"{path}: column {col!r} declares {rows:,} rows of {dtype} ({declared:,} bytes with "
+                             f"its header) but its zip member holds {info.file_size:,} bytes")
+    return rows, dtype
+
+
+def _read_into(fp, path: str, col: str, rows: int, dtype: np.dtype) -> np.ndarray:
+    a = np.empty(rows, dtype=dtype)
+    view = memoryview(a.view(np.uint8))
+    got = 0
+    while got < len(view):
+        k = fp.readinto(view[got:got + _READ_CHUNK])
+        if not k:
+            raise TraceFileError(f"{path}: column {col!r} ends after {got:,} of {len(view):,} bytes of data")
+        got += k
+    return a
+
+
+def _first_bad(mask: np.ndarray) -> int | None:
+    return int(np.argmax(mask)) if mask.any() else None
+
+
+def _read(path: str) -> dict[str, np.ndarray]:
+    with zipfile.ZipFile(path) as z:
+        infos = {c: _member(z, c) for c in COLUMNS}
+        missing = [c for c, i in infos.items() if i is None]
+        if missing:
+            names = z.namelist()
+            has = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+            raise TraceFileError(f"{path}: not a KV Scope access trace: no column {', '.join(map(repr, missing))} "
+                                 f"(it holds: {has or 'nothing'})")
+        for c, info in infos.items():
+            most = _MAX_EXPANSION.get(info.compress_type)
+            if most is None:
+                raise TraceFileError(f"{path}: column {c!r} uses zip compression method {info.compress_type}; "
+                                     f"a trace is stored or deflated (np.savez, np.savez_compressed)")
+            if info.file_size > most * info.compress_size + 1024:
+                raise TraceFileError(f"{path}: column {c!r}: its zip entry declares {info.file_size:,} bytes from "
+                                     f"{info.compress_size:,} stored, more than the compression can give")
+        with ExitStack() as stack:
+            streams = {c: stack.enter_context(z.open(info)) for c, info in infos.items()}
+            heads = {c: _header(streams[c], path, c, infos[c]) for c in COLUMNS}
+            if len({rows for rows, _ in heads.values()}) != 1:
+                lens = ", ".join(f"{c} {rows:,}" for c, (rows, _) in heads.items())
+                raise TraceFileError(f"{path}: columns of different lengths ({lens})")
+            cols = {c: _read_into(streams[c], path, c, *heads[c]) for c in COLUMNS}
+    return cols
+
+
+def _checked(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Values checked and columns in the dtypes the lab expects (native byte order)."""
+    t = cols["t"].astype(np.float64, copy=False)
+    i = _first_bad(~np.isfinite(t))
+    if i is not None:
+        raise TraceFileError(f"{path}: column 't' has a time that is not a finite number ({t[i]} at row {i:,})")
+    block = cols["block"]
+    if block.dtype.kind == "u":
+        i = _first_bad(block > np.iinfo(np.int64).max)
+    else:
+        i = _first_bad(block < 0)
+    if i is not None:
+        raise TraceFileError(f"{path}: column 'block' has block serial {block[i]} at row {i:,}; serials are "
+                             f"0 .. {np.iinfo(np.int64).max:,}")
+    tier = cols["tier"]
+    i = _first_bad((tier != 0) & (tier != 1))
+    if i is not None:
+        raise TraceFileError(f"{path}: column 'tier' has {tier[i]} at row {i:,}; a tier is 0 (device) or 1 (host)")
+    seq = cols["seq"]
+    return dict(t=t, seq=seq.astype(seq.dtype.newbyteorder("="), copy=False),
+                block=block.astype(np.int64, copy=False), tier=tier.astype(np.int8, copy=False),
+                hit=cols["hit"].view(np.uint8) != 0)  # a bool byte that is neither 0 nor 1 reads as True
 
 
 @dataclass(frozen=True)
@@ -30,15 +157,32 @@ class AccessTrace:
 
     @staticmethod
     def load(path: str) -> "AccessTrace":
+        """Read a trace saved by `save`. Anything else raises TraceFileError (a ValueError) whose message
+        starts with `path` and says what is wrong: not a zip, a missing column, a column that is not 1-d,
+        of the wrong dtype, longer than MAX_TRACE_ROWS or with a header that disagrees with its data's size,
+        columns of different lengths, a time that is not finite, a negative block serial, a tier other than
+        0 or 1. Every column's .npy header is checked before any data is read, so a file can make this
+        allocate no more than its headers declare (at most MAX_TRACE_ROWS rows); never unpickles."""
         try:
-            with np.load(path) as z:
-                cols = {c: z[c] for c in COLUMNS}
-        except (OSError, KeyError, ValueError) as e:
-            raise ValueError(f"{path}: not a KV Scope access trace ({e})") from None
-        n = {len(v) for v in cols.values()}
-        if len(n) != 1:
-            raise ValueError(f"{path}: columns of different lengths")
-        return AccessTrace(**cols)
+            cols = _read(path)
+        except TraceFileError:
+            raise
+        except FileNotFoundError:
+            raise TraceFileError(f"{path}: no such file") from None
+        except IsADirectoryError:
+            raise TraceFileError(f"{path}: is a directory, not a trace file") from None
+        except zipfile.BadZipFile as e:
+            if os.path.isfile(path) and os.path.getsize(path) == 0:
+                raise TraceFileError(f"{path}: the file is empty") from None
+            if "not a zip file" in str(e):
+                raise TraceFileError(f"{path}: not a KV Scope access trace: not an .npz (zip) file") from None
+            raise TraceFileError(f"{path}: damaged .npz file ({e})") from None
+        except (zlib.error, EOFError, NotImplementedError, RuntimeError) as e:
+            # truncated or corrupt compressed data, an unsupported compression method, an encrypted member
+            raise TraceFileError(f"{path}: damaged or unsupported .npz file ({e})") from None
+        except OSError as e:
+            raise TraceFileError(f"{path}: cannot read the file ({e.strerror or e})") from None
+        return AccessTrace(**_checked(path, cols))
 
 
 class TraceRecorder:

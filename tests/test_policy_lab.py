@@ -3,7 +3,14 @@
 from __future__ import annotations
 
 import functools
+import io
 import json
+import os
+import struct
+import subprocess
+import sys
+import time
+import zipfile
 
 import numpy as np
 import pytest
@@ -12,7 +19,7 @@ from hypothesis import strategies as st
 
 from engine.policy_lab import (POLICIES, default_capacities, first_reads, format_table, main, near_half, plot, replay,
                                run_lab, scan_polluted_trace)
-from engine.trace import AccessTrace
+from engine.trace import MAX_TRACE_ROWS, AccessTrace
 from test_eviction import cached_block, lid_of, make_pool, read
 
 
@@ -243,5 +250,274 @@ def test_main_reports_bad_input(tmp_path, capsys):
     assert "not a KV Scope access trace" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([])
-    with pytest.raises(SystemExit):
-        main(["--synthetic", "scan", "--capacity", "0"])
+    capsys.readouterr()
+    assert main(["--synthetic", "scan", "--capacity", "0"]) == 2
+    assert capsys.readouterr().err.startswith("kvscope policy-lab: error: --capacity")
+
+
+# -- hostile and broken trace files -------------------------------------------------------------------
+
+def good_columns(n: int = 100) -> dict[str, np.ndarray]:
+    return dict(t=np.arange(n) * 0.5, seq=np.arange(n, dtype=np.int32) // 10, block=np.arange(n, dtype=np.int64),
+                tier=np.zeros(n, np.int8), hit=np.ones(n, bool))
+
+
+def npy(a: np.ndarray) -> bytes:
+    b = io.BytesIO()
+    np.save(b, a, allow_pickle=True)
+    return b.getvalue()
+
+
+def npy_header(descr: str, shape: tuple) -> bytes:
+    b = io.BytesIO()
+    np.lib.format.write_array_header_1_0(b, {"descr": descr, "fortran_order": False, "shape": shape})
+    return b.getvalue()
+
+
+def lying(a: np.ndarray, shape: tuple) -> bytes:
+    """The .npy of `a` with a header that declares `shape` instead (the data stays `a`'s)."""
+    return npy_header(np.lib.format.dtype_to_descr(a.dtype), shape) + a.tobytes()
+
+
+def write_npz(path, members: dict, compression=zipfile.ZIP_DEFLATED) -> str:
+    with zipfile.ZipFile(path, "w", compression) as z:
+        for name, v in members.items():
+            z.writestr(name + ".npy", v if isinstance(v, bytes) else npy(v))
+    return str(path)
+
+
+def with_column(**cols) -> dict:
+    return {**good_columns(), **cols}
+
+
+def entry_claims(path, member: str, size: int) -> None:
+    """Rewrite the zip central directory so `member` claims `size` uncompressed bytes."""
+    data = bytearray(open(path, "rb").read())
+    pos = data.find(b"PK\x01\x02")
+    while pos >= 0:
+        n = struct.unpack_from("<H", data, pos + 28)[0]
+        if data[pos + 46:pos + 46 + n] == member.encode():
+            struct.pack_into("<I", data, pos + 24, size)
+        pos = data.find(b"PK\x01\x02", pos + 4)
+    open(path, "wb").write(bytes(data))
+
+
+def _bad_t(value: float) -> np.ndarray:
+    t = good_columns()["t"]
+    t[3] = value
+    return t
+
+
+def _negative_block() -> np.ndarray:
+    b = good_columns()["block"]
+    b[5] = -7
+    return b
+
+
+def _tier_three() -> np.ndarray:
+    tr = good_columns()["tier"]
+    tr[5] = 3
+    return tr
+
+
+def make_bad(kind: str, path) -> str:
+    """A file of one class of bad input, at `path` (returned)."""
+    p = str(path)
+    if kind == "0-d columns":
+        return write_npz(p, {c: np.asarray(v[0]) for c, v in good_columns().items()})
+    if kind == "2-d column":
+        return write_npz(p, with_column(block=np.arange(100).reshape(10, 10)))
+    if kind == "huge declared shape":
+        return write_npz(p, with_column(t=lying(good_columns()["t"], (10 ** 10,))))
+    if kind == "header lies about rows":
+        return write_npz(p, with_column(t=lying(good_columns()["t"], (1_000_000,))))
+    if kind == "zip entry lies about its size":
+        write_npz(p, good_columns(), zipfile.ZIP_STORED)
+        entry_claims(p, "t.npy", 400_000_000)
+        return p
+    if kind == "object column":
+        return write_npz(p, with_column(seq=np.array([1, "a", None] * 33 + [1], dtype=object)))
+    if kind == "complex times":
+        return write_npz(p, with_column(t=good_columns()["t"].astype(complex)))
+    if kind == "string blocks":
+        return write_npz(p, with_column(block=good_columns()["block"].astype(str)))
+    if kind == "float blocks":
+        return write_npz(p, with_column(block=good_columns()["block"].astype(float)))
+    if kind == "integer hits":
+        return write_npz(p, with_column(hit=np.ones(100, np.int64)))
+    if kind == "columns of different lengths":
+        return write_npz(p, with_column(block=np.arange(50)))
+    if kind == "nan time":
+        return write_npz(p, with_column(t=_bad_t(np.nan)))
+    if kind == "inf time":
+        return write_npz(p, with_column(t=_bad_t(np.inf)))
+    if kind == "negative block serial":
+        return write_npz(p, with_column(block=_negative_block()))
+    if kind == "tier not 0 or 1":
+        return write_npz(p, with_column(tier=_tier_three()))
+    if kind == "missing column":
+        return write_npz(p, {c: v for c, v in good_columns().items() if c != "hit"})
+    if kind == "member is not .npy":
+        return write_npz(p, with_column(seq=b"garbage"))
+    if kind == "bzip2 member":
+        return write_npz(p, good_columns(), zipfile.ZIP_BZIP2)
+    if kind == "not a zip":
+        open(p, "w").write("hello, not a zip\n")
+        return p
+    if kind == "empty file":
+        open(p, "w").close()
+        return p
+    if kind == "truncated zip":
+        write_npz(p, good_columns())
+        data = open(p, "rb").read()
+        open(p, "wb").write(data[:len(data) // 2])
+        return p
+    if kind == "a directory":
+        os.mkdir(p)
+        return p
+    if kind == "missing file":
+        return p
+    raise AssertionError(kind)
+
+
+BAD_FILES = {  # kind -> what the message must say besides the file's name
+    "0-d columns": "column 't' is 0-d",
+    "2-d column": "column 'block' is 2-d",
+    "huge declared shape": f"declares 10,000,000,000 rows; the limit is {MAX_TRACE_ROWS:,}",
+    "header lies about rows": "declares 1,000,000 rows of float64",
+    "zip entry lies about its size": "more than the compression can give",
+    "object column": "column 'seq' has dtype object",
+    "complex times": "column 't' has dtype complex128",
+    "string blocks": "column 'block' has dtype <U",
+    "float blocks": "column 'block' has dtype float64; expected integers",
+    "integer hits": "column 'hit' has dtype int64; expected booleans",
+    "columns of different lengths": "different lengths (t 100, seq 100, block 50",
+    "nan time": "not a finite number (nan at row 3)",
+    "inf time": "not a finite number (inf at row 3)",
+    "negative block serial": "block serial -7 at row 5",
+    "tier not 0 or 1": "column 'tier' has 3 at row 5",
+    "missing column": "no column 'hit'",
+    "member is not .npy": "column 'seq' is not a readable .npy array",
+    "bzip2 member": "compression method 12",
+    "not a zip": "not an .npz (zip) file",
+    "empty file": "the file is empty",
+    "truncated zip": "not an .npz (zip) file",
+    "a directory": "is a directory, not a trace file",
+    "missing file": "no such file",
+}
+
+
+def assert_one_error_line(err: str, needle: str) -> None:
+    lines = err.splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("kvscope policy-lab: error: ") and needle in lines[0], err
+
+
+@pytest.mark.parametrize("kind", list(BAD_FILES))
+def test_a_bad_trace_file_gets_one_clear_error(kind, tmp_path, capsys):
+    from app.cli import main as cli_main
+
+    path = make_bad(kind, tmp_path / "bad.npz")
+    with pytest.raises(ValueError) as e:
+        AccessTrace.load(path)
+    assert str(e.value).startswith(f"{path}: ") and BAD_FILES[kind] in str(e.value)
+    capsys.readouterr()
+    assert cli_main(["policy-lab", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert_one_error_line(err, f"{path}: ")
+    assert BAD_FILES[kind] in err
+
+
+def test_a_huge_declared_shape_is_refused_from_its_header_alone(tmp_path, monkeypatch):
+    path = make_bad("huge declared shape", tmp_path / "huge.npz")
+
+    def no(*a, **k):
+        raise AssertionError("read array data")
+
+    for name in ("empty", "zeros", "load", "frombuffer", "fromfile"):
+        monkeypatch.setattr(np, name, no)
+    monkeypatch.setattr(np.lib.format, "read_array", no)
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="the limit is"):
+        AccessTrace.load(path)
+    assert time.perf_counter() - start < 1.0
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads VmHWM from /proc")
+def test_a_small_zip_bomb_keeps_memory_small(tmp_path):
+    """2 MB of deflated zeros that a .npy header honestly calls 60 million float64 times (480 MB): refused
+    by the row limit before any data is read; a subprocess's peak RSS stays near the interpreter's own."""
+    rows = 60_000_000
+    assert rows > MAX_TRACE_ROWS
+    path = str(tmp_path / "bomb.npz")
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+        with z.open("t.npy", "w", force_zip64=True) as m:
+            m.write(npy_header("<f8", (rows,)))
+            zeros, left = bytes(1 << 24), rows * 8
+            while left:
+                m.write(zeros[:min(left, len(zeros))])
+                left -= min(left, len(zeros))
+        for c, v in good_columns().items():
+            if c != "t":
+                z.writestr(c + ".npy", npy(v))
+    assert os.path.getsize(path) < 3_000_000
+    # VmHWM, the peak RSS of this process image: ru_maxrss would carry over the forking pytest's peak.
+    code = ("import sys\nfrom engine.policy_lab import main\nrc = main([sys.argv[1]])\n"
+            "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
+            "print(rc, hwm)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120, cwd=root)
+    rc, rss_kb = map(int, out.stdout.split())
+    assert rss_kb < 300_000, f"peak RSS {rss_kb / 1024:.0f} MB"
+    assert rc == 2 and "the limit is" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_load_accepts_other_int_and_float_widths_and_returns_the_labs_dtypes(tmp_path):
+    n = 50
+    cols = dict(t=np.arange(n, dtype=">f4"), seq=np.arange(n, dtype=">i8"), block=np.arange(n, dtype=np.uint32),
+                tier=np.ones(n, np.int64), hit=np.zeros(n, bool))
+    path = write_npz(tmp_path / "w.npz", {**cols, "notes": np.zeros(3)}, zipfile.ZIP_STORED)  # extras are ignored
+    tr = AccessTrace.load(path)
+    assert (tr.t.dtype, tr.block.dtype, tr.tier.dtype, tr.hit.dtype) == (np.float64, np.int64, np.int8, np.bool_)
+    assert tr.seq.dtype.isnative and tr.seq.dtype.kind == "i"
+    for c in cols:
+        assert np.array_equal(getattr(tr, c), cols[c])
+    saved = tmp_path / "s.npz"
+    trace_of([1, 1, 2], [4, 5, 4]).save(str(saved))
+    back = AccessTrace.load(str(saved))
+    assert back.block.tolist() == [4, 5, 4] and back.seq.dtype == np.int32
+
+
+BAD_ARGS = [  # arguments after the trace -> what the one error line must say
+    (["--capacity", "0"], "--capacity must be a number of blocks from 1 to 50,000,000, got 0"),
+    (["--capacity", "4", "-1"], "--capacity must be a number of blocks from 1 to 50,000,000, got -1"),
+    (["--capacity", str(10 ** 30)], f"--capacity must be a number of blocks from 1 to 50,000,000, got {10 ** 30}"),
+    (["--decay", "0"], "--decay must be in (0, 1] (heat kept per second), got 0.0"),
+    (["--decay", "2"], "--decay must be in (0, 1] (heat kept per second), got 2.0"),
+    (["--decay", "nan"], "--decay must be in (0, 1] (heat kept per second), got nan"),
+    (["--decay", "0.9", "inf"], "--decay must be in (0, 1] (heat kept per second), got inf"),
+    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--plot", "/nonexistent-kvscope-dir/f.png"], "--plot /nonexistent-kvscope-dir/f.png: no such folder"),
+]
+
+
+@pytest.mark.parametrize("extra,needle", BAD_ARGS, ids=[" ".join(a)[:24] for a, _ in BAD_ARGS])
+def test_bad_numbers_get_one_line_naming_the_flag_and_its_range(extra, needle, capsys):
+    from app.cli import main as cli_main
+
+    assert cli_main(["policy-lab", "--synthetic", "scan", *extra]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert_one_error_line(err, needle)
+
+
+def test_a_trace_with_no_rows_gets_one_error_line(tmp_path, capsys):
+    from app.cli import main as cli_main
+
+    path = write_npz(tmp_path / "empty.npz", {c: v[:0] for c, v in good_columns().items()})
+    assert len(AccessTrace.load(path)) == 0
+    assert cli_main(["policy-lab", path]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert_one_error_line(err, f"{path}: the trace is empty")
