@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from engine.config import KNOBS, CacheConfig, KVDtype
+from engine.config import KNOBS, CacheConfig, ConfigError
 from engine.errors import RequestError
 
 
@@ -122,8 +122,12 @@ class EngineRunner:
     def knobs(self):
         return KNOBS
 
-    def is_lossy(self, dtype: str) -> bool:
-        return self.engine.is_lossy_change(KVDtype.parse(dtype))
+    def is_lossy(self, changes: dict) -> bool:
+        """Whether applying these knob changes can alter stored K/V (see engine.config.change_is_lossy)."""
+        try:
+            return self.engine.is_lossy_change(changes)
+        except ConfigError:
+            return False  # an invalid value: reconfigure refuses it with its reason
 
     @property
     def engine_paused(self) -> bool:
@@ -131,7 +135,8 @@ class EngineRunner:
 
     # -- commands -----------------------------------------------------------------------------
     def reconfigure(self, **changes) -> CacheConfig:
-        """Validated now (raises ConfigError with the reason); applied by the engine between steps."""
+        """Applied between two engine steps before this returns; a refusal raises ConfigError with the reason
+        (and is an event), and the engine keeps its config."""
         return self.engine.reconfigure(**changes)
 
     def pause_engine(self, paused: bool) -> None:

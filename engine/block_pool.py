@@ -423,6 +423,13 @@ class BlockPool:
         self._copy(src, ss, dst, ds)
         dst.fill[ds] = src.fill[ss]
 
+    def copy_from(self, other: "BlockPool", src_lid: int, dst_lid: int) -> None:
+        """Copy a block of another pool of the same format and block size, byte for byte, with its fill."""
+        src, dst = other.tiers[other.tier[src_lid]], self.tiers[self.tier[dst_lid]]
+        ss, ds = np.array([other.slot[src_lid]]), np.array([self.slot[dst_lid]])
+        self._copy(src, ss, dst, ds)
+        dst.fill[ds] = src.fill[ss]
+
     # -- block contents -----------------------------------------------------------------------
     def read_blocks(self, lids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K and V of blocks (any tier): [layers, n, kv_heads, block_size, head_dim] each."""

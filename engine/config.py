@@ -48,16 +48,24 @@ _DTYPE_LABELS = {
     KVDtype.INT8_KIVI: "int8-kivi",
 }
 
-# Lossiness rank: moving to a higher rank loses information.
-DTYPE_PRECISION = {
-    KVDtype.FP32: 0,
-    KVDtype.FP16: 1,
-    KVDtype.BF16: 2,
-    KVDtype.INT8: 3,
-    KVDtype.INT8_DELTA: 3,
-    KVDtype.FP8: 4,
-    KVDtype.INT8_KIVI: 3,
-}
+# Formats that store each value on its own (no shared scale): re-laying them into other block sizes
+# copies values exactly.
+ELEMENTWISE = frozenset({KVDtype.FP32, KVDtype.FP16, KVDtype.BF16})
+
+
+def change_is_lossy(old: "CacheConfig", new: "CacheConfig") -> bool:
+    """Whether moving stored K/V from `old`'s layout to `new`'s can change a value attention reads.
+
+    Same format and block size: blocks are copied byte for byte. To fp32: every format decodes exactly
+    to fp32, and that decoded value is what attention read before. An element-wise format into other
+    block sizes: values are copied one by one. Anything else re-encodes (re-quantizes, or rounds to a
+    narrower float) and is lossy, even from one 8-bit format to another or int8 -> fp16.
+    """
+    if old.kv_dtype is new.kv_dtype and old.block_size == new.block_size:
+        return False
+    if new.kv_dtype is KVDtype.FP32:
+        return False
+    return not (old.kv_dtype is new.kv_dtype and new.kv_dtype in ELEMENTWISE)
 
 POLICIES = ("lru", "heat", "s3fifo")
 
@@ -175,4 +183,29 @@ class EngineOptions:
     n_keep: int = 0  # context shift keeps these first tokens (e.g. a system prompt)
     n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
     keep_finished: int = 1024  # finished sequences kept for inspection before they are forgotten
+    stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
     extra: dict = field(default_factory=dict)
+
+    def validate(self, max_positions: int) -> None:
+        """Raise ConfigError (naming the option and its range) for values this model cannot run with."""
+        def bad(name: str, value: Any, rule: str) -> ConfigError:
+            return ConfigError(f"{name}: {value!r} {rule}")
+
+        if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
+            raise bad("device", self.device, "is not cpu or cuda")
+        for name in ("max_batch", "max_batched_tokens", "keep_finished", "stall_steps"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 1:
+                raise bad(name, v, "must be a positive integer")
+        limit = self.context_limit
+        if limit is not None and (not _is_int(limit) or not 2 <= limit <= max_positions):
+            raise bad("context_limit", limit, f"must be an integer in [2, {max_positions}] (the model's positions)")
+        limit = limit or max_positions
+        if not _is_int(self.n_keep) or not 0 <= self.n_keep < limit - 1:
+            raise bad("n_keep", self.n_keep, f"must be an integer in [0, {limit - 2}] (context limit {limit} - 2)")
+        if self.n_discard is not None and (not _is_int(self.n_discard) or not 1 <= self.n_discard < limit):
+            raise bad("n_discard", self.n_discard, f"must be an integer in [1, {limit - 1}]")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

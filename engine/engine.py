@@ -2,8 +2,10 @@
 sequence operations and live reconfiguration.
 
 Threading: `step()` and the sequence operations run on one thread (the engine thread). Other threads
-may call `submit()` (a command run between steps), `reconfigure()` (validated at once, applied
-between steps), `snapshot()` and `take_events()`; those take the lock only briefly.
+may call `submit()` (a command run between steps), `reconfigure()` (applied between two steps: it
+waits for the step in flight, then applies or raises), `snapshot()` and `take_events()`.
+Two locks: `lock` guards the engine's state and is released while the model runs; `step_lock` is held
+for a whole step, so whatever takes it runs between two steps.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, chain_hash
 
 DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
-from engine.config import DTYPE_PRECISION, CacheConfig, ConfigError, EngineOptions, KVDtype
+from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.errors import RequestError
 from engine.loader import LoadedModel
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
@@ -76,9 +78,16 @@ class Engine:
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but torch sees no CUDA device")
         self.clock = clock
+        self.options.validate(self.spec.max_position_embeddings)
         self.model = LlamaFamily(self.spec, model.weights, self.device)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
         self.lock = threading.RLock()
+        self.step_lock = threading.RLock()
+        # A step loop re-takes step_lock at once, and locks are not fair: a waiting reconfigure would starve.
+        # Waiting changes are counted here, and step() lets them go first.
+        self._turn = threading.Condition()
+        self._changes_waiting = 0
+        self._stalled = 0  # consecutive steps in which no sequence passed its furthest point
         self.counters = Counters()
         self.telemetry = Telemetry(self)
         self.pool = self._make_pool(self.config)
@@ -87,7 +96,6 @@ class Engine:
         self.running: list[int] = []
         self._next_id = 0
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
-        self._pending_config: list[tuple[dict, CacheConfig]] = []
         self._finished: collections.deque[int] = collections.deque()
         self.trace = None  # TraceRecorder while recording
         self.eos = set(self.spec.eos_token_ids)
@@ -103,25 +111,62 @@ class Engine:
 
     def _make_pool(self, config: CacheConfig) -> BlockPool:
         self._require_supported(config)
+        self._check_memory(config)
         first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
-        pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
-                         first_serial=first)
+        try:
+            pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
+                             first_serial=first)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(f"cannot allocate the KV tiers ({config.summary()}): {str(e).splitlines()[0]}") from None
         pool.listener = self.telemetry.on_pool_event
         return pool
+
+    def _check_memory(self, config: CacheConfig) -> None:
+        """Refuse budgets this machine cannot hold before allocating them (pools are zero-filled up front)."""
+        import psutil
+
+        per = BlockPool.bytes_per_block(config, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        dev = max(1, int(config.device_budget_mb * 2**20) // per) * per
+        host = int(config.host_budget_mb * 2**20) // per * per
+        cpu_need = host + (dev if self.device.type == "cpu" else 0)
+        avail = psutil.virtual_memory().available
+        gib = 2**30
+        if cpu_need > avail:
+            raise ConfigError(
+                f"device_budget_mb {config.device_budget_mb:g} + host_budget_mb {config.host_budget_mb:g} need "
+                f"{cpu_need / gib:.2f} GiB of CPU memory but {avail / gib:.2f} GiB is available; lower the budgets"
+                if self.device.type == "cpu" else
+                f"host_budget_mb {config.host_budget_mb:g} needs {cpu_need / gib:.2f} GiB of CPU memory but "
+                f"{avail / gib:.2f} GiB is available; lower it")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if dev > free:
+                raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
+                                  f"but {free / gib:.2f} GiB is free; lower it")
 
     # -- requests -----------------------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, label: str = "") -> int:
         sampling = sampling or SamplingParams()
-        if not prompt_ids:
-            raise RequestError("empty prompt")
-        if any((t < 0 or t >= self.spec.vocab_size) for t in prompt_ids):
-            raise RequestError(f"prompt holds token ids outside the vocabulary (0..{self.spec.vocab_size - 1})")
         with self.lock:
-            self._check_fits(len(prompt_ids), sampling.max_new_tokens)
-            seq = self._new_seq(list(prompt_ids), sampling, label)
+            prompt_ids = self.check_request(prompt_ids, sampling)
+            seq = self._new_seq(prompt_ids, sampling, label)
             self.waiting.append(seq.id)
             self.telemetry.emit("request", seq=seq.id, prompt_tokens=len(prompt_ids))
             return seq.id
+
+    def check_request(self, prompt_ids, sampling: SamplingParams) -> list[int]:
+        """The prompt as a list of ints if this engine can serve it now; else RequestError naming why."""
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("the prompt must be a non-empty list of token ids")
+        for i, t in enumerate(prompt_ids):
+            if isinstance(t, bool) or not isinstance(t, (int, np.integer)):
+                raise RequestError(f"token {i} of the prompt is {t!r}, not an integer token id")
+            if not 0 <= t < self.spec.vocab_size:
+                raise RequestError(f"token {i} of the prompt is {t}, outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        if not isinstance(sampling, SamplingParams):
+            raise RequestError("sampling must be SamplingParams")
+        self._check_fits(len(prompt_ids), sampling.max_new_tokens)
+        return [int(t) for t in prompt_ids]
 
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
         peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
@@ -148,8 +193,7 @@ class Engine:
         return seq
 
     def has_work(self) -> bool:
-        return bool(self.waiting or any(self.seqs[s].state == SeqState.RUNNING for s in self.running) or self._pending
-                    or self._pending_config)
+        return bool(self.waiting or any(self.seqs[s].state == SeqState.RUNNING for s in self.running) or self._pending)
 
     def submit(self, fn: Callable[[], None]) -> None:
         """Run fn on the engine thread between steps."""
@@ -158,14 +202,31 @@ class Engine:
 
     # -- configuration ------------------------------------------------------------------------
     def reconfigure(self, **changes) -> CacheConfig:
-        """Validate now (raises ConfigError, nothing changes); apply between steps. Returns the new config."""
-        with self.lock:
-            base = self._pending_config[-1][1] if self._pending_config else self.config
-            new = base.replace(**changes)
+        """Apply a config change between two steps and return the new config, or raise ConfigError.
+
+        From any thread: it waits for the step in flight (if any) and applies under the engine's lock,
+        so nothing it accepts is dropped and nothing it refuses has changed. A refusal is also an event.
+        """
+        with self._turn:
+            self._changes_waiting += 1
+        try:
+            with self.step_lock, self.lock:
+                return self._reconfigure(changes)
+        finally:
+            with self._turn:
+                self._changes_waiting -= 1
+                self._turn.notify_all()
+
+    def _reconfigure(self, changes: dict) -> CacheConfig:
+        try:
+            new = self.config.replace(**changes)
             self._require_supported(new)
             self._check_budget(new)
-            self._pending_config.append((changes, new))
-            return new
+            self._apply_config(new, changes)
+        except ConfigError as e:
+            self.telemetry.emit("config_error", changes={k: str(v) for k, v in changes.items()}, message=str(e))
+            raise
+        return new
 
     def _check_budget(self, new: CacheConfig) -> None:
         per = BlockPool.bytes_per_block(new, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
@@ -181,39 +242,36 @@ class Engine:
         if dev + host < live:
             raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {live}; nothing was changed")
 
-    def is_lossy_change(self, new_dtype: KVDtype) -> bool:
-        return DTYPE_PRECISION[new_dtype] > DTYPE_PRECISION[self.config.kv_dtype]
+    def is_lossy_change(self, changes: "dict | KVDtype | str") -> bool:
+        """Whether applying `changes` (knob -> value; a bare dtype means {"kv_dtype": it}) can alter stored K/V."""
+        if not isinstance(changes, dict):
+            changes = {"kv_dtype": changes}
+        return change_is_lossy(self.config, self.config.replace(**changes))
 
     def _apply_pending(self) -> None:
         while True:
             with self.lock:
                 if not self._pending:
-                    break
-                fn = self._pending.popleft()
-            fn()
-        while True:
-            with self.lock:
-                if not self._pending_config:
                     return
-                changes, new = self._pending_config.pop(0)
-            self._apply_config(changes, new)
+                fn = self._pending.popleft()
+                fn()
 
-    def _apply_config(self, changes: dict, new: CacheConfig) -> None:
+    def _apply_config(self, new: CacheConfig, changes: dict) -> None:
+        """Under both locks. Raises ConfigError with the engine unchanged if the new layout cannot be built."""
         old = self.config
         geometry = (new.block_size, new.kv_dtype, new.device_budget_mb, new.host_budget_mb) != (
             old.block_size, old.kv_dtype, old.device_budget_mb, old.host_budget_mb)
-        lossy = self.is_lossy_change(new.kv_dtype)
-        try:
-            if geometry:
+        lossy = change_is_lossy(old, new)
+        if geometry:
+            try:
                 self._relayout(new)
-            else:
-                self.pool.config = new
-                from engine.eviction import make_policy
+            except CacheFull as e:  # the old pool is kept: nothing was touched before the swap
+                raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
+        else:
+            self.pool.config = new
+            from engine.eviction import make_policy
 
-                self.pool.policy = make_policy(new.policy, new.decay)
-        except (CacheFull, RuntimeError) as e:  # keep the old pool: nothing was touched before the swap
-            self.telemetry.emit("config_error", changes={k: str(v) for k, v in changes.items()}, message=str(e))
-            return
+            self.pool.policy = make_policy(new.policy, new.decay)
         self.config = new
         self.telemetry.emit("config", changes={k: str(v) for k, v in changes.items()}, lossy=lossy,
                             summary=new.summary())
@@ -228,6 +286,9 @@ class Engine:
         old_pool = self.pool
         pool = self._make_pool(new)
         now = self.clock()
+        if (new.block_size, new.kv_dtype) == (self.config.block_size, self.config.kv_dtype):
+            self._relayout_same_format(old_pool, pool, now)
+            return
         plans: list[tuple[Sequence, list[int], list[int]]] = []
         written: dict[tuple, int] = {}
         for seq in self.seqs.values():
@@ -270,6 +331,31 @@ class Engine:
             seq.table_version += 1
         del old_pool
 
+    def _relayout_same_format(self, old: BlockPool, pool: BlockPool, now: float) -> None:
+        """A budget-only change: every live block is copied byte for byte (codes and scales), so even the
+        formats whose encoding is not idempotent keep exactly what attention read. Shared blocks stay shared."""
+        mapping: dict[int, int] = {}
+        for seq in self.seqs.values():
+            if seq.done:
+                continue
+            for lid in seq.blocks:
+                if lid in mapping:
+                    pool.incref(mapping[lid])
+                    continue
+                tier = Tier.DEVICE if pool.reclaimable(Tier.DEVICE) else Tier.HOST
+                new_lid = pool.allocate(tier, seq.id, now)
+                pool.copy_from(old, lid, new_lid)
+                h = old.hash_of(lid)
+                if h:
+                    t = old.tiers[old.tier[lid]]
+                    pool.set_hash(new_lid, h, t.tokens[old.slot[lid], :old.fill_of(lid)])
+                mapping[lid] = new_lid
+        self.pool = pool
+        for seq in self.seqs.values():
+            if not seq.done and seq.blocks:
+                seq.blocks = [mapping[lid] for lid in seq.blocks]
+                seq.table_version += 1
+
     def _tokens_kv(self, pool: BlockPool, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K/V of a sequence's cached tokens: [L, n, Hkv, D] each."""
         k, v = pool.read_blocks(seq.blocks)  # [L, nb, Hkv, bs, D]
@@ -280,6 +366,12 @@ class Engine:
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
+        with self._turn:
+            self._turn.wait_for(lambda: self._changes_waiting == 0, timeout=5.0)
+        with self.step_lock:
+            return self._step()
+
+    def _step(self) -> list[TokenOut]:
         self._apply_pending()
         with self.lock:
             t0 = time.perf_counter()
@@ -288,6 +380,7 @@ class Engine:
             self._admit(now)
             sched = self._schedule(now)
             if not sched:
+                self._watch_progress([], now)
                 return []
             batch, kv, writes = self._build(sched)
             t1 = time.perf_counter()
@@ -299,8 +392,37 @@ class Engine:
             self.counters.forward_s += t2 - t1
             self.counters.bookkeeping_s += (t1 - t0) + (t3 - t2)
             self.counters.steps += 1
+            self._watch_progress(sched, now)
             self.telemetry.after_step(now)
         return outs
+
+    def _watch_progress(self, sched: list[tuple[Sequence, int]], now: float) -> None:
+        """Progress is a sequence passing the furthest point it ever reached (tokens generated, then cached)
+        or finishing. The scheduler is built so the oldest running sequence always progresses; should a
+        state arise where nothing does for `stall_steps` steps, the newest stuck sequence is aborted with
+        finish_reason "stalled" and an error event, instead of spinning forever."""
+        moved = False
+        for seq, _ in sched:
+            mark = (len(seq.output), seq.num_cached)
+            if mark > seq.best or seq.done:
+                seq.best = max(mark, seq.best)
+                moved = True
+        stuck = [s for s in self.seqs.values() if not s.done and s.state in (SeqState.WAITING, SeqState.RUNNING)]
+        if moved or not stuck:
+            self._stalled = 0
+            return
+        self._stalled += 1
+        if self._stalled < self.options.stall_steps:
+            return
+        victim = max(stuck, key=lambda s: s.arrival)
+        dev = self.pool.tiers[Tier.DEVICE]
+        message = (f"sequence {victim.id} aborted: no sequence made progress in {self._stalled} steps (device tier "
+                   f"{dev.capacity} blocks, {dev.used} in use; host tier {self.pool.tiers[Tier.HOST].capacity} "
+                   f"blocks); raise the budgets or send fewer or shorter requests")
+        self.telemetry.emit("error", seq=victim.id, message=message)
+        victim.error = message
+        self._finish(victim, "stalled", now)
+        self._stalled = 0
 
     def _demote_idle(self, now: float) -> None:
         """MemOS hybrid rule: device blocks idle longer than demote_after_s move to the host tier."""
@@ -311,19 +433,34 @@ class Engine:
             p.move(idle, Tier.HOST, now, reason="idle")
 
     def _admit(self, now: float) -> None:
+        """Admit waiting sequences in order while the device tier has room for their first chunk.
+
+        A waiting sequence holds no reference it took while waiting: its prefix match is looked up here
+        and taken only at admission. (Refs held by a waiting sequence pin blocks that the running ones
+        need, and then the queue's head is admitted and preempted forever.)
+        """
+        p = self.pool
         for sid in list(self.waiting):
             if len(self._active()) >= self.options.max_batch:
                 return
             seq = self.seqs[sid]
+            match: tuple[list[int], list[int]] = ([], [])
             if seq.num_cached == 0 and not seq.blocks:
                 if self._prefix_in_flight(seq):
                     continue  # a running prefill is computing this prompt's first block: reuse it next step
-                self._match_prefix(seq)
-            first = min(seq.pending, self.options.max_batched_tokens)
-            need = blocks_for(seq.num_cached + first, self.config.block_size) - len(seq.blocks)
-            host_blocks = int(np.count_nonzero(self.pool.tier[seq.table()] == HOST))
-            if not self.pool.can_allocate(Tier.DEVICE, need + host_blocks) and self._active():
+                match = self._find_prefix(seq)
+            lids = np.asarray(match[0] or seq.blocks, dtype=np.int64)
+            cached = len(match[0]) * self.config.block_size if match[0] else seq.num_cached
+            first = min(len(seq.tokens) - cached, self.options.max_batched_tokens)
+            need = blocks_for(cached + first, self.config.block_size) - len(lids)
+            tiers = p.tier[lids]
+            on_host = int(np.count_nonzero(tiers == HOST))
+            # Matched blocks that sit unowned on the device stop being reclaimable once taken.
+            pinned = int(np.count_nonzero(p._meta("ref", lids[tiers == DEVICE]) == 0)) if match[0] else 0
+            if p.reclaimable(Tier.DEVICE) - pinned < need + on_host and self._active():
                 return  # wait for room; running sequences will finish, shift or be preempted
+            if seq.num_cached == 0 and not seq.blocks:
+                self._take_prefix(seq, *match)
             self.waiting.remove(sid)
             seq.state = SeqState.RUNNING
             self.running.append(seq.id)
@@ -340,21 +477,37 @@ class Engine:
     def _active(self) -> list[int]:
         return [s for s in self.running if self.seqs[s].state == SeqState.RUNNING]
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        """Reuse cached blocks for the longest cached prefix of the prompt (the last token is always computed)."""
+    def _find_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest cached prefix of the prompt; takes no reference.
+
+        The last token is always computed. Cached blocks hold keys at positions 0..n-1, so the match stops
+        where the sequence's positions stop being its indices (after a shift, seq_add or seq_div).
+        """
         bs = self.config.block_size
         parent = 0
+        lids: list[int] = []
+        hashes: list[int] = []
         reusable = (len(seq.tokens) - 1) // bs
+        if seq.repositioned:
+            canon = next((i for i, q in enumerate(seq.pos) if q != i), len(seq.pos))
+            reusable = min(reusable, canon // bs)
         for b in range(reusable):
             toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
             h = chain_hash(parent, toks)
             lid = self.pool.lookup(h, toks)
             if lid is None:
                 break
-            self.pool.incref(lid)
-            seq.blocks.append(lid)
-            seq.hashes.append(h)
+            lids.append(lid)
+            hashes.append(h)
             parent = h
+        return lids, hashes
+
+    def _take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int]) -> None:
+        """Reference the matched blocks and count the reuse."""
+        bs = self.config.block_size
+        for lid in lids:
+            self.pool.incref(lid)
+        seq.blocks, seq.hashes = list(lids), list(hashes)
         seq.table_version += 1
         if seq.blocks:
             now = self.clock()
@@ -471,7 +624,17 @@ class Engine:
                 p.move(cand[:max(short, 0)], Tier.HOST, now, reason="room")
         if p.can_allocate(Tier.DEVICE, need):
             return True
-        # 2. Preempt running sequences not yet scheduled this step, newest first.
+        # 2. The host tier could not take them: drop those sequences' K/V (they recompute when they run
+        #    again; nothing they generated is lost), least recently used first.
+        for seq in sorted((s for s in self.seqs.values() if s.id not in keep and not s.done
+                           and s.state != SeqState.RUNNING and s.blocks and (p.tier[s.table()] == DEVICE).any()),
+                          key=lambda s: float(p.last_of(s.table()).max())):
+            self._drop_kv(seq)
+            seq.preemptions += 1
+            self.telemetry.emit("preempt", seq=seq.id, mode="recompute", reason="no host room")
+            if p.can_allocate(Tier.DEVICE, need):
+                return True
+        # 3. Preempt running sequences not yet scheduled this step, newest first.
         for sid in reversed(self._active()):
             if sid in keep:
                 continue

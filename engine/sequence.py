@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from engine.errors import RequestError
+
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes any int64
 
 
 class SeqState(enum.IntEnum):
@@ -23,6 +28,22 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        """Refuse values the sampler cannot use (RequestError names the field and its range)."""
+        def num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or \
+                self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens: {self.max_new_tokens!r} must be a positive integer")
+        if not num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature: {self.temperature!r} must be a finite number >= 0 (0: greedy)")
+        if not num(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p: {self.top_p!r} must be in (0, 1]")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not 0 <= self.seed <= SEED_MAX):
+            raise RequestError(f"seed: {self.seed!r} must be an integer in [0, {SEED_MAX}]")
 
     @property
     def greedy(self) -> bool:
@@ -48,8 +69,10 @@ class Sequence:
     ttft: float | None = None  # arrival to first generated token, s; a fork carries its parent's
     finished_at: float | None = None
     finish_reason: str = ""
+    error: str = ""  # why the engine aborted it (finish_reason "stalled"), for the caller to report
     shifts: int = 0
     preemptions: int = 0
+    best: tuple[int, int] = (0, 0)  # furthest (generated, cached) reached: progress is passing it
     label: str = ""
     rng: object = None  # torch.Generator when sampling
     table_version: int = 0  # bumped at every change of `blocks`, so a numpy copy can be cached

@@ -184,8 +184,9 @@ class ControlsPanel(QtWidgets.QWidget):
         return self.apply_many({name: value})
 
     def apply_many(self, changes: dict) -> bool:
-        if "kv_dtype" in changes and self.controller.is_lossy(str(changes["kv_dtype"])):
-            if not self.confirm_lossy(str(changes["kv_dtype"])):
+        lossy = self.controller.is_lossy(changes)
+        if lossy:
+            if not self.confirm_lossy(", ".join(f"{k}={v}" for k, v in changes.items())):
                 self.sync()
                 return False
         try:
@@ -194,8 +195,7 @@ class ControlsPanel(QtWidgets.QWidget):
             self.show_error(str(e))
             self.sync()
             return False
-        lossy = " (lossy: K/V are re-encoded with less precision)" if "kv_dtype" in changes and \
-            self.controller.is_lossy(str(changes["kv_dtype"])) else ""
+        lossy = " (lossy: K/V are re-encoded with less precision)" if lossy else ""
         self.show_ok(f"applied {', '.join(f'{k}={v}' for k, v in changes.items())}{lossy}")
         for name in changes:
             self.controls[name].show_value(getattr(new, name))
@@ -289,8 +289,8 @@ class ControlsPanel(QtWidgets.QWidget):
                                                         "Access trace (*.npz)")
         return path
 
-    def _ask_lossy(self, dtype: str) -> bool:
+    def _ask_lossy(self, change: str) -> bool:
         r = QtWidgets.QMessageBox.question(
-            self, "Lossy change", f"Re-encoding the cache as {dtype} loses precision: running sequences continue, "
-            "but their tokens may differ from an fp32 run. Apply?")
+            self, "Lossy change", f"Applying {change} re-encodes the cached K/V and loses precision: running "
+            "sequences continue, but their tokens may differ from an fp32 run. Apply?")
         return r == QtWidgets.QMessageBox.Yes
