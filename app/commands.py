@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
 import sys
 import time
+from typing import Iterator
 
 from app.cli import T_START, cache_config
 
@@ -21,10 +24,11 @@ def open_engine(args: argparse.Namespace):
     from engine.loader import load_model
 
     config = cache_config(args)  # validate knobs before the (slow) model load
-    t0 = time.perf_counter()
-    model = load_model(args.model, progress=progress_printer)
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
                             n_keep=getattr(args, "n_keep", 0) or 0)
+    options.validate(max_positions=1 << 62)  # signs and types now; the model's own limit once it is loaded
+    t0 = time.perf_counter()
+    model = load_model(args.model, progress=progress_printer)
     engine = Engine(model, config, options)
     return engine, time.perf_counter() - t0
 
@@ -81,23 +85,46 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from engine.engine import RequestError
 
+    # Everything that can be checked without the model is checked before its (slow) load.
+    _sampling(args, args.max_new_tokens)
     if args.prompt_file:
-        requests = _read_prompt_file(args.prompt_file, args.max_new_tokens)
-    elif args.prompt is not None:
-        requests = None
-    else:
+        if not any(True for _ in _read_prompt_file(args.prompt_file, args.max_new_tokens)):
+            raise RequestError(f"{args.prompt_file}: no requests")
+    elif args.prompt is None:
         raise RequestError("give a PROMPT or --prompt-file")
+    trace_path = check_writable(args.record_trace, ".npz", "--record-trace") if args.record_trace else None
     engine, load_s = open_engine(args)
-    if args.record_trace:
+    if trace_path:
         engine.start_trace()
     try:
-        if requests is not None:
-            return _run_file(engine, args, requests, load_s)
+        if args.prompt_file:
+            return _run_file(engine, args, load_s)
         return _run_one(engine, args, load_s)
     finally:
-        if args.record_trace:
-            trace = engine.stop_trace(args.record_trace)
-            print(f"[kvscope] recorded {len(trace):,} block reads to {args.record_trace}", file=sys.stderr)
+        if trace_path:
+            trace = engine.stop_trace(trace_path)
+            print(f"[kvscope] recorded {len(trace):,} block reads to {trace_path}", file=sys.stderr)
+
+
+def check_writable(path: str, suffix: str, flag: str) -> str:
+    """The path a file will be written to (np.savez adds `suffix`), if it can be; else RequestError, now."""
+    from engine.errors import RequestError
+
+    target = path if path.endswith(suffix) else path + suffix
+    folder = os.path.dirname(os.path.abspath(target))
+    if not os.path.isdir(folder):
+        raise RequestError(f"{flag} {path}: no such folder {folder}")
+    if os.path.isdir(target):
+        raise RequestError(f"{flag} {path}: is a folder")
+    existed = os.path.exists(target)
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as e:
+        raise RequestError(f"{flag} {path}: cannot write there ({e.strerror})") from None
+    if not existed:
+        os.remove(target)
+    return target
 
 
 def _run_one(engine, args, load_s: float) -> int:
@@ -105,6 +132,7 @@ def _run_one(engine, args, load_s: float) -> int:
 
     ids = _encode(engine, args.prompt, args.chat)
     sid = engine.add_request(ids, _sampling(args, args.max_new_tokens))
+    engine.keep(sid)
     seq = engine.seqs[sid]
     decoder = StreamDecoder(engine.tokenizer)
     first_token_s = None
@@ -117,6 +145,11 @@ def _run_one(engine, args, load_s: float) -> int:
                           file=sys.stderr)
             if not args.json:
                 print(decoder.push(out.token), end="", flush=True)
+    if seq.finish_reason not in ("eos", "length"):  # aborted: what came out is not an answer
+        if not args.json:
+            print(file=sys.stdout, flush=True)
+        print(f"kvscope: error: {seq.error or 'generation ended early: ' + seq.finish_reason}", file=sys.stderr)
+        return 2
     text = engine.tokenizer.decode(seq.output)
     if args.json:
         stats = {**_stats(engine, seq), **_engine_stats(engine, load_s, first_token_s)}
@@ -129,41 +162,110 @@ def _run_one(engine, args, load_s: float) -> int:
     return 0
 
 
-def _read_prompt_file(path: str, default_max: int) -> list[dict]:
+REQUEST_KEYS = {"prompt", "max_new_tokens", "chat"}
+
+
+def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]:
+    """(line number, request) for each request line, checked for shape; read lazily (memory stays bounded)."""
     from engine.engine import RequestError
 
-    out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise RequestError(f"{path}: {e.strerror}") from None
+    with f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
             if not line.strip():
                 continue
             try:
                 obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"{path}:{n}: not JSON ({e.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as e:
+                raise RequestError(f"{path}:{n}: not JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), (str, list)):
-                raise RequestError(f'{path}:{n}: expected {{"prompt": "...", "max_new_tokens": N}}')
+                raise RequestError(f'{path}:{n}: expected {{"prompt": "..." or [token ids], "max_new_tokens": N}}')
+            if unknown := sorted(set(obj) - REQUEST_KEYS):
+                raise RequestError(f"{path}:{n}: unknown key(s) {', '.join(unknown)}; keys are "
+                                   f"{', '.join(sorted(REQUEST_KEYS))}")
             mnt = obj.get("max_new_tokens", default_max)
-            if not isinstance(mnt, int) or mnt < 1:
-                raise RequestError(f"{path}:{n}: max_new_tokens must be a positive integer")
-            out.append({"prompt": obj["prompt"], "max_new_tokens": mnt, "chat": bool(obj.get("chat", False))})
-    if not out:
-        raise RequestError(f"{path}: no requests")
-    return out
+            if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+                raise RequestError(f"{path}:{n}: max_new_tokens must be a positive integer, not {mnt!r}")
+            chat = obj.get("chat", False)
+            if not isinstance(chat, bool):
+                raise RequestError(f"{path}:{n}: chat must be true or false, not {chat!r}")
+            prompt = obj["prompt"]
+            if isinstance(prompt, list):
+                for i, t in enumerate(prompt):
+                    if isinstance(t, bool) or not isinstance(t, int):
+                        raise RequestError(f"{path}:{n}: token {i} of the prompt is {t!r}, not an integer token id")
+            if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+                raise RequestError(f"{path}:{n}: empty prompt")
+            yield n, {"prompt": prompt, "max_new_tokens": mnt, "chat": chat}
 
 
-def _run_file(engine, args, requests: list[dict], load_s: float) -> int:
-    sids = []
-    for r in requests:
+def _file_requests(engine, args, load_check: bool = False) -> Iterator[tuple[int, list[int], object]]:
+    """(line, token ids, sampling) per request; RequestError names the line of one the engine cannot serve."""
+    from engine.engine import RequestError
+
+    for n, r in _read_prompt_file(args.prompt_file, args.max_new_tokens):
         ids = r["prompt"] if isinstance(r["prompt"], list) else _encode(engine, r["prompt"], r["chat"] or args.chat)
-        sids.append(engine.add_request(ids, _sampling(args, r["max_new_tokens"])))
-    engine.run_until_done()
-    shared = _engine_stats(engine, load_s, None)
-    for sid in sids:
-        seq = engine.seqs[sid]
-        print(json.dumps({"token_ids": seq.output, "text": engine.tokenizer.decode(seq.output),
-                          "stats": {**_stats(engine, seq), **shared}}))
-    return 0
+        sp = _sampling(args, r["max_new_tokens"])
+        try:
+            engine.check_request(ids, sp)
+        except RequestError as e:
+            raise RequestError(f"{args.prompt_file}:{n}: {e}") from None
+        yield n, ids, sp
+
+
+def _run_file(engine, args, load_s: float) -> int:
+    """Run every request of the file concurrently and print one JSON line per request, in input order,
+    each as soon as it and all before it are done. At most `window` requests are in the engine at once
+    and finished ones are dropped once printed, so memory does not grow with the file."""
+    for _ in _file_requests(engine, args):  # every line is checked before the first token is computed
+        pass
+    window = max(4 * engine.options.max_batch, 64)
+    todo = _file_requests(engine, args)
+    order: collections.deque[tuple[int, int]] = collections.deque()  # (line, sid) in input order
+    done: dict[int, dict] = {}
+    failed = 0
+    exhausted = False
+    while True:
+        while not exhausted and len(order) < window:
+            nxt = next(todo, None)
+            if nxt is None:
+                exhausted = True
+                break
+            n, ids, sp = nxt
+            sid = engine.add_request(ids, sp)
+            engine.keep(sid)
+            order.append((n, sid))
+        if not order:
+            break
+        if not engine.has_work() and order[0][1] not in done:
+            raise RuntimeError(f"request on line {order[0][0]} neither finished nor is being worked on")
+        engine.step()
+        for _, sid in order:  # finished by a token, or aborted by the engine
+            if sid not in done and engine.seqs[sid].done:
+                done[sid] = _result(engine, engine.seqs[sid], load_s)
+                engine.forget(sid)
+        while order and order[0][1] in done:
+            n, sid = order.popleft()
+            res = done.pop(sid)
+            if "error" in res:
+                failed += 1
+                print(f"kvscope: error: {args.prompt_file}:{n}: {res['error']}", file=sys.stderr)
+            print(json.dumps({"line": n, **res}), flush=True)
+    return 2 if failed else 0
+
+
+def _result(engine, seq, load_s: float) -> dict:
+    stats = {**_stats(engine, seq), **_engine_stats(engine, load_s, None)}
+    if seq.finish_reason not in ("eos", "length"):  # aborted: its tokens are not an answer
+        return {"error": seq.error or f"generation ended early: {seq.finish_reason}", "stats": stats}
+    return {"token_ids": seq.output, "text": engine.tokenizer.decode(seq.output), "stats": stats}
 
 
 def cmd_info(args: argparse.Namespace) -> int:

@@ -97,6 +97,7 @@ class Engine:
         self._next_id = 0
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
         self._finished: collections.deque[int] = collections.deque()
+        self._kept: set[int] = set()  # finished sequences a caller still has to read (see keep/forget)
         self.trace = None  # TraceRecorder while recording
         self.eos = set(self.spec.eos_token_ids)
 
@@ -815,7 +816,8 @@ class Engine:
         seq.blocks, seq.hashes = [], []
         seq.table_version += 1
         self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
-        self._finished.append(seq.id)
+        if seq.id not in self._kept:
+            self._finished.append(seq.id)
         while len(self._finished) > self.options.keep_finished:
             self.seqs.pop(self._finished.popleft(), None)
 
@@ -924,6 +926,20 @@ class Engine:
                                           seed=seq.sampling.seed, ignore_eos=seq.sampling.ignore_eos)
             if seq.state == SeqState.PAUSED:
                 self.resume(sid)
+
+    def keep(self, sid: int) -> None:
+        """Keep this sequence in `seqs` after it finishes, whatever keep_finished says, until forget(sid):
+        for a caller that reads its output later (only the newest keep_finished others are kept)."""
+        with self.lock:
+            self._kept.add(sid)
+
+    def forget(self, sid: int) -> None:
+        """Drop a finished sequence that keep() held."""
+        with self.lock:
+            self._kept.discard(sid)
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.done:
+                del self.seqs[sid]
 
     def _live(self, sid: int) -> Sequence:
         seq = self.seqs.get(sid)

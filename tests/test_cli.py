@@ -99,3 +99,119 @@ def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_p
     out = kvscope("--headless", "--replay", str(bad), "--run-for", "1", ok=False)
     assert out.returncode == 2 and "bad.jsonl:1: max_new_tokens must be an integer" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`kvscope ARGS` in this process (the model loads in well under a second): (exit code, stdout, stderr)."""
+    from app.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_ten_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_llama, tmp_path, capsys, monkeypatch):
+    # Before: finished sequences past keep_finished=1024 were forgotten before their output was read
+    # (KeyError: 0, exit 1, nothing printed). Now results stream out in input order as they finish.
+    import app.commands as commands
+
+    f = tmp_path / "many.jsonl"
+    f.write_text("".join(json.dumps({"prompt": [3 + i % 50, 7, 9 + i % 13], "max_new_tokens": 1 + i % 3}) + "\n"
+                         for i in range(10_000)))
+    seen = {"max_seqs": 0, "in_flight_at_first_line": None}
+    printed: list[str] = []
+    real_open = commands.open_engine
+
+    def open_engine(args):
+        engine, load_s = real_open(args)
+        step = engine.step
+
+        def watched_step():
+            seen["max_seqs"] = max(seen["max_seqs"], len(engine.seqs))
+            printed.append(capsys.readouterr().out)
+            if "".join(printed) and seen["in_flight_at_first_line"] is None:
+                seen["in_flight_at_first_line"] = len(engine.seqs)
+            return step()
+
+        engine.step = watched_step
+        return engine, load_s
+
+    monkeypatch.setattr(commands, "open_engine", open_engine)
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt-file", str(f), "--ignore-eos",
+                           "--block-size", "4")
+    assert rc == 0, err
+    rows = [json.loads(line) for line in ("".join(printed) + out).splitlines()]
+    assert [r["line"] for r in rows] == list(range(1, 10_001))
+    assert [len(r["token_ids"]) for r in rows] == [1 + i % 3 for i in range(10_000)]
+    assert seen["in_flight_at_first_line"]  # the first line came out while requests were still running
+    assert seen["max_seqs"] <= 4 * 16  # the in-flight window: finished ones are dropped once printed
+
+
+def bad_value_cases(tmp_path) -> list[tuple[list[str], str]]:
+    def lines(name: str, *rows: str | bytes) -> str:
+        p = tmp_path / name
+        p.write_bytes(b"".join((r if isinstance(r, bytes) else r.encode()) + b"\n" for r in rows))
+        return str(p)
+
+    ok = '{"prompt": [5, 6, 7]}'
+    return [
+        (["hi", "--n-keep", "-5"], "n_keep: -5"),
+        (["hi", "--n-keep", "600"], "n_keep: 600"),
+        (["hi", "--context-limit", "1"], "context_limit: 1"),
+        (["hi", "--context-limit", "100000"], "context_limit: 100000"),
+        (["hi", "--temperature", "-1"], "temperature: -1.0"),
+        (["hi", "--temperature", "nan"], "temperature: nan"),
+        (["hi", "--top-p", "0"], "top_p: 0.0"),
+        (["hi", "--top-p", "2"], "top_p: 2.0"),
+        (["hi", "--top-p", "nan"], "top_p: nan"),
+        (["hi", "--max-new-tokens", "0"], "max_new_tokens: 0"),
+        (["hi", "--max-new-tokens", "-1"], "max_new_tokens: -1"),
+        (["hi", "--seed", str(2**70)], "seed:"),
+        (["hi", "--device-budget-mb", "1000000"], "GiB of CPU memory but"),
+        (["hi", "--record-trace", "/nonexistent/x.npz"], "--record-trace /nonexistent/x.npz: no such folder"),
+        (["--prompt-file", lines("f.jsonl", ok, '{"prompt": [1, 2.0]}')], "f.jsonl:2: token 1 of the prompt is 2.0"),
+        (["--prompt-file", lines("b.jsonl", '{"prompt": [true]}')], "b.jsonl:1: token 0 of the prompt is True"),
+        (["--prompt-file", lines("s.jsonl", ok, ok, '{"prompt": ["7"]}')], "s.jsonl:3: token 0 of the prompt is '7'"),
+        (["--prompt-file", lines("n.jsonl", '{"prompt": [[1, 2]]}')], "n.jsonl:1: token 0 of the prompt is [1, 2]"),
+        (["--prompt-file", lines("v.jsonl", ok, '{"prompt": [99999999]}')], "v.jsonl:2: token 0 of the prompt is "
+                                                                          "99999999, outside the vocabulary"),
+        (["--prompt-file", lines("u.jsonl", ok, b'{"prompt": "caf\xe9"}')], "u.jsonl:2: not UTF-8 text"),
+        (["--prompt-file", lines("m.jsonl", '{"prompt": "x", "max_new_tokens": true}')], "m.jsonl:1: max_new_tokens"),
+        (["--prompt-file", lines("c.jsonl", '{"prompt": "x", "chat": "yes"}')], "c.jsonl:1: chat must be"),
+        (["--prompt-file", lines("k.jsonl", '{"prompt": "x", "max_tokens": 5}')], "k.jsonl:1: unknown key(s) max_tokens"),
+        (["--prompt-file", lines("e.jsonl", '{"prompt": []}')], "e.jsonl:1: empty prompt"),
+        (["--prompt-file", lines("d.jsonl", "[" * 100_000)], "d.jsonl:1: not JSON"),
+        (["--prompt-file", str(tmp_path / "missing.jsonl")], "missing.jsonl: No such file"),
+        (["--prompt-file", str(tmp_path)], "Is a directory"),
+    ]
+
+
+def test_bad_values_get_one_clear_line_and_exit_2(tiny_llama, tmp_path, capsys):
+    for args, needle in bad_value_cases(tmp_path):
+        rc, out, err = run_cli(capsys, "generate", *args, "--model", tiny_llama)
+        assert rc == 2, (args, err)
+        assert needle in err and "Traceback" not in err, (args, err)
+        assert err.count("error:") == 1 and not out, (args, err, out)
+
+
+def test_record_trace_to_a_bad_path_fails_before_the_model_loads(tmp_path, capsys):
+    # No --model can even load here: the path is refused first.
+    rc, _, err = run_cli(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"), "--record-trace",
+                         str(tmp_path / "no" / "x.npz"))
+    assert rc == 2 and "no such folder" in err and "model not found" not in err
+
+
+def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp_path, capsys, monkeypatch):
+    from engine.engine import Engine
+
+    monkeypatch.setattr(Engine, "_make_room", lambda self, need, now, keep: False)  # a tier with no room, ever
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--json", "hello there", "--block-size", "1",
+                           "--max-new-tokens", "8")
+    assert rc == 2 and out == "" and "no sequence made progress" in err
+    f = tmp_path / "two.jsonl"
+    f.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [8, 9]}\n')
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--prompt-file", str(f), "--block-size", "1")
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rc == 2 and [r["line"] for r in rows] == [1, 2]
+    assert all("error" in r and "text" not in r and "token_ids" not in r for r in rows)
+    assert "two.jsonl:1:" in err and "two.jsonl:2:" in err
