@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -128,12 +129,16 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a format this GPU or torch build cannot store: say so, do not stop
             report["lossy"][dtype] = {"error": f"{type(e).__name__}: {e}"}
     checks["lossy_formats_run"] = all("error" not in v for k, v in report["lossy"].items() if k != "fp8")
+    # 2 MiB blocks demoted and promoted while the compute stream is busy: every byte must come back.
+    checks["migration_bytes_equal"] = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+        timeout=300).returncode == 0
     report["checks"] = checks
     # Throughput: SmolLM2-135M geometry with random weights, engine vs transformers on the same GPU.
     big = _tiny_dir(root, tiny, vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, bos_token_id=1,
                     eos_token_id=2, tie_word_embeddings=True)
-    import subprocess
 
     bench = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--compare", "hf", "--model", big, "--device",
                             args.device, "--json"], capture_output=True, text=True, timeout=500)

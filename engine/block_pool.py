@@ -404,17 +404,39 @@ class BlockPool:
         return len(lids)
 
     def _copy(self, src: TierPool, src_slots: np.ndarray, dst: TierPool, dst_slots: np.ndarray) -> None:
-        si = torch.as_tensor(src_slots, device=_dev_of(src))
-        di = torch.as_tensor(dst_slots, device=_dev_of(dst))
+        """Copy slots between tiers (or pools), every part. On CUDA the copies run on a side stream, ordered:
+        K/V the model wrote on the compute stream land before the copy reads them; a device->host copy is
+        staged in pinned memory and has landed before the host reads the staging buffer; attention on the
+        compute stream reads a promoted block only after its copy."""
+        src_dev, dst_dev = _dev_of(src), _dev_of(dst)
+        si = torch.as_tensor(src_slots, device=src_dev)
+        di = torch.as_tensor(dst_slots, device=dst_dev)
         stream = self.copy_stream
-        ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with ctx:
-            for sp, dp in ((src.k, dst.k), (src.v, dst.v)):
-                for name, s_t in sp.items():
-                    dp[name][:, di] = s_t[:, si].to(dp[name].device, non_blocking=stream is not None)
-        if stream is not None:
-            # Attention must not read a block before its copy lands.
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        pairs = [(s_t, dp[name]) for sp, dp in ((src.k, dst.k), (src.v, dst.v)) for name, s_t in sp.items()]
+        if stream is None:
+            for s_t, d_t in pairs:
+                d_t[:, di] = s_t[:, si].to(dst_dev)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        stream.wait_stream(compute)  # source written -> copy
+        landed: list[tuple[torch.Tensor, torch.Tensor, torch.cuda.Event]] = []
+        with torch.cuda.stream(stream):
+            for s_t, d_t in pairs:
+                gathered = s_t.index_select(1, si)  # [L, n, ...] on the source's device
+                if dst_dev.type == "cpu":
+                    staged = torch.empty(gathered.shape, dtype=gathered.dtype, pin_memory=True)
+                    staged.copy_(gathered, non_blocking=True)
+                    done = torch.cuda.Event()
+                    done.record(stream)
+                    landed.append((d_t, staged, done))
+                else:
+                    if src_dev.type == "cpu":  # pinned staging, so the host->device copy is truly async
+                        gathered = gathered.pin_memory()
+                    d_t[:, di] = gathered.to(dst_dev, non_blocking=True)
+        for d_t, staged, done in landed:
+            done.synchronize()  # the device->host copy has landed: only now may the host read it
+            d_t[:, di] = staged
+        compute.wait_stream(stream)  # copy -> destination readable by attention
 
     def copy_block(self, src_lid: int, dst_lid: int) -> None:
         """Copy-on-write: dst gets src's data and fill (any tiers)."""
