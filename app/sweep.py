@@ -202,6 +202,7 @@ class RunResult:
     refused: list[str] = field(default_factory=list)
     generated: int = 0
     wall_s: float = 0.0
+    idle_skipped_s: float = 0.0  # engine-clock time jumped over while nothing was running (costs no wall time)
     ttft_s: list[float] = field(default_factory=list)
     itl_s: list[float] = field(default_factory=list)
     peak_device_bytes: int = 0
@@ -232,7 +233,7 @@ class Replay:
     # -- the loop --------------------------------------------------------------------------------
     def run(self, result: RunResult, on_progress) -> RunResult:
         e, clock = self.engine, self.clock
-        t0, w0 = clock(), time.perf_counter()
+        t0, w0, skipped0 = clock(), time.perf_counter(), clock.offset
         while True:
             self.feed(clock() - t0, result)
             if e.has_work():
@@ -249,6 +250,7 @@ class Replay:
                 break
             on_progress(result.finished + len(result.refused), time.perf_counter() - w0)
         result.wall_s = time.perf_counter() - w0
+        result.idle_skipped_s = clock.offset - skipped0
         for sid, times in self.tokens_at.items():
             if times:
                 result.ttft_s.append(times[0] - self.submitted[sid])
@@ -373,6 +375,7 @@ def row_of(r: RunResult) -> dict:
     row = {
         "config": r.label, "requests": r.requests, "finished": r.finished, "refused": len(r.refused),
         "forked": r.forked, "generated_tokens": r.generated, "wall_s": r.wall_s,
+        "idle_skipped_s": r.idle_skipped_s,
         "tokens_per_s": r.generated / r.wall_s if r.wall_s > 0 else 0.0,
         "ttft_p50_ms": _pct(r.ttft_s, 50, 1e3), "ttft_p95_ms": _pct(r.ttft_s, 95, 1e3),
         "itl_p50_ms": _pct(r.itl_s, 50, 1e3), "itl_p95_ms": _pct(r.itl_s, 95, 1e3),

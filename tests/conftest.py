@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+# The suite converts the default model into a cache of its own, never the user's ~/.cache/kvscope:
+# a temporary one for the session (removed at its end), or $KVSCOPE_TEST_CACHE_DIR to reuse one across
+# runs. Set before any engine import; subprocesses inherit it.
+_SESSION_CACHE = os.environ.get("KVSCOPE_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="kvscope-test-cache-")
+os.environ["KVSCOPE_CACHE_DIR"] = _SESSION_CACHE
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    if not os.environ.get("KVSCOPE_TEST_CACHE_DIR"):
+        shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
