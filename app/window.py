@@ -67,8 +67,14 @@ def run_window(args: argparse.Namespace) -> int:
     if args.open_snapshot:
         try:
             win = open_snapshot_window(args.open_snapshot)
+            # Every panel drawn once now, so a snapshot that passes the file checks and still cannot be
+            # drawn is refused here, in one line, before any window shows.
+            win.refresh_all()
         except snapshot_io.SnapshotFileError as e:
             print(f"kvscope: error: {e}", file=sys.stderr)
+            return 2
+        except Exception as e:
+            print(f"kvscope: error: {args.open_snapshot}: cannot draw the snapshot ({_one_line(e)})", file=sys.stderr)
             return 2
         return _show(app, win, args, runner=None)
 
@@ -112,29 +118,63 @@ def start_runner(args: argparse.Namespace):
 
 
 def _show(app, win, args, runner) -> int:
+    """Show the window; headless, take the screenshot after --run-for seconds and quit. Whatever goes wrong
+    there ends the event loop (never a hang) with one error line and exit status 2 (never a traceback)."""
     from PySide6 import QtCore
 
     win.show()
     if not args.headless:
         return app.exec()
     done = {"rc": 0}
+    what = f"{args.open_snapshot}: cannot draw the snapshot" if runner is None else "the window failed"
+
+    def fail(msg: str) -> None:
+        if done["rc"] == 0:  # the first error only: one line
+            print(f"kvscope: error: {msg}", file=sys.stderr, flush=True)
+        done["rc"] = 2
 
     def finish() -> None:
-        if args.screenshot:
-            try:
+        try:
+            if args.screenshot:
                 json_path = win.save_screenshot(args.screenshot)
                 print(f"[kvscope] wrote {args.screenshot} and {json_path}", file=sys.stderr)
-            except OSError as e:
-                print(f"kvscope: error: {e}", file=sys.stderr)
-                done["rc"] = 2
-        if runner is not None and runner.error:
-            print(f"kvscope: engine error during the run: {runner.error}", file=sys.stderr)
-        win.close()
+        except OSError as e:
+            fail(str(e))
+        except Exception as e:
+            fail(f"{what} ({_one_line(e)})")
+        finally:
+            try:
+                if runner is not None and runner.error:
+                    print(f"kvscope: engine error during the run: {runner.error}", file=sys.stderr)
+                win.close()
+            except Exception as e:
+                fail(f"{what} ({_one_line(e)})")
+            finally:
+                app.quit()
+
+    # A read-only snapshot: an exception in a timer's repaint (Qt reports it through sys.excepthook and
+    # carries on) ends the run too, in one line, rather than a traceback on every frame.
+    old_hook = sys.excepthook
+
+    def hook(kind, e, tb) -> None:
+        if not issubclass(kind, Exception):
+            return old_hook(kind, e, tb)
+        fail(f"{what} ({_one_line(e)})")
         app.quit()
 
-    QtCore.QTimer.singleShot(int(max(args.run_for, 0.1) * 1000), finish)
-    app.exec()
+    if runner is None:
+        sys.excepthook = hook
+    try:
+        QtCore.QTimer.singleShot(int(max(args.run_for, 0.1) * 1000), finish)
+        app.exec()
+    finally:
+        sys.excepthook = old_hook
     return done["rc"]
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")

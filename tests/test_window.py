@@ -79,6 +79,9 @@ def test_invalid_value_is_refused_visibly_and_config_unchanged(qtbot, window, ru
     assert "device_budget_mb" in window.controls.message.text()
     assert runner.engine.config == before
     assert control.spin.value() == pytest.approx(before.device_budget_mb)
+    # The refusal is in Events too, with the engine's reason.
+    qtbot.waitUntil(lambda: (window.refresh() or True) and any(
+        k == "config_error" and "device_budget_mb" in f for _, k, f in window.events.events), timeout=5_000)
 
 
 def test_selecting_a_sequence_highlights_its_blocks(qtbot, window, runner):
