@@ -57,7 +57,8 @@ def test_concurrent_requests_migrate_and_stay_exact(default_model, default_ref, 
     for i, (t, res) in enumerate(zip(texts, results)):
         ids = default_model.tokenizer.apply_chat_template([{"role": "user", "content": t}])
         assert res["token_ids"] == default_ref.greedy(ids, 24 + 4 * i), t
-    stats = results[0]["stats"]
+    # Each line carries the engine's counters as of that request's end: the last to finish saw them all.
+    stats = max((r["stats"] for r in results), key=lambda st: st["steps"])
     assert stats["promotions"] > 0 and stats["demotions"] > 0
 
 
