@@ -26,7 +26,7 @@ def open_engine(args: argparse.Namespace):
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
                             n_keep=getattr(args, "n_keep", 0) or 0)
-    options.validate(max_positions=1 << 62)  # signs and types now; the model's own limit once it is loaded
+    options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     model = load_model(args.model, progress=progress_printer)
     engine = Engine(model, config, options)

@@ -186,8 +186,9 @@ class EngineOptions:
     stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
     extra: dict = field(default_factory=dict)
 
-    def validate(self, max_positions: int) -> None:
-        """Raise ConfigError (naming the option and its range) for values this model cannot run with."""
+    def validate(self, max_positions: int | None = None) -> None:
+        """Raise ConfigError (naming the option and its range) for values no model, or this model (whose
+        positions are `max_positions`), can run with."""
         def bad(name: str, value: Any, rule: str) -> ConfigError:
             return ConfigError(f"{name}: {value!r} {rule}")
 
@@ -198,12 +199,20 @@ class EngineOptions:
             if not _is_int(v) or v < 1:
                 raise bad(name, v, "must be a positive integer")
         limit = self.context_limit
-        if limit is not None and (not _is_int(limit) or not 2 <= limit <= max_positions):
+        if limit is not None and (not _is_int(limit) or limit < 2):
+            raise bad("context_limit", limit, "must be an integer >= 2")
+        if limit is not None and max_positions is not None and limit > max_positions:
             raise bad("context_limit", limit, f"must be an integer in [2, {max_positions}] (the model's positions)")
+        if not _is_int(self.n_keep) or self.n_keep < 0:
+            raise bad("n_keep", self.n_keep, "must be an integer >= 0")
+        if self.n_discard is not None and (not _is_int(self.n_discard) or self.n_discard < 1):
+            raise bad("n_discard", self.n_discard, "must be an integer >= 1")
         limit = limit or max_positions
-        if not _is_int(self.n_keep) or not 0 <= self.n_keep < limit - 1:
+        if limit is None:
+            return
+        if self.n_keep > limit - 2:
             raise bad("n_keep", self.n_keep, f"must be an integer in [0, {limit - 2}] (context limit {limit} - 2)")
-        if self.n_discard is not None and (not _is_int(self.n_discard) or not 1 <= self.n_discard < limit):
+        if self.n_discard is not None and self.n_discard >= limit:
             raise bad("n_discard", self.n_discard, f"must be an integer in [1, {limit - 1}]")
 
 
