@@ -202,9 +202,9 @@ def test_record_trace_to_a_bad_path_fails_before_the_model_loads(tmp_path, capsy
 
 
 def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp_path, capsys, monkeypatch):
-    from engine.engine import Engine
+    from engine.scheduler import Scheduler
 
-    monkeypatch.setattr(Engine, "_make_room", lambda self, need, now, keep: False)  # a tier with no room, ever
+    monkeypatch.setattr(Scheduler, "_make_room", lambda self, need, now, keep: False)  # a tier with no room, ever
     rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--json", "hello there", "--block-size", "1",
                            "--max-new-tokens", "8")
     assert rc == 2 and out == "" and "no sequence made progress" in err

@@ -129,13 +129,13 @@ def test_kshift_keys_equal_fresh_keys_and_generation_passes_context(llama_model,
     sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
     eng.step()
     seq = eng.seqs[sid]
-    k_before, _ = eng._tokens_kv(eng.pool, seq)
+    k_before, _ = eng.kv.tokens_kv(seq)
     keep_idx = torch.tensor(list(range(4)) + list(range(14, seq.num_cached)))
     # Remove positions [4, 14) and shift the rest back by 10: a context shift by hand.
     eng.seq_rm(sid, 4, 14)
     eng.seq_add(sid, 14, None, -10)
     assert seq.pos[: len(seq.tokens)] == list(range(len(seq.tokens)))
-    k_engine, _ = eng._tokens_kv(eng.pool, seq)  # [L, n, Hkv, D]
+    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
     # Layer 0's keys depend on the token and its position only: they must equal a fresh prefill.
     k_ref = llama_ref.keys(seq.tokens[: seq.num_cached])[0]
     rel = (k_engine[0].transpose(0, 1) - k_ref).norm() / k_ref.norm()

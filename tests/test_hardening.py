@@ -100,7 +100,7 @@ def test_a_run_that_cannot_progress_aborts_with_a_reason_instead_of_spinning(lla
     a, b = (eng.add_request(p, sp) for p in prompts(5, [10, 12]))
     for _ in range(3):
         eng.step()
-    monkeypatch.setattr(eng, "_make_room", lambda need, now, keep: False)  # a device tier that never has room
+    monkeypatch.setattr(eng.scheduler, "_make_room", lambda need, now, keep: False)  # a device tier that never has room
     steps = 0
     while eng.has_work() and steps < 1_000:
         eng.step()
@@ -180,11 +180,11 @@ def test_a_change_reported_lossless_keeps_every_stored_value(llama_model, old, n
         sids = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts(7, [37, 21])]
         for _ in range(6):
             eng.step()
-        before = [eng._tokens_kv(eng.pool, eng.seqs[s]) for s in sids]
+        before = [eng.kv.tokens_kv(eng.seqs[s]) for s in sids]
         changes = {"kv_dtype": new.label, "block_size": new_bs}
         lossy = eng.is_lossy_change(changes)
         eng.reconfigure(**changes)
-        after = [eng._tokens_kv(eng.pool, eng.seqs[s]) for s in sids]
+        after = [eng.kv.tokens_kv(eng.seqs[s]) for s in sids]
         same = all(torch.equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
         if not lossy:
             assert same, f"{old.label} -> {new.label} at block size {new_bs} reported lossless but changed K/V"
@@ -212,10 +212,10 @@ def test_a_budget_change_copies_blocks_byte_for_byte(llama_model, dtype):
     sids = [eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True)) for p in prompts(8, [37, 50])]
     for _ in range(6):
         eng.step()
-    before = [eng._tokens_kv(eng.pool, eng.seqs[s]) for s in sids]
+    before = [eng.kv.tokens_kv(eng.seqs[s]) for s in sids]
     eng.reconfigure(device_budget_mb=max(0.01, budget_mb(llama_model, 10, 8, dtype)), host_budget_mb=4)
     assert eng.pool.tiers[Tier.HOST].used > 0  # 13 live blocks, 10 device slots: the rest went to the host tier
-    after = [eng._tokens_kv(eng.pool, eng.seqs[s]) for s in sids]
+    after = [eng.kv.tokens_kv(eng.seqs[s]) for s in sids]
     assert all(torch.equal(x, y) for b, a in zip(before, after) for x, y in zip(b, a))
     eng.run_until_done()
     eng.check_invariants()

@@ -1,0 +1,370 @@
+"""The KV manager: the block pool behind a narrow door.
+
+The scheduler asks it questions (does this prefix match, can this sequence be admitted, is there room
+for n tokens) and gives it orders (take the prefix, make the sequence resident, swap it out, drop its
+K/V); it never touches the pool's arrays. Residency (promotion with prefetch, idle demotion), prefix
+matching by chain hash, copy-on-write and the per-step hashing of full blocks live here.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, chain_hash
+from engine.config import CacheConfig, ConfigError, KVDtype
+from engine.sequence import Sequence
+
+DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
+
+__all__ = ["KVManager", "CacheFull", "DEVICE", "HOST"]
+
+
+class KVManager:
+    def __init__(self, spec, device: torch.device, config: CacheConfig, telemetry, counters):
+        self.spec = spec
+        self.device = device
+        self.telemetry = telemetry
+        self.counters = counters
+        self.config = config
+        self.pool = self.make_pool(config)
+        self.trace = None  # TraceRecorder while recording
+
+    # -- pools --------------------------------------------------------------------------------
+    @staticmethod
+    def require_supported(config: CacheConfig) -> None:
+        if config.kv_dtype is KVDtype.FP8:
+            from engine.codecs import fp8_supported
+
+            if not fp8_supported():
+                raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
+
+    def bytes_per_block(self, config: CacheConfig) -> int:
+        return BlockPool.bytes_per_block(config, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+
+    def make_pool(self, config: CacheConfig) -> BlockPool:
+        """A new, empty pool of `config`'s geometry (ConfigError if this machine cannot hold it)."""
+        self.require_supported(config)
+        self.check_memory(config)
+        first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
+        try:
+            pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
+                             first_serial=first)
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            raise ConfigError(f"cannot allocate the KV tiers ({config.summary()}): {str(e).splitlines()[0]}") from None
+        pool.listener = self.telemetry.on_pool_event
+        return pool
+
+    def check_memory(self, config: CacheConfig) -> None:
+        """Refuse budgets this machine cannot hold before allocating them."""
+        import psutil
+
+        per = self.bytes_per_block(config)
+        dev = max(1, int(config.device_budget_mb * 2**20) // per) * per
+        host = int(config.host_budget_mb * 2**20) // per * per
+        cpu_need = host + (dev if self.device.type == "cpu" else 0)
+        avail = psutil.virtual_memory().available
+        gib = 2**30
+        if cpu_need > avail:
+            raise ConfigError(
+                f"device_budget_mb {config.device_budget_mb:g} + host_budget_mb {config.host_budget_mb:g} need "
+                f"{cpu_need / gib:.2f} GiB of CPU memory but {avail / gib:.2f} GiB is available; lower the budgets"
+                if self.device.type == "cpu" else
+                f"host_budget_mb {config.host_budget_mb:g} needs {cpu_need / gib:.2f} GiB of CPU memory but "
+                f"{avail / gib:.2f} GiB is available; lower it")
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if dev > free:
+                raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
+                                  f"but {free / gib:.2f} GiB is free; lower it")
+
+    def use(self, pool: BlockPool, config: CacheConfig) -> None:
+        """Switch to a re-laid pool (see relayout.py) and its config."""
+        self.pool, self.config = pool, config
+
+    def set_policy(self, config: CacheConfig) -> None:
+        """A change that keeps the geometry: the pool keeps its blocks, the policy starts afresh."""
+        from engine.eviction import make_policy
+
+        self.pool.config = config
+        self.pool.policy = make_policy(config.policy, config.decay)
+        self.config = config
+
+    # -- queries ------------------------------------------------------------------------------
+    def capacity(self, tier: Tier) -> int:
+        return self.pool.tiers[tier].capacity
+
+    def can_allocate(self, need: int) -> bool:
+        return self.pool.can_allocate(Tier.DEVICE, need)
+
+    def holds_device_blocks(self, seq: Sequence) -> bool:
+        return bool(seq.blocks) and bool((self.pool.tier[seq.table()] == DEVICE).any())
+
+    def last_read(self, seq: Sequence) -> float:
+        return float(self.pool.last_of(seq.table()).max()) if seq.blocks else float("-inf")
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def find_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest cached prefix of the prompt; takes no reference.
+
+        The last token is always computed. Cached blocks hold keys at positions 0..n-1, so the match stops
+        where the sequence's positions stop being its indices (after a shift, seq_add or seq_div).
+        """
+        bs = self.config.block_size
+        parent = 0
+        lids: list[int] = []
+        hashes: list[int] = []
+        reusable = (len(seq.tokens) - 1) // bs
+        if seq.repositioned:
+            canon = next((i for i, q in enumerate(seq.pos) if q != i), len(seq.pos))
+            reusable = min(reusable, canon // bs)
+        for b in range(reusable):
+            toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
+            h = chain_hash(parent, toks)
+            lid = self.pool.lookup(h, toks)
+            if lid is None:
+                break
+            lids.append(lid)
+            hashes.append(h)
+            parent = h
+        return lids, hashes
+
+    def fits_admission(self, seq: Sequence, match: list[int], first: int) -> bool:
+        """Room on the device tier for the sequence's blocks plus its first chunk of `first` tokens.
+
+        `match` is a prefix found for a sequence holding no blocks: matched blocks that sit unowned on the
+        device stop being reclaimable once taken, and matched host blocks must be promoted.
+        """
+        p = self.pool
+        lids = np.asarray(match or seq.blocks, dtype=np.int64)
+        cached = len(match) * self.config.block_size if match else seq.num_cached
+        need = blocks_for(cached + first, self.config.block_size) - len(lids)
+        tiers = p.tier[lids]
+        on_host = int(np.count_nonzero(tiers == HOST))
+        pinned = int(np.count_nonzero(p._meta("ref", lids[tiers == DEVICE]) == 0)) if match else 0
+        return p.reclaimable(Tier.DEVICE) - pinned >= need + on_host
+
+    def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:
+        """Reference the matched blocks and count the reuse."""
+        bs = self.config.block_size
+        for lid in lids:
+            self.pool.incref(lid)
+        seq.blocks, seq.hashes = list(lids), list(hashes)
+        seq.table_version += 1
+        if seq.blocks:
+            self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool.born_of(seq.blocks))
+        seq.num_cached = len(seq.blocks) * bs
+        seq.canonical = seq.num_cached
+        if seq.first_token_at is None and seq.preemptions == 0:  # count a prompt once, not at each recompute
+            seq.prefix_reused = seq.num_cached
+            self.counters.prompt_tokens += len(seq.tokens)
+            self.counters.prompt_reused += seq.num_cached
+
+    def hash_full_blocks(self, seq: Sequence, old: int) -> None:
+        """Register the blocks that became full and canonical since `old` tokens were cached."""
+        bs = self.config.block_size
+        for b in range(old // bs, seq.num_cached // bs):
+            if (b + 1) * bs > seq.canonical or seq.hashes[b]:
+                continue
+            parent = seq.hashes[b - 1] if b else 0
+            if b and not parent:
+                break
+            toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
+            h = chain_hash(parent, toks)
+            seq.hashes[b] = h
+            self.pool.set_hash(seq.blocks[b], h, toks)
+
+    def reset_prefix_cache(self) -> int:
+        return self.pool.drop_cached()
+
+    # -- residency ----------------------------------------------------------------------------
+    def demote_idle(self, now: float) -> None:
+        """MemOS hybrid rule: device blocks idle longer than demote_after_s move to the host tier."""
+        p = self.pool
+        dev = p.tiers[Tier.DEVICE]
+        idle = dev.lid[(dev.lid >= 0) & (now - dev.last > self.config.demote_after_s)]
+        if len(idle) and p.tiers[Tier.HOST].capacity:
+            p.move(idle, Tier.HOST, now, reason="idle")
+
+    def room_needed(self, seq: Sequence, n: int) -> int:
+        """Device slots the sequence needs to compute n more tokens: its host blocks, new blocks, and a
+        copy of a shared partial tail it is about to write into."""
+        p = self.pool
+        bs = self.config.block_size
+        new_blocks = blocks_for(seq.num_cached + n, bs) - len(seq.blocks)
+        table = seq.table()
+        on_host = int(np.count_nonzero(p.tier[table] == HOST))
+        tail_cow = 0
+        if seq.num_cached % bs and seq.blocks:
+            tail_cow = 1 if p.ref_of(seq.blocks[seq.num_cached // bs]) > 1 else 0
+        return on_host + max(new_blocks, 0) + tail_cow
+
+    def reclaim(self, need: int, now: float, idle: list[Sequence], keep: list[Sequence]) -> bool:
+        """Make `need` device slots obtainable from sequences that are not running: demote their blocks to
+        the host tier (coldest first, sparing blocks shared with `keep`); where the host tier cannot take
+        them, drop their K/V (they recompute when they run again; nothing they generated is lost)."""
+        p = self.pool
+        if p.can_allocate(Tier.DEVICE, need):
+            return True
+        tables = [s.table() for s in idle if s.blocks]
+        if tables:
+            cand = np.unique(np.concatenate(tables))
+            cand = cand[p.tier[cand] == DEVICE]
+            kept = [s.table() for s in keep]
+            if kept and len(cand):
+                cand = cand[~np.isin(cand, np.concatenate(kept))]
+            if len(cand):
+                cand = cand[np.argsort(p.last_of(cand), kind="stable")]
+                short = need - p.reclaimable(Tier.DEVICE)
+                p.move(cand[:max(short, 0)], Tier.HOST, now, reason="room")
+        if p.can_allocate(Tier.DEVICE, need):
+            return True
+        for seq in sorted((s for s in idle if self.holds_device_blocks(s)), key=self.last_read):
+            self.drop_kv(seq)
+            seq.preemptions += 1
+            self.telemetry.emit("preempt", seq=seq.id, mode="recompute", reason="no host room")
+            if p.can_allocate(Tier.DEVICE, need):
+                return True
+        return p.can_allocate(Tier.DEVICE, need)
+
+    def make_resident(self, seq: Sequence, n: int, now: float) -> None:
+        """With room ensured: promote the sequence's host blocks, copy a shared tail, add blocks for n tokens.
+
+        Device-tier reads: a host block is a miss; promoting it brings the next prefetch_depth host blocks of
+        the sequence along, so they are hits when attention reaches them.
+        """
+        p = self.pool
+        bs = self.config.block_size
+        table = seq.table()
+        on_host = table[p.tier[table] == HOST]
+        group = 1 + self.config.prefetch_depth
+        if self.trace is not None:
+            tiers = p.tier[table].copy()
+            hits = np.ones(len(table), dtype=bool)
+            hits[np.flatnonzero(tiers == HOST)[::group]] = False  # the first of each promoted group misses
+            self.trace.add(now, seq.id, p.serial[table], tiers, hits)
+        misses = 0
+        for j in range(0, len(on_host), group):
+            misses += 1
+            p.move(on_host[j:j + group], Tier.DEVICE, now, reason="miss")
+        self.counters.block_reads += len(table)
+        self.counters.block_misses += misses
+        if seq.num_cached % bs and seq.blocks:
+            self.ensure_writable(seq, seq.num_cached // bs, now)
+        while len(seq.blocks) < blocks_for(seq.num_cached + n, bs):
+            seq.blocks.append(p.allocate(Tier.DEVICE, seq.id, now))
+            seq.hashes.append(0)
+            seq.table_version += 1
+
+    def ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
+        """Copy-on-write of block bi if shared; forget its hash if cached (its content is about to change)."""
+        p = self.pool
+        lid = seq.blocks[bi]
+        if p.ref_of(lid) > 1:
+            new = p.allocate(Tier.DEVICE, seq.id, now)
+            p.copy_block(lid, new)
+            p.decref(lid)
+            seq.blocks[bi] = new
+            seq.table_version += 1
+            seq.hashes[bi] = 0
+            self.telemetry.emit("cow", seq=seq.id, block=int(lid), new=int(new))
+        elif p.hash_of(lid) != NO_HASH:
+            p.clear_hash(lid)
+            seq.hashes[bi] = 0
+
+    def swap_out(self, seq: Sequence, now: float) -> str:
+        """Move the device blocks only this sequence holds to the host tier ("swap"); if the host tier cannot
+        take them all, drop the sequence's K/V instead ("recompute"). Shared blocks stay: a sequence
+        scheduled in this step may need them resident."""
+        p = self.pool
+        table = seq.table()
+        on_dev = table[p.tier[table] == DEVICE]
+        own = on_dev[p._meta("ref", on_dev) == 1] if len(on_dev) else on_dev
+        moved = p.move(own, Tier.HOST, now, reason="preempt") if len(own) else 0
+        if moved < len(own):
+            self.drop_kv(seq)
+            return "recompute"
+        return "swap"
+
+    def drop_kv(self, seq: Sequence) -> None:
+        for lid in seq.blocks:
+            self.pool.decref(lid)
+        seq.blocks, seq.hashes = [], []
+        seq.table_version += 1
+        seq.num_cached = 0
+        seq.canonical = 0
+
+    def release(self, seq: Sequence) -> None:
+        """A finished sequence lets go of its blocks (hashed ones stay cached for reuse)."""
+        for lid in seq.blocks:
+            self.pool.decref(lid)
+        seq.blocks, seq.hashes = [], []
+        seq.table_version += 1
+
+    def share(self, dst: Sequence, src: Sequence) -> None:
+        """seq_cp: dst references every block of src (copy-on-write at the first divergent write)."""
+        dst.blocks, dst.hashes = list(src.blocks), list(src.hashes)
+        dst.table_version += 1
+        for lid in dst.blocks:
+            self.pool.incref(lid)
+
+    # -- after a step -------------------------------------------------------------------------
+    def commit_step(self, written: np.ndarray, fills: np.ndarray) -> None:
+        self.pool.set_fill(written, fills)
+
+    def touch(self, tables: list[np.ndarray], now: float) -> None:
+        if tables:
+            self.pool.touch(np.unique(np.concatenate(tables)), now)
+
+    # -- block contents -----------------------------------------------------------------------
+    def tokens_kv(self, seq: Sequence, pool: BlockPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K/V of a sequence's cached tokens: [L, n, Hkv, D] each."""
+        k, v = (pool or self.pool).read_blocks(seq.blocks)  # [L, nb, Hkv, bs, D]
+        L, nb, Hkv, bs, D = k.shape
+        k = k.permute(0, 1, 3, 2, 4).reshape(L, nb * bs, Hkv, D)[:, : seq.num_cached]
+        v = v.permute(0, 1, 3, 2, 4).reshape(L, nb * bs, Hkv, D)[:, : seq.num_cached]
+        return k, v
+
+    def room_to_relay(self, seq: Sequence, b0: int, need: int) -> bool:
+        """Whether `need` fresh blocks can be had once the sequence lets go of its blocks from b0 on."""
+        p = self.pool
+        own = sum(1 for lid in seq.blocks[b0:] if p.ref_of(lid) == 1)
+        return need <= p.reclaimable(Tier.DEVICE) + p.reclaimable(Tier.HOST) + own
+
+    def relay_tail(self, seq: Sequence, b0: int, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
+                   new_cached: int, now: float) -> None:
+        """Replace the sequence's blocks from b0 on by fresh blocks holding k_tail/v_tail [L, n, Hkv, D]."""
+        p = self.pool
+        bs = self.config.block_size
+        for lid in seq.blocks[b0:]:
+            p.decref(lid)
+        seq.blocks, seq.hashes = seq.blocks[:b0], seq.hashes[:b0]
+        seq.table_version += 1
+        seq.num_cached = b0 * bs
+        if k_tail is not None:
+            n = k_tail.shape[1]
+            nb = blocks_for(n, bs)
+            lids = []
+            for b in range(nb):
+                tier = Tier.DEVICE if p.reclaimable(Tier.DEVICE) else Tier.HOST
+                lid = p.allocate(tier, seq.id, now)
+                p.set_fill([lid], [min(bs, n - b * bs)])
+                lids.append(lid)
+            pad = nb * bs - n
+            kt = torch.nn.functional.pad(k_tail, (0, 0, 0, 0, 0, pad))  # [L, nb*bs, Hkv, D]
+            vt = torch.nn.functional.pad(v_tail, (0, 0, 0, 0, 0, pad))
+            L, _, Hkv, D = kt.shape
+            p.write_blocks(lids, kt.view(L, nb, bs, Hkv, D).transpose(2, 3), vt.view(L, nb, bs, Hkv, D).transpose(2, 3))
+            seq.blocks += lids
+            seq.table_version += 1
+            seq.hashes += [0] * nb
+        seq.num_cached = new_cached
+        self.hash_full_blocks(seq, 0)
+
+    # -- checks -------------------------------------------------------------------------------
+    def check(self, seqs) -> None:
+        owners: dict[int, int] = {}
+        for s in seqs:
+            for lid in s.blocks:
+                owners[lid] = owners.get(lid, 0) + 1
+        self.pool.check(owners)

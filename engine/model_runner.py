@@ -1,0 +1,129 @@
+"""The model runner: a scheduled batch in, one sampled token per sequence out.
+
+It turns (sequence, n tokens) pairs into the step's tensors (token ids, positions, the slot and offset
+of every new token's K/V, block tables per attention group), runs the model, and samples. It decides
+nothing about which sequences run or where blocks live.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.block_pool import BlockPool, Tier, blocks_for
+from engine.model import AttnGroup, ForwardBatch, LlamaFamily
+from engine.sequence import Sequence
+
+
+class StepKV:
+    """The model's view of the cache for one step: where new K/V go, and the device tier to read."""
+
+    def __init__(self, pool: BlockPool, slots: torch.Tensor, offsets: torch.Tensor, write_blocks: np.ndarray,
+                 tok_block: torch.Tensor, prev_fill: np.ndarray, new_fill: np.ndarray):
+        self.pool = pool
+        self.dev = pool.tiers[Tier.DEVICE]
+        self.slots, self.offsets = slots, offsets  # [T] slot_mapping: block slot and offset of each new token
+        dev = self.dev.k["data"].device
+        self.wslots = torch.as_tensor(write_blocks, device=dev)  # [U] distinct slots written
+        self.tok_block = tok_block  # [T] index into wslots
+        self.keep = torch.as_tensor(prev_fill > 0, device=dev)
+        bs = pool.geom.block_size
+        self.fill_mask = (torch.arange(bs, device=dev)[None, :] < torch.as_tensor(new_fill, device=dev)[:, None])
+        self.fill_mask = self.fill_mask.float()[:, None, :, None]  # [U, 1, bs, 1]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for codec, parts, x in ((self.pool.kcodec, self.dev.k, k), (self.pool.vcodec, self.dev.v, v)):
+            if codec.scatter(parts, layer, self.slots, self.offsets, x):
+                continue
+            blocks = codec.decode(parts, layer, self.wslots)  # [U, Hkv, bs, D]
+            blocks[self.tok_block, :, self.offsets] = x.float()
+            codec.encode(parts, layer, self.wslots, blocks * self.fill_mask, self.keep)
+
+    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaFamily, device: torch.device):
+        self.model = model
+        self.device = device
+
+    def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
+        """The step's flat token batch, where each token's K/V goes, and the attention groups."""
+        bs = pool.geom.block_size
+        dev = pool.device
+        ids, pos, lids, offs = [], [], [], []
+        decode_rows, decode = [], []
+        groups: list[AttnGroup] = []
+        logit_rows = []
+        row = 0
+        for seq, n in sched:
+            lo, hi = seq.num_cached, seq.num_cached + n
+            idx = np.arange(lo, hi)
+            ids.extend(seq.tokens[lo:hi])
+            pos.append(idx if not seq.repositioned else np.asarray(seq.pos[lo:hi], dtype=np.int64))
+            lids.append(seq.table()[idx // bs])
+            offs.append(idx % bs)
+            if n == 1:
+                decode.append(seq)
+                decode_rows.append(row)
+            else:
+                groups.append(self._group(pool, [seq], [row], q_len=n, ctx=[hi], qpos=[pos[-1]]))
+            row += n
+            logit_rows.append(row - 1)
+        if decode:
+            groups.insert(0, self._group(pool, decode, decode_rows))
+        lids_np, offs_np = np.concatenate(lids), np.concatenate(offs)
+        # Writes are appends: the first offset written into a block is how many of its slots were
+        # already valid, and the block's fill afterwards is the last offset written + 1.
+        wl, tok_block = np.unique(lids_np, return_inverse=True)
+        prev_fill = np.full(len(wl), bs, dtype=np.int64)
+        np.minimum.at(prev_fill, tok_block, offs_np)
+        new_fill = np.zeros(len(wl), dtype=np.int64)
+        np.maximum.at(new_fill, tok_block, offs_np + 1)
+        t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
+        kv = StepKV(pool, t(pool.slot[lids_np]), t(offs_np), pool.slot[wl], t(tok_block), prev_fill, new_fill)
+        batch = ForwardBatch(input_ids=t(np.asarray(ids, dtype=np.int64)), positions=t(np.concatenate(pos)),
+                             groups=groups, logit_rows=t(np.asarray(logit_rows, dtype=np.int64)))
+        return batch, kv, (wl, new_fill)
+
+    @staticmethod
+    def _group(pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
+               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None) -> AttnGroup:
+        """Sequences attended together, their block tables padded to the longest (pad: slot 0, masked)."""
+        bs = pool.geom.block_size
+        ctx = ctx or [s.num_cached + 1 for s in seqs]
+        nb = max(blocks_for(c, bs) for c in ctx)
+        B = len(seqs)
+        table = np.zeros((B, nb), dtype=np.int64)
+        kpos = np.zeros((B, nb * bs), dtype=np.int64)
+        kvalid = np.zeros((B, nb * bs), dtype=bool)
+        qp = np.zeros((B, q_len), dtype=np.int64)
+        for b, (seq, c) in enumerate(zip(seqs, ctx)):
+            k = blocks_for(c, bs)
+            table[b, :k] = pool.slot[seq.table()[:k]]
+            kp = seq.key_positions(c)
+            kpos[b, :c] = kp
+            kvalid[b, :c] = True
+            qp[b] = qpos[b] if qpos is not None else kp[c - 1]
+        rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(q_len)[None, :]).reshape(-1)
+        t = lambda a: torch.as_tensor(a, device=pool.device)  # noqa: E731
+        return AttnGroup(rows=t(rows), q_len=q_len, table=t(table), kpos=t(kpos), kvalid=t(kvalid), qpos=t(qp))
+
+    @staticmethod
+    def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:
+        out = []
+        greedy = logits.argmax(dim=-1).tolist()
+        for i, (seq, _) in enumerate(sched):
+            sp = seq.sampling
+            if sp.greedy:
+                out.append(greedy[i])
+                continue
+            probs = torch.softmax(logits[i].float() / sp.temperature, dim=-1).cpu()
+            if sp.top_p < 1.0:
+                sorted_p, idx = probs.sort(descending=True)
+                cut = torch.cumsum(sorted_p, 0) - sorted_p > sp.top_p
+                sorted_p[cut] = 0
+                probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+            out.append(int(torch.multinomial(probs / probs.sum(), 1, generator=seq.rng)))
+        return out
