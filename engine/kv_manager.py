@@ -94,6 +94,10 @@ class KVManager:
     def capacity(self, tier: Tier) -> int:
         return self.pool.tiers[tier].capacity
 
+    def describe(self) -> str:
+        dev, host = self.pool.tiers
+        return f"device tier {dev.capacity} blocks, {dev.used} in use; host tier {host.capacity} blocks"
+
     def can_allocate(self, need: int) -> bool:
         return self.pool.can_allocate(Tier.DEVICE, need)
 

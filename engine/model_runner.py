@@ -43,15 +43,50 @@ class StepKV:
         return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
 
 
+class StepInputs:
+    """Persistent buffers for a step's index tensors, reused every step (grown by doubling, never shrunk).
+
+    Each named input is written into a host buffer (pinned when the model is on CUDA) and, on CUDA, copied
+    to its device buffer with non_blocking=True: no allocation and no synchronous pageable copy per step.
+    Reusing the host buffer next step is safe: sampling reads the logits back (`.tolist()`), which waits
+    for this step's stream, copies included, before the next step writes its inputs.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host: dict[str, torch.Tensor] = {}
+        self.dev: dict[str, torch.Tensor] = {}
+
+    def put(self, name: str, a: np.ndarray) -> torch.Tensor:
+        """The array as a tensor on the model's device, through `name`'s buffers: shape and dtype kept."""
+        a = np.ascontiguousarray(a)
+        dtype = torch.bool if a.dtype == np.bool_ else torch.int64
+        n = a.size
+        buf = self.host.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != dtype:
+            size = max(64, 1 << max(n - 1, 1).bit_length())
+            self.host[name] = buf = torch.empty(size, dtype=dtype, pin_memory=self.cuda)
+            if self.cuda:
+                self.dev[name] = torch.empty(size, dtype=dtype, device=self.device)
+        host = buf[:n]
+        host.copy_(torch.from_numpy(a.reshape(-1).astype(np.bool_ if dtype is torch.bool else np.int64, copy=False)))
+        if not self.cuda:
+            return host.view(a.shape)
+        out = self.dev[name][:n]
+        out.copy_(host, non_blocking=True)
+        return out.view(a.shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaFamily, device: torch.device):
         self.model = model
         self.device = device
+        self.inputs = StepInputs(device)
 
     def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """The step's flat token batch, where each token's K/V goes, and the attention groups."""
         bs = pool.geom.block_size
-        dev = pool.device
         ids, pos, lids, offs = [], [], [], []
         decode_rows, decode = [], []
         groups: list[AttnGroup] = []
@@ -68,11 +103,11 @@ class ModelRunner:
                 decode.append(seq)
                 decode_rows.append(row)
             else:
-                groups.append(self._group(pool, [seq], [row], q_len=n, ctx=[hi], qpos=[pos[-1]]))
+                groups.append(self._group(pool, [seq], [row], q_len=n, ctx=[hi], qpos=[pos[-1]], name=f"p{len(groups)}"))
             row += n
             logit_rows.append(row - 1)
         if decode:
-            groups.insert(0, self._group(pool, decode, decode_rows))
+            groups.insert(0, self._group(pool, decode, decode_rows, name="decode"))
         lids_np, offs_np = np.concatenate(lids), np.concatenate(offs)
         # Writes are appends: the first offset written into a block is how many of its slots were
         # already valid, and the block's fill afterwards is the last offset written + 1.
@@ -81,15 +116,15 @@ class ModelRunner:
         np.minimum.at(prev_fill, tok_block, offs_np)
         new_fill = np.zeros(len(wl), dtype=np.int64)
         np.maximum.at(new_fill, tok_block, offs_np + 1)
-        t = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
-        kv = StepKV(pool, t(pool.slot[lids_np]), t(offs_np), pool.slot[wl], t(tok_block), prev_fill, new_fill)
-        batch = ForwardBatch(input_ids=t(np.asarray(ids, dtype=np.int64)), positions=t(np.concatenate(pos)),
-                             groups=groups, logit_rows=t(np.asarray(logit_rows, dtype=np.int64)))
+        put = self.inputs.put
+        kv = StepKV(pool, put("slots", pool.slot[lids_np]), put("offsets", offs_np), pool.slot[wl],
+                    put("tok_block", tok_block), prev_fill, new_fill)
+        batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
+                             groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
         return batch, kv, (wl, new_fill)
 
-    @staticmethod
-    def _group(pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
-               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None) -> AttnGroup:
+    def _group(self, pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
+               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None, name: str = "g") -> AttnGroup:
         """Sequences attended together, their block tables padded to the longest (pad: slot 0, masked)."""
         bs = pool.geom.block_size
         ctx = ctx or [s.num_cached + 1 for s in seqs]
@@ -107,8 +142,9 @@ class ModelRunner:
             kvalid[b, :c] = True
             qp[b] = qpos[b] if qpos is not None else kp[c - 1]
         rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(q_len)[None, :]).reshape(-1)
-        t = lambda a: torch.as_tensor(a, device=pool.device)  # noqa: E731
-        return AttnGroup(rows=t(rows), q_len=q_len, table=t(table), kpos=t(kpos), kvalid=t(kvalid), qpos=t(qp))
+        put = self.inputs.put
+        return AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
+                         kpos=put(name + ".kpos", kpos), kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp))
 
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:

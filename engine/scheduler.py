@@ -170,11 +170,8 @@ class Scheduler:
         if self.stalled < self.options.stall_steps:
             return
         victim = max(stuck, key=lambda s: s.arrival)
-        pool = self.kv.pool
-        dev = pool.tiers[0]
-        message = (f"sequence {victim.id} aborted: no sequence made progress in {self.stalled} steps (device tier "
-                   f"{dev.capacity} blocks, {dev.used} in use; host tier {pool.tiers[1].capacity} blocks); raise "
-                   "the budgets or send fewer or shorter requests")
+        message = (f"sequence {victim.id} aborted: no sequence made progress in {self.stalled} steps "
+                   f"({self.kv.describe()}); raise the budgets or send fewer or shorter requests")
         self.telemetry.emit("error", seq=victim.id, message=message)
         victim.error = message
         self.abort(victim, "stalled", now)
