@@ -4,6 +4,10 @@
 (b) B requests x (P-token prompt + M new tokens): engine vs `generate_batch` (transformers' paged
 continuous batching) and vs `generate` run once per request.
 Throughput is generated tokens per wall-clock second, prefill included.
+
+`kvscope bench --long [CONTEXT]` instead: B sequences (--batch) of CONTEXT tokens (2048) prefilled, then decode
+steps timed against the memory floor, the bytes a step must read (weights + every sequence's KV) over the memcpy
+bandwidth measured in the same run; `--attention` picks the backend.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import sys
 import time
 
 from app.commands import open_engine
+from app.options import cache_config
 
 ASSET = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "bench_text.txt")
 
@@ -41,6 +46,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.loader import hf_reference_dir
     from engine.sequence import SamplingParams
 
+    if getattr(args, "long", None):
+        return cmd_bench_long(args)
     engine, _ = open_engine(args)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
@@ -132,6 +139,137 @@ def cmd_bench(args: argparse.Namespace) -> int:
     s = res["step_split"]
     print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
           f"({100 * s['bookkeeping_fraction']:.1f} %)")
+    return 0
+
+
+def memcpy_bandwidth(device: str = "cpu", mb: int = 512, repeats: int = 5) -> float:
+    """Bytes copied per second by dst.copy_(src) of an `mb` MB buffer (best of `repeats`; pages touched first)."""
+    import torch
+
+    src = torch.ones(mb << 18, dtype=torch.float32, device=device)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * src.element_size() / best
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of the forward pass's weights, each storage once (a tied lm_head is the embedding)."""
+    seen: dict[int, int] = {}
+    tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer if t is not None]
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def long_context_bench(args: argparse.Namespace, say=print) -> dict:
+    """B sequences x `args.long` tokens of context: prefill, then decode steps timed against the memory floor."""
+    import numpy as np
+    import torch
+
+    from engine.block_pool import blocks_for
+    from engine.config import EngineOptions
+    from engine.engine import Engine
+    from engine.loader import load_model, resolve_weights_dtype
+    from engine.sequence import SamplingParams
+
+    B, ctx, steps = args.batch, args.long, 10
+    config = cache_config(args)
+    options = EngineOptions(device=args.device, weights_dtype=getattr(args, "weights_dtype", None) or "auto",
+                            attention=getattr(args, "attention", None) or "auto", max_batch=max(16, B))
+    options.validate()
+    model = load_model(args.model, dtype=resolve_weights_dtype(options.weights_dtype, options.device),
+                       device=options.device)
+    s = model.spec
+    # The device tier must hold every sequence's whole context (plus the steps): a budget that is too small is
+    # raised to fit, so the bench measures attention, not eviction.
+    from engine.codecs import Geometry, codecs_for
+
+    kc, vc = codecs_for(config.kv_dtype)
+    geom = Geometry(layers=s.num_layers, kv_heads=s.num_kv_heads, block_size=config.block_size, head_dim=s.head_dim)
+    block_bytes = sum(kc.block_bytes(geom).values()) + sum(vc.block_bytes(geom).values())
+    need_mb = B * (blocks_for(ctx + 3 * steps, config.block_size) + 2) * block_bytes / 2**20
+    if config.device_budget_mb < need_mb:
+        config = config.replace(device_budget_mb=float(np.ceil(need_mb)))
+    engine = Engine(model, config, options)
+    ps = bench_prompts(engine.tokenizer, B, ctx)
+    say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention, {engine.config.summary()}")
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for p in ps]
+    while any(engine.seqs[i].first_token_at is None for i in ids):
+        engine.step()
+    prefill_s = time.perf_counter() - t0
+    say(f"[bench] prefilled in {prefill_s:.1f} s; decoding")
+    engine.step()  # warm-up: first decode step's allocations
+    times, fwd = [], []
+    for _ in range(steps):
+        f0 = engine.counters.forward_s
+        _sync(args.device)
+        t = time.perf_counter()
+        outs = engine.step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t)
+        fwd.append(engine.counters.forward_s - f0)
+        assert len(outs) == B, "every sequence decodes each step"
+    ctx_now = [engine.seqs[i].num_cached for i in ids]
+    bs = engine.config.block_size
+    kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
+    weights = model_weight_bytes(engine.model)
+    say("[bench] memcpy bandwidth")
+    bw = memcpy_bandwidth(args.device)
+    floor = (weights + kv_read) / bw
+    step_s = float(np.median(times))
+    res = {"sequences": B, "context_tokens": ctx, "attention": engine.model.attention, "device": args.device,
+           "model": s.name, "weights_dtype": str(engine.model.dtype).replace("torch.", ""),
+           "config": engine.config.as_dict(), "torch_threads": torch.get_num_threads(), "prefill_s": prefill_s,
+           "decode_steps": steps, "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
+           "forward_ms_median": 1e3 * float(np.median(fwd)), "weights_bytes": weights, "kv_bytes_read": kv_read,
+           "memcpy_gbps": bw / 1e9, "floor_ms": 1e3 * floor, "step_over_floor": step_s / floor,
+           "target_over_floor": 1.5}
+    say("[bench] profiling 3 decode steps")
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(args.device).startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            engine.step()
+        _sync(args.device)
+    cuda = str(args.device).startswith("cuda")
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    total = sum(getattr(e, key, 0) for e in events) or 1
+    res["profile_top_ops"] = [{"op": e.key, "calls_per_step": e.count / 3, "ms_per_step": getattr(e, key) / 3e3,
+                               "share": getattr(e, key) / total} for e in events[:12]]
+    return res
+
+
+def cmd_bench_long(args: argparse.Namespace) -> int:
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    res = long_context_bench(args, say)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"model {res['model']} ({res['weights_dtype']}) on {res['device']}, {res['torch_threads']} threads, "
+          f"{res['attention']} attention, {res['sequences']} x {res['context_tokens']} tokens of context")
+    print(f"decode step: median {res['step_ms_median']:.1f} ms (forward {res['forward_ms_median']:.1f} ms, min "
+          f"{res['step_ms_min']:.1f} ms) | memory floor {res['floor_ms']:.1f} ms = ({res['weights_bytes'] / 1e6:.0f} MB "
+          f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy | "
+          f"step / floor {res['step_over_floor']:.2f}x (target <= {res['target_over_floor']}x)")
+    print("top ops per decode step (self time):")
+    for op in res["profile_top_ops"]:
+        print(f"  {op['ms_per_step']:8.2f} ms  {100 * op['share']:5.1f} %  {op['calls_per_step']:7.1f} calls  {op['op']}")
     return 0
 
 

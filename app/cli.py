@@ -6,37 +6,12 @@ import argparse
 import json
 import os
 import sys
-import time
 
-T_START = time.perf_counter()
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="a .gguf file or a HF model directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and the device tier live")
-
-
-def _add_cache_flags(p: argparse.ArgumentParser) -> None:
-    from engine.config import KNOBS
-
-    p.add_argument("--block-size", type=int, help=KNOBS["block_size"].help)
-    p.add_argument("--kv-dtype", choices=KNOBS["kv_dtype"].choices, help=KNOBS["kv_dtype"].help)
-    p.add_argument("--device-budget-mb", type=float, help=KNOBS["device_budget_mb"].help)
-    p.add_argument("--host-budget-mb", type=float, help=KNOBS["host_budget_mb"].help)
-    p.add_argument("--policy", choices=KNOBS["policy"].choices, help=KNOBS["policy"].help)
-    p.add_argument("--decay", type=float, help=KNOBS["decay"].help)
-    p.add_argument("--demote-after", dest="demote_after_s", type=float, help=KNOBS["demote_after_s"].help)
-    p.add_argument("--prefetch-depth", type=int, help=KNOBS["prefetch_depth"].help)
-    p.add_argument("--evict-batch", type=int, help=KNOBS["evict_batch"].help)
-    p.add_argument("--context-limit", type=int, help="tokens per sequence before a context shift (default: the model's)")
-    p.add_argument("--n-keep", type=int, default=0, help="tokens a context shift keeps at the start")
-
-
-def cache_config(args: argparse.Namespace):
-    from engine.config import KNOBS, CacheConfig
-
-    changes = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
-    return CacheConfig().replace(**changes)
+# Shared with app.commands and app.sweep, which import app.options rather than this module (no import cycle).
+# The underscored names stay for callers that used them from here.
+from app.options import T_START, cache_config  # noqa: F401
+from app.options import add_cache_flags as _add_cache_flags
+from app.options import add_model_flags as _add_model_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: the window's frame costs at 1M / 100k blocks and event-loop stalls while decoding")
     b.add_argument("--snapshot-blocks", type=int, metavar="N",
                    help="instead: time engine snapshots of a pool of N blocks filled by live sequences")
+    b.add_argument("--long", type=int, nargs="?", const=2048, metavar="CONTEXT", help="instead: --batch sequences of CONTEXT tokens (2048), decode step time against the memory floor (weights + KV read per step / memcpy bandwidth), top ops")
     b.add_argument("--json", action="store_true")
     _add_model_flags(b)
     _add_cache_flags(b)

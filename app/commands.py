@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Iterator
 
-from app.cli import T_START, cache_config
+from app.options import T_START, cache_config
 
 
 def progress_printer(stage: str, fraction: float) -> None:
@@ -21,14 +21,17 @@ def progress_printer(stage: str, fraction: float) -> None:
 def open_engine(args: argparse.Namespace):
     from engine.config import EngineOptions
     from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.loader import load_model, resolve_weights_dtype
 
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
-                            n_keep=getattr(args, "n_keep", 0) or 0)
+                            n_keep=getattr(args, "n_keep", 0) or 0,
+                            weights_dtype=getattr(args, "weights_dtype", None) or "auto")
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
-    model = load_model(args.model, progress=progress_printer)
+    # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.
+    dtype = resolve_weights_dtype(options.weights_dtype, options.device)
+    model = load_model(args.model, progress=progress_printer, dtype=dtype, device=options.device)
     engine = Engine(model, config, options)
     return engine, time.perf_counter() - t0
 

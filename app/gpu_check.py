@@ -98,11 +98,11 @@ def main(argv: list[str] | None = None) -> int:
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
     checks = {}
     for bs in (1, 16, 64):
-        eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(device=args.device))
+        eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(device=args.device, weights_dtype="fp32"))
         checks[f"greedy_equal_bs{bs}"] = eng.generate(prompts, sp) == refs
     # Device tier far smaller than the six requests' KV: blocks must move CUDA <-> pinned host.
     eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.25, host_budget_mb=8, demote_after_s=0.0),
-                 EngineOptions(device=args.device, max_batched_tokens=128))
+                 EngineOptions(device=args.device, weights_dtype="fp32", max_batched_tokens=128))
     t0 = time.perf_counter()
     out = eng.generate(prompts, sp)
     checks["migrating_equal"] = out == refs
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in ("fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8"):
         try:
             eng = Engine(model, CacheConfig(block_size=8, kv_dtype=dtype, device_budget_mb=0.25, host_budget_mb=8,
-                                            demote_after_s=0.0), EngineOptions(device=args.device, max_batched_tokens=128))
+                                            demote_after_s=0.0), EngineOptions(device=args.device, weights_dtype="fp32", max_batched_tokens=128))
             got = eng.generate(prompts, sp)
             eng.check_invariants()
             same = [next((i for i, (a, b) in enumerate(zip(o, r)) if a != b), len(o)) for o, r in zip(got, refs)]

@@ -163,7 +163,7 @@ class EngineRunner:
         return w.name
 
     def use_demo_workload(self, seed: int = 0) -> None:
-        from engine.workloads import DemoWorkload
+        from engine.demo_workload import DemoWorkload
 
         self._replace_workload(DemoWorkload(self.engine, seed=seed))
 

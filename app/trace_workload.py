@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import os
 
-from app.sweep import Replay, RunResult
+from app.replay import Replay, RunResult
+from engine.demo_workload import check_intensity
 from engine.errors import RequestError
-from engine.workloads import check_intensity, load_trace
+from engine.workloads import load_trace
 
 
 MAX_STEP_S = 1.0
 
 
 class TraceWorkload:
-    """Same interface as engine.workloads.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
+    """Same interface as engine.demo_workload.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
     around each step; `paused`, `set_intensity` and `stats()` from any thread; `close()` when replaced.
 
     Intensity scales the trace's clock (2.0 replays it twice as fast). A round ends when every request has

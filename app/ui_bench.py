@@ -93,7 +93,7 @@ def run_ui_bench(big: int = 1_000_000, medium: int = 100_000, stall_s: float = 2
         f"(goal ≤ 16 ms)")
     # The same after the engine moved a block between tiers before each frame, as a busy engine does: the
     # snapshot's cached per-sequence placement is then recounted for every sequence.
-    from engine.block_pool import Tier
+    from engine.tiers import Tier
 
     pool = eng.pool
     lids = np.flatnonzero(pool.tier >= 0)

@@ -92,7 +92,7 @@ def start_runner(args: argparse.Namespace):
 
     from app.commands import open_engine
     from app.runner import EngineRunner
-    from engine.workloads import DemoWorkload
+    from engine.demo_workload import DemoWorkload
 
     # Leave a core to the window: the model's matmuls get the rest.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))

@@ -10,6 +10,7 @@ a scale that never shrinks, so codes already written round-trip to themselves.
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -57,7 +58,10 @@ class Codec:
         for name, (shape, dtype) in self.parts_shapes(g, n).items():
             # Zeroed, not empty: padded gathers read unused slots, and stale NaN there would leak
             # through a masked softmax.
-            parts[name] = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
+            if torch.device(device).type == "cpu" and not pin:
+                parts[name] = _lazy_zeros(shape, dtype)
+            else:  # CUDA memory and pinned host memory are committed when allocated: no lazy zeros there
+                parts[name] = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
         return parts
 
     # -- whole blocks -------------------------------------------------------------------------
@@ -204,6 +208,28 @@ def _fp16_up(scale: torch.Tensor) -> torch.Tensor:
     """fp16 scales at or above `scale` (fp32), and at least fp16's smallest normal number: rounding to
     nearest after a 2^-10 nudge never lands below, since the rounding error is at most 2^-11 relative."""
     return (scale.clamp(2.0**-14, 6.0e4) * (1 + 2.0**-10)).to(torch.float16)
+
+
+def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """CPU zeros whose memory the OS commits page by page as it is first written, not up front.
+
+    torch.zeros writes every byte (a 16 GB host tier would commit 16 GB at start). A private anonymous
+    mapping is zero pages until written. Not numpy's calloc'd zeros: numpy asks for transparent huge pages on
+    large arrays, and since a tier is laid out [layers, blocks, ...], the first block written would commit a
+    2 MB page in every layer of K and of V (~120 MB per tier on SmolLM2). Bytes reinterpreted as `dtype` (bf16 and fp8
+    have no numpy dtype); the mapping lives as long as the tensor.
+    """
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return torch.zeros(shape, dtype=dtype)
+    nbytes = numel * _itemsize(dtype)
+    if hasattr(mmap, "MAP_PRIVATE"):
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:  # Windows: pagefile-backed, also committed lazily
+        buf = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

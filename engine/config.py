@@ -184,7 +184,14 @@ class EngineOptions:
     n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
     keep_finished: int = 1024  # finished sequences kept for inspection before they are forgotten
     stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
+    weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.loader.resolve_weights_dtype)
+    # Attention backend (engine/attention/): reference (dense gather + SDPA), cpu (chunked, reads blocks in place),
+    # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu.
+    attention: str = "reference"  # the in-place backends are being wired in; auto comes next
     extra: dict = field(default_factory=dict)
+
+    WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16")  # not a field (no annotation): the values weights_dtype takes
+    ATTENTION = ("auto", "reference", "cpu", "triton")  # not a field: the values attention takes
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ConfigError (naming the option and its range) for values no model, or this model (whose
@@ -194,6 +201,10 @@ class EngineOptions:
 
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise bad("device", self.device, "is not cpu or cuda")
+        if self.weights_dtype not in self.WEIGHTS_DTYPES:
+            raise bad("weights_dtype", self.weights_dtype, f"is not one of {', '.join(self.WEIGHTS_DTYPES)}")
+        if self.attention not in self.ATTENTION:
+            raise bad("attention", self.attention, f"is not one of {', '.join(self.ATTENTION)}")
         for name in ("max_batch", "max_batched_tokens", "keep_finished", "stall_steps"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:

@@ -60,7 +60,8 @@ class Engine(SequenceOps):
             raise ConfigError("device cuda requested but torch sees no CUDA device")
         self.clock = clock
         self.options.validate(self.spec.max_position_embeddings)
-        self.model = LlamaFamily(self.spec, model.weights, self.device)
+        self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype)
+        self.model.use_attention(self.options.attention)
         self.runner = ModelRunner(self.model, self.device)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
         self.lock = threading.RLock()

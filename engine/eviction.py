@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
-    from engine.block_pool import BlockPool, TierPool
+    from engine.block_pool import BlockPool
+    from engine.tiers import TierPool
 
 
 class EvictionPolicy(Protocol):

@@ -56,27 +56,30 @@ class KVManager:
         return pool
 
     def check_memory(self, config: CacheConfig) -> None:
-        """Refuse budgets this machine cannot hold before allocating them."""
+        """Refuse budgets this machine cannot hold, before allocating them. CPU tiers without CUDA are
+        committed as blocks are written (lazy zero pages), so they are held against the machine's memory;
+        a pinned host tier (with CUDA) is committed at once, so it is held against what is available now."""
         import psutil
 
         per = self.bytes_per_block(config)
         dev = max(1, int(config.device_budget_mb * 2**20) // per) * per
         host = int(config.host_budget_mb * 2**20) // per * per
-        cpu_need = host + (dev if self.device.type == "cpu" else 0)
-        avail = psutil.virtual_memory().available
+        vm = psutil.virtual_memory()
         gib = 2**30
-        if cpu_need > avail:
-            raise ConfigError(
-                f"device_budget_mb {config.device_budget_mb:g} + host_budget_mb {config.host_budget_mb:g} need "
-                f"{cpu_need / gib:.2f} GiB of CPU memory but {avail / gib:.2f} GiB is available; lower the budgets"
-                if self.device.type == "cpu" else
-                f"host_budget_mb {config.host_budget_mb:g} needs {cpu_need / gib:.2f} GiB of CPU memory but "
-                f"{avail / gib:.2f} GiB is available; lower it")
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            if dev > free:
-                raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
-                                  f"but {free / gib:.2f} GiB is free; lower it")
+        if self.device.type == "cpu":
+            if dev + host > vm.total:
+                raise ConfigError(
+                    f"device_budget_mb {config.device_budget_mb:g} + host_budget_mb {config.host_budget_mb:g} need "
+                    f"{(dev + host) / gib:.2f} GiB of CPU memory but this machine has {vm.total / gib:.2f} GiB; "
+                    "lower the budgets")
+            return
+        if host > vm.available:
+            raise ConfigError(f"host_budget_mb {config.host_budget_mb:g} needs {host / gib:.2f} GiB of pinned CPU memory "
+                              f"but {vm.available / gib:.2f} GiB is available; lower it")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        if dev > free:
+            raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
+                              f"but {free / gib:.2f} GiB is free; lower it")
 
     def use(self, pool: BlockPool, config: CacheConfig) -> None:
         """Switch to a re-laid pool (see relayout.py) and its config."""

@@ -1,8 +1,10 @@
-"""Loading Llama-family models (config, float32 state dict, tokenizer) for KV Scope's own forward pass.
+"""Loading Llama-family models (config, state dict in the weights dtype, tokenizer) for KV Scope's own forward pass.
 
-GGUF files are converted once with transformers and cached as a plain HF directory keyed by the file's
-sha256; every later start reads that directory with safetensors + json only, so transformers is never
-imported on the warm path.
+GGUF files are converted once with transformers and cached as a plain float32 HF directory keyed by the file's
+sha256; every later start reads that directory with json and plain file reads only, so transformers is never
+imported on the warm path. Tensors are read one at a time straight into their final memory in the requested
+dtype (`load_model(dtype=...)`), q/k/v and gate/up into one fused buffer each, so the weights exist once and
+loading needs at most one source tensor beyond them.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import mmap
 import os
 import shutil
 import socket
@@ -24,7 +25,7 @@ from typing import Any, BinaryIO, Callable, Iterator
 
 import psutil
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from engine.tokenizer import Tokenizer
 
@@ -83,13 +84,31 @@ class ModelSpec:
 @dataclass
 class LoadedModel:
     spec: ModelSpec
-    weights: dict[str, torch.Tensor]  # HF names, float32, contiguous, CPU; lm_head aliases the embedding if tied
+    # HF names, in the load dtype (float32 unless asked otherwise), contiguous, on the load device (CPU unless
+    # asked otherwise); lm_head aliases the embedding if tied. A layer's q/k/v (weights and biases) and gate/up
+    # are consecutive row ranges of one fused buffer each, which LlamaFamily uses as they are (no copy).
+    weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str
     cache_dir: str | None
 
 
 # -- public API -----------------------------------------------------------------------------------
+
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_weights_dtype(name: "str | torch.dtype", device: "str | torch.device" = "cpu") -> torch.dtype:
+    """The torch dtype for a `--weights-dtype` value: `auto` is bf16 on CUDA and fp32 on CPU."""
+    if isinstance(name, torch.dtype):
+        if name not in WEIGHT_DTYPES.values():
+            raise ValueError(f"weights dtype {name} is not one of {', '.join(map(str, WEIGHT_DTYPES.values()))}")
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"weights dtype {name!r} is not one of auto, {', '.join(WEIGHT_DTYPES)}")
+    return WEIGHT_DTYPES[name]
 
 
 def default_model_path() -> str:
@@ -104,22 +123,34 @@ def default_model_path() -> str:
     )
 
 
-def load_model(path: str | None = None, progress: Progress | None = None) -> LoadedModel:
-    """Load a .gguf file or a HF safetensors directory (None: the default model)."""
+def load_model(path: str | None = None, progress: Progress | None = None,
+               dtype: "str | torch.dtype" = torch.float32, device: "str | torch.device" = "cpu") -> LoadedModel:
+    """Load a .gguf file or a HF safetensors directory (None: the default model).
+
+    Weights come in `dtype` (a GGUF's float32 conversion is cast tensor by tensor, never held whole in both
+    dtypes) and live on `device` (on CUDA each tensor passes through a CPU buffer of its own size only).
+    """
+    dtype = resolve_weights_dtype(dtype, device)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda requested but torch sees no CUDA device")
     source = _resolve(path)
+
+    def load(directory: str) -> LoadedModel:
+        return _load_hf_dir(directory, source, _name_of(source), dtype, torch.device(device))
+
     if os.path.isdir(source):
-        return _load_hf_dir(source, source, _name_of(source))
+        return load(source)
     directory = _gguf_cache_dir(source, progress, rebuild=False)
     try:
         # Same-size damage (flipped bytes) loads fine and yields garbage tokens: the checksums catch it.
         _verify_checksums(directory)
-        return _load_hf_dir(directory, source, _name_of(source))
+        return load(directory)
     except ModelLoadError as e:
         # A damaged cache entry (bad bytes, safetensors or json) is rebuilt once; a second failure is real.
         print(f"[kvscope] the cached conversion of {source} is unusable ({e}); converting it again",
               file=sys.stderr, flush=True)
         directory = _gguf_cache_dir(source, progress, rebuild=True)
-        return _load_hf_dir(directory, source, _name_of(source))
+        return load(directory)
 
 
 def hf_reference_dir(path: str | None = None) -> str:
@@ -177,7 +208,8 @@ def _read_json(path: str) -> dict[str, Any]:
     return data
 
 
-def _load_hf_dir(directory: str, source: str, name: str) -> LoadedModel:
+def _load_hf_dir(directory: str, source: str, name: str, dtype: torch.dtype = torch.float32,
+                 device: torch.device = torch.device("cpu")) -> LoadedModel:
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"no config.json in {directory}; give a .gguf file or a HF model directory")
@@ -185,7 +217,7 @@ def _load_hf_dir(directory: str, source: str, name: str) -> LoadedModel:
     architectures = config.get("architectures") or ["<none>"]
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise _unsupported(architectures[0], directory)
-    weights = _read_safetensors(directory)
+    weights = _read_safetensors(directory, dtype, device)
     try:
         tokenizer = Tokenizer(directory, _model_eos_ids(directory, config))
     except Exception as e:  # tokenizers raises plain Exception subclasses for malformed json
@@ -204,7 +236,8 @@ def _unsupported(architecture: str, path: str) -> ModelLoadError:
     return ModelLoadError(f"unsupported architecture '{architecture}' in {path}; KV Scope serves: {served}")
 
 
-def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
+def _read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
+                      device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         weight_map = _read_json(index_path).get("weight_map") or {}
@@ -219,16 +252,140 @@ def _read_safetensors(directory: str) -> dict[str, torch.Tensor]:
                 "convert with: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)"
             )
         raise ModelLoadError(f"no *.safetensors in {directory}")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
+    entries: dict[str, _Entry] = {}
+    for file in files:  # every header first: fusing plans across shards; a later shard's name wins, as before
         path = os.path.join(directory, file)
+        entries |= {e.name: e for e in _safetensors_entries(path)}
+    weights = _allocate(entries, dtype, device)
+    by_file: dict[str, list[_Entry]] = {}
+    for e in entries.values():
+        by_file.setdefault(e.path, []).append(e)
+    for path, file_entries in by_file.items():
         try:
-            shard = load_file(path)
-        except Exception as e:  # SafetensorError, OSError: truncated, corrupt or missing shard
+            with open(path, "rb", buffering=0) as f:
+                for e in sorted(file_entries, key=lambda e: e.start):  # in file order: sequential reads
+                    _read_into(f, e, weights[e.name])
+        except OSError as e:
             raise ModelLoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None
-        for key, tensor in shard.items():
-            weights[key] = tensor.to(torch.float32).contiguous()
     return weights
+
+
+# safetensors dtype names; float8 only where this torch has it.
+_ST_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, attr) for name, attr in (
+        ("F64", "float64"), ("F32", "float32"), ("F16", "float16"), ("BF16", "bfloat16"), ("I64", "int64"),
+        ("I32", "int32"), ("I16", "int16"), ("I8", "int8"), ("U8", "uint8"), ("BOOL", "bool"),
+        ("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"),
+    ) if hasattr(torch, attr)
+}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the json header
+
+
+@dataclass(frozen=True)
+class _Entry:
+    name: str
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute byte offsets in the file
+    end: int
+
+
+def _safetensors_entries(path: str) -> list[_Entry]:
+    """The tensors a safetensors file declares, checked against its size (truncation, bad offsets)."""
+    def bad(reason: str) -> ModelLoadError:
+        return ModelLoadError(f"corrupt or unreadable safetensors file {path}: {reason}")
+
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise bad("shorter than its 8-byte header length")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(_MAX_HEADER, size - 8):
+                raise bad(f"header length {header_len} exceeds the file")
+            header = json.loads(f.read(header_len))
+    except OSError as e:
+        raise bad(str(e)) from None
+    except ValueError as e:  # json, utf-8
+        raise bad(f"header is not valid json: {e}") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a json object")
+    base = 8 + header_len
+    entries = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _ST_DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {name}: bad or unsupported dtype, shape or data_offsets") from None
+        numel = 1
+        for d in shape:
+            numel *= d
+        if min(shape, default=0) < 0 or not 0 <= start <= end or end - start != numel * _itemsize(dtype):
+            raise bad(f"tensor {name}: data_offsets {start}..{end} do not fit shape {list(shape)} {info['dtype']}")
+        if base + end > size:
+            raise bad(f"tensor {name} ends at byte {base + end} but the file has {size} (truncated?)")
+        entries.append(_Entry(name, path, dtype, shape, base + start, base + end))
+    return entries
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# Tensors of one layer stored as consecutive rows of one buffer, in this order (the forward pass's layout).
+_FUSED_GROUPS = (
+    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+)
+
+
+def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """Uninitialized final tensors for every entry, in `dtype` on `device`; fused groups share one buffer."""
+    weights: dict[str, torch.Tensor] = {}
+    for name in entries:
+        for group in _FUSED_GROUPS:
+            if not name.endswith("." + group[0]):
+                continue
+            prefix = name[: -len(group[0])]
+            parts = [entries.get(prefix + g) for g in group]
+            if any(p is None for p in parts) or len({p.shape[1:] for p in parts}) != 1 or not parts[0].shape:
+                continue  # not fusable: each part gets its own tensor below (shapes are checked later)
+            fused = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
+            row = 0
+            for p in parts:
+                weights[p.name] = fused[row: row + p.shape[0]]
+                row += p.shape[0]
+    for name, e in entries.items():
+        if name not in weights:
+            weights[name] = torch.empty(e.shape, dtype=dtype, device=device)
+    return weights
+
+
+def _read_into(f: BinaryIO, e: _Entry, dst: torch.Tensor) -> None:
+    """Read entry `e` from the open file into `dst` (contiguous), casting and moving it as needed."""
+    nbytes = e.end - e.start
+    if nbytes == 0:
+        return
+    direct = dst.dtype == e.dtype and dst.device.type == "cpu"
+    # Straight into the final memory when no cast or copy is needed; else through one buffer of this tensor.
+    buf = dst if direct else torch.empty(e.shape, dtype=e.dtype)
+    view = buf.reshape(-1).view(torch.uint8).numpy()
+    f.seek(e.start)
+    done = 0
+    while done < nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise ModelLoadError(f"corrupt or unreadable safetensors file {e.path}: tensor {e.name} is cut short")
+        done += n
+    if not direct:
+        dst.copy_(buf)
 
 
 def _model_eos_ids(directory: str, config: dict[str, Any]) -> tuple[int, ...]:
@@ -546,25 +703,42 @@ def _checksums(directory: str, files: list[str]) -> dict[str, dict[str, str]]:
             sums[name] = _file_checksums(path)
         except FileNotFoundError:
             continue  # _verify_checksums reports the file as missing
-        except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as e:
             raise ModelLoadError(f"cannot checksum {path}: {type(e).__name__}: {e}") from None
     return sums
 
 
 def _file_checksums(path: str) -> dict[str, str]:
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0) as f:
         if not path.endswith(".safetensors"):
             return {"": f"{zlib.crc32(f.read()):08x}"}
-        # mmap: the pages are those the mmap-backed weights use anyway, so checking costs no extra memory.
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm, memoryview(mm) as view:
-            return {part: f"{zlib.crc32(view[start:end]):08x}" for part, start, end in _safetensors_parts(view)}
+        # Plain reads through one 16 MB buffer, not mmap: mapped pages would count in the process's RSS
+        # (the whole file at once) while page-cache reads do not.
+        size = os.fstat(f.fileno()).st_size
+        head = f.read(8)
+        (header_len,) = struct.unpack_from("<Q", head)
+        header = f.read(min(header_len, max(0, size - 8)))
+        buf = bytearray(16 << 20)
+        sums = {}
+        for part, start, end in _safetensors_parts(head + header, size):
+            crc, pos, end = 0, start, min(end, size)
+            f.seek(pos)
+            while pos < end:
+                n = f.readinto(memoryview(buf)[: min(len(buf), end - pos)])
+                if not n:
+                    break
+                crc = zlib.crc32(memoryview(buf)[:n], crc)
+                pos += n
+            sums[part] = f"{crc:08x}"
+        return sums
 
 
-def _safetensors_parts(view: memoryview) -> Iterator[tuple[str, int, int]]:
-    """(name, start, end) byte ranges that together cover the whole file."""
-    (header_len,) = struct.unpack_from("<Q", view)
+def _safetensors_parts(head: bytes, size: int) -> Iterator[tuple[str, int, int]]:
+    """(name, start, end) byte ranges that together cover the whole file of `size` bytes; `head` is its
+    8-byte length prefix and json header."""
+    (header_len,) = struct.unpack_from("<Q", head)
     base = 8 + header_len
-    header = json.loads(bytes(view[8:base]))
+    header = json.loads(bytes(head[8:base]))
     yield "__header__", 0, base
     end = base
     for name, info in header.items():
@@ -572,7 +746,7 @@ def _safetensors_parts(view: memoryview) -> Iterator[tuple[str, int, int]]:
             start, stop = info["data_offsets"]
             yield name, base + start, base + stop
             end = max(end, base + stop)
-    yield "__tail__", end, len(view)  # empty unless bytes were appended
+    yield "__tail__", end, size  # empty unless bytes were appended
 
 
 def _verify_checksums(directory: str) -> None:

@@ -1,19 +1,42 @@
 """A Llama-family forward pass (Llama, Mistral, Qwen2) whose attention reads the paged KV cache.
 
-The model never holds K/V itself: each layer writes its new keys/values through `KVWriter` into the
-device tier's blocks, then gathers every block of each sequence's context from that same tier.
+The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
+device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
+(engine/attention/: `cpu` and `triton` read the blocks in place; `reference` is the original path, which
+decodes every block of the table into a dense copy and runs SDPA under a mask).
 Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv heads, D = head dim.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from engine.loader import ModelSpec
+from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend
+from engine.config import ConfigError, EngineOptions
+from engine.loader import ModelSpec, resolve_weights_dtype
+
+
+def resolve_attention(name: str, device: "torch.device | str") -> str:
+    """The backend `name` runs as: auto is triton on CUDA when triton imports, else the in-place torch path
+    (`cpu`, which runs on any device); an explicit name is kept (ConfigError when it cannot run here)."""
+    if name not in EngineOptions.ATTENTION:
+        raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
+    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention: 'triton' needs a CUDA device (or TRITON_INTERPRET=1, the interpreter)")
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except Exception:  # not installed, or broken for this build: the torch path still reads in place
+            return "cpu"
+        return "triton"
+    return "cpu"
 
 
 @dataclass
@@ -26,6 +49,13 @@ class AttnGroup:
     kpos: torch.Tensor  # [B, NB*bs] position of each gathered key; masked where kvalid is False
     kvalid: torch.Tensor  # [B, NB*bs] bool
     qpos: torch.Tensor  # [B, Q] positions of the queries
+    ctx: torch.Tensor | None = None  # [B] keys of each row (its first ctx[b] table entries' tokens); None: kvalid.sum(1)
+    key_pos: torch.Tensor | None = None  # kpos when some row is repositioned; None: key i sits at position i
+
+    def paged(self) -> PagedBatch:
+        """The group as an attention backend reads it."""
+        ctx = self.ctx if self.ctx is not None else self.kvalid.sum(1)
+        return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos)
 
 
 @dataclass
@@ -42,6 +72,9 @@ class KVStore(Protocol):
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K/V of the blocks in table [B, NB]: [B, NB, Hkv, bs, D] each."""
+
+    def paged(self) -> PagedKV:
+        """The tier's K/V parts as they lie, for the in-place backends."""
 
 
 def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
@@ -82,7 +115,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     padded to two (the one-column case takes a slow gemv path). Measured in `kvscope bench`.
     """
     T = x.shape[0]
-    if x.device.type != "cpu" or T > SMALL_BATCH:
+    if x.device.type != "cpu" or T > SMALL_BATCH or x.dtype != torch.float32:
+        # bf16/fp16: F.linear is transformers' kernel, and w @ x.T rounds differently there (greedy drifts).
         return F.linear(x, w)
     if T == 1:
         return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()
@@ -95,42 +129,93 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaFamily:
-    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device):
+    """The forward pass, in the weights dtype (`dtype`: fp32, bf16, fp16 or auto = bf16 on CUDA, fp32 on CPU).
+
+    Weights are used where they lie when the loaded dict already has this dtype and device (the loader fuses
+    q/k/v and gate/up as consecutive rows of one buffer): no copy. Otherwise each is cast/moved once; fused
+    copies replace the dict's entries when they hold the same values (same dtype and device), so the unfused
+    originals are freed and every weight exists once.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: "str | torch.dtype" = "auto", attention: str = "auto"):
         self.spec = spec
         self.device = device
-        w = {k: v.to(device=device, dtype=torch.float32) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]
-        self.lm_head = self.embed if spec.tie_word_embeddings else w["lm_head.weight"]
-        self.norm = w["model.norm.weight"]
+        self.dtype = resolve_weights_dtype(dtype, device)
+        self.use_attention(attention)
+        self._dev = torch.empty(0, device=device).device  # concrete (cuda -> cuda:0), to compare with tensors'
+        w = weights
+        own = self._own
+        self.embed = own(w["model.embed_tokens.weight"])
+        self.lm_head = self.embed if spec.tie_word_embeddings else own(w["lm_head.weight"])
+        self.norm = own(w["model.norm.weight"])
         self.layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
-            qkv = torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]).contiguous()
-            qkv_b = (
-                torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-                if spec.attention_bias
-                else None
-            )
-            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]).contiguous()
+            qkv = self._fused(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+            qkv_b = self._fused(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if spec.attention_bias else None
+            gate_up = self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             self.layers.append(
-                (w[p + "input_layernorm.weight"], qkv, qkv_b, w[a + "o_proj.weight"],
-                 w[p + "post_attention_layernorm.weight"], gate_up, w[p + "mlp.down_proj.weight"])
+                (own(w[p + "input_layernorm.weight"]), qkv, qkv_b, own(w[a + "o_proj.weight"]),
+                 own(w[p + "post_attention_layernorm.weight"]), gate_up, own(w[p + "mlp.down_proj.weight"]))
             )
         inv, self.attn_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
         self.scale = spec.head_dim**-0.5
 
+    def use_attention(self, name: str) -> None:
+        """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
+        self.attention = resolve_attention(name, self.device)
+        self.backend: AttentionBackend | None = None if self.attention == "reference" else make_backend(self.attention)
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """t itself when it already has the model's dtype and device, else one converted copy."""
+        return t if self._fits(t) else t.to(device=self._dev, dtype=self.dtype).contiguous()
+
+    def _fused(self, w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+        """The tensors `names` stacked by rows: a view when they are consecutive rows of one buffer already."""
+        parts = [w[n] for n in names]
+        first = parts[0]
+        rows = sum(t.shape[0] for t in parts)
+        if all(self._fits(t) and t.shape[1:] == first.shape[1:] for t in parts) and all(
+            t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.storage_offset() == prev.storage_offset() + prev.numel()
+            for prev, t in zip(parts, parts[1:])
+        ):
+            return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+        fused = torch.empty((rows, *first.shape[1:]), dtype=self.dtype, device=self._dev)
+        row = 0
+        for t in parts:
+            fused[row: row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+        if all(t.dtype == self.dtype and t.device == self._dev for t in parts):
+            # Same values: the caller's dict now names rows of the fused buffer, and the originals can go.
+            row = 0
+            for n, t in zip(names, parts):
+                w[n] = fused[row: row + t.shape[0]]
+                row += t.shape[0]
+        return fused
+
     # -- pieces -------------------------------------------------------------------------------
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
-        return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
+        if x.dtype == torch.float32:
+            # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
+            return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
+        # As transformers' LlamaRMSNorm for half types: normalize in fp32, round to the dtype, then scale in it.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return w * h.to(x.dtype)
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed in fp32, then rounded to `dtype` (as transformers' rotary embedding does)."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attn_scaling, emb.sin() * self.attn_scaling
+        return (emb.cos() * self.attn_scaling).to(dtype), (emb.sin() * self.attn_scaling).to(dtype)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by per-token cos/sin [T, D]."""
@@ -147,10 +232,16 @@ class LlamaFamily:
     def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
         s = self.spec
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-        x = self.embed[batch.input_ids]  # [T, hidden]
+        x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
         T = x.shape[0]
-        cos, sin = self.cos_sin(batch.positions)
-        masks = [self._mask(g, None) for g in batch.groups]
+        cos, sin = self.cos_sin(batch.positions, x.dtype)
+        if self.backend is not None:
+            return self._forward_paged(batch, kv, x, cos, sin)
+        # The reference path. Half types: attend over the gathered keys up to the last valid one, not the padded blocks' tail.
+        # The masked tail changes how bf16 SDPA rounds (fp32 is exact either way), so without the cut greedy
+        # tokens drift from transformers', whose cache holds exactly the valid keys.
+        spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
+        masks = [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]
         window_masks: dict[int, list[torch.Tensor]] = {}
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._rms(x, ln1)
@@ -166,15 +257,16 @@ class LlamaFamily:
                 layer_masks = masks
             else:
                 if window not in window_masks:
-                    window_masks[window] = [self._mask(g, window) for g in batch.groups]
+                    window_masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
                 layer_masks = window_masks[window]
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-            for g, mask in zip(batch.groups, layer_masks):
+            for g, mask, n in zip(batch.groups, layer_masks, spans):
                 B, NB = g.table.shape
-                kb, vb = kv.gather(li, g.table)  # [B, NB, Hkv, bs, D]
+                kb, vb = kv.gather(li, g.table)  # [B, NB, Hkv, bs, D], fp32
                 S = NB * kb.shape[3]
-                kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
-                vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
+                # Attention in the weights dtype, as transformers computes it (a no-op for fp32).
+                kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
+                vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
                 qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
                 if x.is_cuda and H != Hkv:
                     # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
@@ -187,8 +279,62 @@ class LlamaFamily:
             h = self._rms(x, ln2)
             gate, up = linear(h, gu_w).chunk(2, dim=-1)
             x = x + linear(F.silu(gate) * up, down_w)
+        return self._logits(x, batch)
+
+    def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = self._rms(x[batch.logit_rows], self.norm)
-        return linear(x, self.lm_head)  # [R, vocab]
+        return linear(x, self.lm_head).float()  # [R, vocab]
+
+    def _forward_paged(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor) -> torch.Tensor:
+        """The layers with attention through `self.backend`, reading the device tier's blocks where they lie.
+
+        The backend computes in fp32 (online softmax over chunks or tiles) and returns q's dtype; it reads
+        exactly the keys each row's context length and positions make visible, so no mask or span is built.
+        """
+        s, backend = self.spec, self.backend
+        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        T = x.shape[0]
+        paged = kv.paged()
+        groups = [(g, g.paged()) for g in batch.groups]
+        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
+            h = self._rms(x, ln1)
+            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
+            if qkv_b is not None:
+                qkv = qkv + qkv_b
+            qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+            kv.write(li, k, v)
+            window = s.sliding_window[li]
+            if len(groups) == 1 and groups[0][0].rows.shape[0] == T:  # every row, in order: no gather/scatter
+                g, pb = groups[0]
+                attn = self._attend(backend, q, g, pb, li, paged, window)
+            else:
+                attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+                for g, pb in groups:
+                    attn[g.rows] = self._attend(backend, q[g.rows], g, pb, li, paged, window)
+            x = x + linear(attn.reshape(T, H * D), o_w)
+            h = self._rms(x, ln2)
+            gate, up = linear(h, gu_w).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, down_w)
+        return self._logits(x, batch)
+
+    def _attend(self, backend: AttentionBackend, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, layer: int,
+                paged: PagedKV, window: int | None) -> torch.Tensor:
+        """q [B*Q, H, D] of the group's rows -> [B*Q, H, D] in q's dtype."""
+        B = g.table.shape[0]
+        _, H, D = q.shape
+        if g.q_len == 1:
+            return backend.decode(q, layer, paged, pb, scale=self.scale, window=window)
+        o = backend.prefill(q.view(B, g.q_len, H, D), layer, paged, pb, scale=self.scale, window=window)
+        return o.view(B * g.q_len, H, D)
+
+    @staticmethod
+    def _span(g: AttnGroup) -> int:
+        """Gathered keys up to and including the group's last valid one (on CUDA: one host sync per group)."""
+        valid = g.kvalid.any(dim=0)
+        return int(torch.where(valid, torch.arange(valid.shape[0], device=valid.device), 0).max()) + 1
 
     @staticmethod
     def _mask(g: AttnGroup, window: int | None) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine.attention import PagedKV
 from engine.block_pool import BlockPool, Tier, blocks_for
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
 from engine.sequence import Sequence
@@ -41,6 +42,9 @@ class StepKV:
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
+
+    def paged(self) -> PagedKV:
+        return PagedKV(k=self.dev.k, v=self.dev.v, dtype=self.pool.config.kv_dtype)
 
 
 class StepInputs:
@@ -134,6 +138,7 @@ class ModelRunner:
         kpos = np.zeros((B, nb * bs), dtype=np.int64)
         kvalid = np.zeros((B, nb * bs), dtype=bool)
         qp = np.zeros((B, q_len), dtype=np.int64)
+        ctx_np = np.asarray(ctx, dtype=np.int64)
         for b, (seq, c) in enumerate(zip(seqs, ctx)):
             k = blocks_for(c, bs)
             table[b, :k] = pool.slot[seq.table()[:k]]
@@ -143,8 +148,13 @@ class ModelRunner:
             qp[b] = qpos[b] if qpos is not None else kp[c - 1]
         rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(q_len)[None, :]).reshape(-1)
         put = self.inputs.put
+        kpos_t = put(name + ".kpos", kpos)
+        # Key positions for the backends only when some row's differ from their indices (after a context shift,
+        # seq_add, seq_div): else None, and a backend may skip blocks wholly after the queries or before a window.
+        key_pos = kpos_t if any(seq.repositioned for seq in seqs) else None
         return AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
-                         kpos=put(name + ".kpos", kpos), kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp))
+                         kpos=kpos_t, kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp),
+                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos)
 
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:

@@ -1,7 +1,8 @@
 """What the engine tells the outside: counters, an event feed, and immutable numpy snapshots.
 
 A snapshot never copies KV data: per tier it copies the per-slot metadata arrays (contiguous
-copies, a few ms at a million blocks), plus small per-sequence and time-series arrays.
+copies, a few ms at a million blocks), plus small per-sequence and time-series arrays. The snapshot
+records themselves are in engine/snapshot.py; `Telemetry` here collects and builds them.
 """
 
 from __future__ import annotations
@@ -9,11 +10,13 @@ from __future__ import annotations
 import collections
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
 import psutil
+
+from engine.snapshot import SeqTable, Snapshot, TierSnapshot
 
 RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
@@ -64,60 +67,6 @@ class Event:
     t: float
     kind: str
     fields: dict
-
-
-@dataclass(frozen=True)
-class TierSnapshot:
-    """One entry per slot of a tier. state: 0 free, 1 cached (no owner), 2 in use."""
-
-    name: str
-    capacity: int
-    block_bytes: int
-    state: np.ndarray  # uint8
-    owner: np.ndarray  # int32, -1 none (the sequence that allocated it)
-    ref: np.ndarray  # int32
-    fill: np.ndarray  # int32 tokens
-    heat: np.ndarray  # float32, decayed to the snapshot time (0 where free)
-    age: np.ndarray  # float32 seconds since last access (meaningless where state is free)
-    hashed: np.ndarray  # bool: full block in the prefix cache
-
-    @property
-    def used(self) -> int:
-        return int(np.count_nonzero(self.state))
-
-
-@dataclass(frozen=True)
-class SeqTable:
-    id: np.ndarray
-    state: np.ndarray  # SeqState values
-    tokens: np.ndarray  # tokens in cache order (prompt kept + generated)
-    generated: np.ndarray
-    blocks_device: np.ndarray
-    blocks_host: np.ndarray
-    tokens_per_s: np.ndarray
-    ttft: np.ndarray  # seconds, nan until the first token
-    prefix_reused: np.ndarray
-    labels: tuple[str, ...]
-    block_tier: tuple[np.ndarray, ...]  # per sequence: tier of each of its blocks
-    block_slot: tuple[np.ndarray, ...]  # per sequence: slot of each of its blocks
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    t: float
-    model: dict
-    config: dict
-    tiers: tuple[TierSnapshot, ...]
-    seqs: SeqTable
-    counters: dict
-    windowed: dict
-    memory: dict
-    series: dict[str, np.ndarray]
-    residency: dict[str, np.ndarray]
-    timing: dict = field(default_factory=dict)
-    # Moments worth marking on the time series: (engine-clock time, kind, label), oldest first. Kinds:
-    # "config", "workload", "context_shift", "preempt".
-    marks: tuple = ()
 
 
 class Telemetry:

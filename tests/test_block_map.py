@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from engine.telemetry import SeqTable, Snapshot, TierSnapshot
+from engine.snapshot import SeqTable, Snapshot, TierSnapshot
 from ui import palette as pal
-from ui.block_map import MODES, BlockMap, bench_block_map, fake_snapshot, grid_layout
+from ui.block_grid import grid_layout
+from ui.block_map import MODES, BlockMap
+from ui.block_map_bench import bench_block_map, fake_snapshot
 
 BS = 4
 

@@ -7,10 +7,10 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from engine.block_pool import Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.engine import Engine, RequestError
 from engine.sequence import SamplingParams, SeqState
+from engine.tiers import Tier
 
 
 def make_machine(model):

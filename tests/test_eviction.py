@@ -8,9 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool, Tier
+from engine.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.eviction import LRU, S3FIFO, Heat, make_policy, s3fifo_sizes
+from engine.tiers import Tier
 
 BLOCK_BYTES = 16  # geometry (1 layer, 1 head, head_dim 2), block_size 1, fp32: K and V of 8 bytes each
 

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.policy_lab import (POLICIES, default_capacities, first_reads, format_table, main, near_half, plot, replay,
-                               run_lab, scan_polluted_trace)
+from engine.policy_lab import (default_capacities, first_reads, format_table, main, near_half, plot, run_lab,
+                               scan_polluted_trace)
+from engine.policy_sim import POLICIES, replay
 from engine.trace import MAX_TRACE_ROWS, AccessTrace
 from test_eviction import cached_block, lid_of, make_pool, read
 

@@ -12,7 +12,8 @@ import struct
 import pytest
 
 from app.cli import _add_cache_flags, _add_model_flags
-from app.sweep import BIN_EDGES_S, add_sweep_flags, run_sweep
+from app.sweep import add_sweep_flags, run_sweep
+from app.sweep_report import BIN_EDGES_S
 from engine.workloads import load_trace
 
 TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "example_trace.jsonl")

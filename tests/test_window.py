@@ -161,7 +161,7 @@ def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_
     """The demo workload runs; block size and dtype change from the controls; no sequence is lost and no
     block leaks."""
     from engine.sequence import SeqState
-    from engine.workloads import DemoWorkload
+    from engine.demo_workload import DemoWorkload
     from ui.main_window import MainWindow
 
     eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.5, host_budget_mb=2, demote_after_s=0.5),

@@ -12,8 +12,11 @@ from engine.config import CacheConfig, EngineOptions
 from engine.engine import Engine
 from engine.sequence import SeqState
 from engine.tokenizer import Tokenizer
-from engine.workloads import (DEFAULT_SYSTEM_PROMPT, KINDS, MAX_LIVE, ChatFormat, DemoWorkload, Request, forks,
-                              load_trace, long_documents, mixed, returning_users, save_trace, shared_system_chat)
+from engine.chat_format import ChatFormat
+from engine.corpus import DEFAULT_SYSTEM_PROMPT
+from engine.demo_workload import MAX_LIVE, DemoWorkload
+from engine.workloads import (KINDS, Request, forks, load_trace, long_documents, mixed, returning_users, save_trace,
+                              shared_system_chat)
 
 @pytest.fixture(scope="module")
 def chat_model(llama_model, tokenizer_files):

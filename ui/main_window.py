@@ -11,10 +11,12 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine import snapshot_io
 from engine.errors import ConfigError, RequestError
-from engine.telemetry import Snapshot
+from engine.snapshot import Snapshot
 from ui.block_map import BlockMap
 from ui.controls import ControlsPanel
-from ui.panels import EventsPanel, HeatPanel, HitRatePanel, MemoryPanel, PromptPanel, ResidencyPanel, SequencesPanel
+from ui.list_panels import EventsPanel, SequencesPanel
+from ui.panels import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
+from ui.prompt_panel import PromptPanel
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz

@@ -1,0 +1,48 @@
+"""What the CLI's subcommands share: the start time, the model and cache flags, and the CacheConfig they give.
+
+Its own module so that app.cli (which dispatches to app.commands and app.sweep) and those modules import it
+rather than each other: under `python -m app.cli` a `from app.cli import ...` ran the module a second time,
+with a T_START taken only when the subcommand was imported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+T_START = time.perf_counter()
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="a .gguf file or a HF model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and the device tier live")
+    p.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+                   help="dtype of the weights and of the forward pass (auto: bf16 on CUDA, fp32 on CPU; a GGUF is "
+                        "dequantized straight to it)")
+    p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "triton"),
+                   help="attention backend over the paged cache: cpu reads the blocks in place (chunked online "
+                        "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "
+                        "SDPA; auto: triton on CUDA when it imports, else cpu")
+
+
+def add_cache_flags(p: argparse.ArgumentParser) -> None:
+    from engine.config import KNOBS
+
+    p.add_argument("--block-size", type=int, help=KNOBS["block_size"].help)
+    p.add_argument("--kv-dtype", choices=KNOBS["kv_dtype"].choices, help=KNOBS["kv_dtype"].help)
+    p.add_argument("--device-budget-mb", type=float, help=KNOBS["device_budget_mb"].help)
+    p.add_argument("--host-budget-mb", type=float, help=KNOBS["host_budget_mb"].help)
+    p.add_argument("--policy", choices=KNOBS["policy"].choices, help=KNOBS["policy"].help)
+    p.add_argument("--decay", type=float, help=KNOBS["decay"].help)
+    p.add_argument("--demote-after", dest="demote_after_s", type=float, help=KNOBS["demote_after_s"].help)
+    p.add_argument("--prefetch-depth", type=int, help=KNOBS["prefetch_depth"].help)
+    p.add_argument("--evict-batch", type=int, help=KNOBS["evict_batch"].help)
+    p.add_argument("--context-limit", type=int, help="tokens per sequence before a context shift (default: the model's)")
+    p.add_argument("--n-keep", type=int, default=0, help="tokens a context shift keeps at the start")
+
+
+def cache_config(args: argparse.Namespace):
+    from engine.config import KNOBS, CacheConfig
+
+    changes = {k: getattr(args, k) for k in KNOBS if getattr(args, k, None) is not None}
+    return CacheConfig().replace(**changes)

@@ -1,0 +1,201 @@
+"""One replay: feed a request list to a fresh engine by arrival time and record what each step produced.
+
+A request enters the engine once its (scaled) arrival time has passed on the engine clock. That clock is real
+time plus the idle gaps it skipped: when the engine has nothing to do before the next arrival, time jumps there
+instead of sleeping, so an idle user still ages past demote_after_s but the wait costs no wall time.
+
+Every request generates exactly its max_new_tokens (EOS ignored), so every config does the same work and
+throughputs compare. A later turn of a session waits for the reply before it, then arrives as a new request
+whose prompt is the conversation so far (its blocks come back through the prefix cache). A fork `seq_cp`s
+its parent once the parent has its first token, or runs as a plain request if the parent has finished.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import time
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+FORK_TEMPERATURE = 0.8  # nbest requests and their forks sample, so the forks diverge
+RESIDENCY = ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime")
+
+
+class ReplayClock:
+    """The engine clock of a replay: real time plus the idle gaps skipped."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.offset
+
+    def skip(self, seconds: float) -> None:
+        self.offset += max(0.0, seconds)
+
+
+@dataclass
+class RunResult:
+    label: str
+    config: object
+    requests: int
+    finished: int = 0
+    forked: int = 0  # forks served by seq_cp of a live parent
+    refused: list[str] = field(default_factory=list)
+    generated: int = 0
+    wall_s: float = 0.0
+    idle_skipped_s: float = 0.0  # engine-clock time jumped over while nothing was running (costs no wall time)
+    ttft_s: list[float] = field(default_factory=list)
+    itl_s: list[float] = field(default_factory=list)
+    peak_device_bytes: int = 0
+    peak_host_bytes: int = 0
+    counters: dict = field(default_factory=dict)
+    residency: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+class Replay:
+    """Feeds a request list to one engine by arrival time and records what each step produced."""
+
+    def __init__(self, engine, requests: list, time_scale: float, cap: int | None, clock: ReplayClock):
+        from engine.chat_format import ChatFormat
+
+        self.engine, self.clock = engine, clock
+        self.cap = cap
+        at = (lambda r: r.arrival_s / time_scale) if time_scale > 0 else (lambda r: 0.0)
+        # Sorted by arrival: load_trace and the generators sort.
+        self.queue = collections.deque((at(r), r) for r in requests)
+        self.ready: list = []  # arrived, waiting for their session's reply or their fork parent
+        self.fmt = ChatFormat(engine.tokenizer)
+        self.session_sid: dict[str, int | None] = {}  # session -> its latest sequence (None: refused)
+        self.history: dict[str, list[int]] = {}  # session -> tokens so far, once its latest reply is done
+        self.submitted: dict[int, float] = {}
+        self.tokens_at: dict[int, list[float]] = {}
+        self.live: set[int] = set()
+
+    # -- the loop --------------------------------------------------------------------------------
+    def run(self, result: RunResult, on_progress) -> RunResult:
+        e, clock = self.engine, self.clock
+        t0, w0, skipped0 = clock(), time.perf_counter(), clock.offset
+        while True:
+            self.feed(clock() - t0, result)
+            if e.has_work():
+                outs = e.step()
+                self.observe(outs, clock(), result)
+                pool = e.pool
+                result.peak_device_bytes = max(result.peak_device_bytes, pool.tiers[0].used * pool.block_bytes)
+                result.peak_host_bytes = max(result.peak_host_bytes, pool.tiers[1].used * pool.block_bytes)
+            elif self.queue:
+                clock.skip(self.queue[0][0] - (clock() - t0))  # idle until the next arrival: jump there
+            elif self.ready:
+                self._submit_ready(result, force=True)  # nothing left to wait for
+            else:
+                break
+            on_progress(result.finished + len(result.refused), time.perf_counter() - w0)
+        result.wall_s = time.perf_counter() - w0
+        result.idle_skipped_s = clock.offset - skipped0
+        for sid, times in self.tokens_at.items():
+            if times:
+                result.ttft_s.append(times[0] - self.submitted[sid])
+                result.itl_s.extend(np.diff(times).tolist())
+        result.counters = e.counters.as_dict()
+        result.residency = {k: np.asarray(e.telemetry.residency[k], dtype=np.float64) for k in RESIDENCY}
+        return result
+
+    def feed(self, now: float, result: RunResult) -> None:
+        """Submit what has arrived by `now` (seconds since the replay began) and can start."""
+        while self.queue and self.queue[0][0] <= now:
+            self.ready.append(self.queue.popleft()[1])
+        self._submit_ready(result, force=False)
+
+    def observe(self, outs, t: float, result: RunResult) -> None:
+        """Record one engine step's tokens (at time t) of this replay's sequences."""
+        for out in outs:
+            times = self.tokens_at.get(out.seq_id)
+            if times is None:
+                continue  # not ours (a prompt typed in the window)
+            times.append(t)
+            result.generated += 1
+            if out.finished:
+                self._finished(out.seq_id, result)
+
+    @property
+    def done(self) -> bool:
+        return not (self.queue or self.ready or self.live)
+
+    def _submit_ready(self, result: RunResult, force: bool) -> None:
+        for r in list(self.ready):
+            if force or self._can_start(r):
+                self.ready.remove(r)
+                self._start(r, result)
+
+    def _can_start(self, r) -> bool:
+        if r.fork_of is not None:
+            if r.fork_of not in self.session_sid:
+                return False  # the parent has not arrived (or is itself waiting)
+            parent = self.session_sid[r.fork_of]
+            return parent is None or parent not in self.live or bool(self.tokens_at[parent])
+        return self.session_sid.get(r.session) not in self.live  # a later turn waits for the reply
+
+    # -- requests --------------------------------------------------------------------------------
+    def _sampling(self, r):
+        from engine.sequence import SamplingParams
+
+        n = min(r.max_new_tokens, self.cap) if self.cap else r.max_new_tokens
+        if r.kind in ("nbest", "fork"):
+            return SamplingParams(max_new_tokens=n, temperature=FORK_TEMPERATURE, seed=zlib.crc32(r.session.encode()),
+                                  ignore_eos=True)
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+    def _prompt(self, r) -> list[int]:
+        history = self.history.get(r.session) if r.kind == "turn" else None
+        if r.prompt_tokens is not None:
+            return (history or []) + list(r.prompt_tokens)
+        if r.kind == "chat":
+            return self.fmt.first(None, self.fmt.encode(r.prompt))
+        if r.kind == "turn":
+            body = self.fmt.encode(r.prompt)
+            if not history:
+                return self.fmt.first(None, body)
+            ended = history[-1] if history[-1] in self.engine.eos else None
+            return history + self.fmt.next_turn(body, ended)
+        return self.engine.tokenizer.encode(r.prompt)
+
+    def _start(self, r, result: RunResult) -> None:
+        from engine.errors import RequestError
+
+        e = self.engine
+        parent = self.session_sid.get(r.fork_of) if r.fork_of is not None else None
+        try:
+            if parent is not None and parent in self.live and self.tokens_at[parent]:
+                sid = e.seq_cp(parent, self._sampling(r), label=r.session)
+                result.forked += 1
+            else:
+                sid = e.add_request(self._prompt(r), self._sampling(r), label=r.session)
+        except RequestError as ex:
+            self.session_sid[r.session] = None
+            result.refused.append(f"{r.session} at {r.arrival_s:g} s: {ex}")
+            return
+        self.session_sid[r.session] = sid
+        self.submitted[sid] = self.clock()
+        self.tokens_at[sid] = []
+        self.live.add(sid)
+
+    def _finished(self, sid: int, result: RunResult) -> None:
+        seq = self.engine.seqs[sid]
+        self.live.discard(sid)
+        self.history[seq.label] = list(seq.tokens)  # prompt + reply (what a context shift kept)
+        result.finished += 1
+
+
+def replay(loaded, config, options, requests: list, label: str = "base", time_scale: float = 1.0,
+           cap: int | None = None, on_progress=lambda done, elapsed: None) -> RunResult:
+    """Replay `requests` on a fresh engine with `config`; raises ConfigError if the engine refuses the config."""
+    from engine.engine import Engine
+
+    gc.collect()  # an engine and its telemetry refer to each other: free the last run's pools and weights now
+    clock = ReplayClock()
+    engine = Engine(loaded, config, options, clock=clock)
+    return Replay(engine, requests, time_scale, cap, clock).run(RunResult(label, config, len(requests)), on_progress)

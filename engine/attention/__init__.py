@@ -1,0 +1,139 @@
+"""Attention over the paged KV cache, behind one interface.
+
+A backend reads one tier's K/V where the pool keeps them (`PagedKV`: the codec parts, see engine/codecs.py)
+through a block table, and returns the attention output. Three backends, checked against each other on every
+block size and storage format (tests/test_paged_attention.py):
+
+| name        | module          | how                                                                        |
+|-------------|-----------------|----------------------------------------------------------------------------|
+| `reference` | `reference.py`  | today's model path: codec.decode of the whole table, permute, SDPA + mask  |
+| `cpu`       | `cpu_paged.py`  | torch ops in chunks of blocks, gathered head-major (no permute copy),      |
+|             |                 | dequantized per chunk, online softmax; runs on any device                  |
+| `triton`    | `triton_paged.py` | a paged-decode kernel: one program per (sequence, kv head), K/V          |
+|             |                 | dequantized in registers; prefill falls back to the `cpu` path             |
+
+Shapes: B sequences, Q queries each (1 for decode), H query heads, Hkv kv heads (H % Hkv == 0; query
+head h reads kv head h // (H // Hkv)), D head dim, NB blocks per table row, bs block size.
+
+Visibility (the model's `_mask`): key i of row b is visible to a query at position p iff
+i < context_lens[b], key_pos[b, i] <= p and, with a window, key_pos[b, i] > p - window. Every query must
+see at least one key (a row with none is undefined: NaN in the reference).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.codecs import Parts
+from engine.config import KVDtype
+
+
+class KVFormat(enum.IntEnum):
+    """How one side (K or V) of a storage format turns its parts into fp32 (see engine/codecs.py)."""
+
+    PLAIN = 0  # data cast: fp32 / fp16 / bf16
+    BLOCK_SCALE = 1  # data * scale[slot, head]: int8, fp8
+    CHANNEL_SCALE = 2  # data * scale[slot, head, channel] (fp16): int8-kivi keys
+    TOKEN_SCALE = 3  # data * scale[slot, head, token] (fp16): int8-kivi values
+    DELTA = 4  # anchor[slot, head] + cumsum over tokens of data * scale (token 0's step is 0): int8-delta keys
+
+
+_FORMATS = {
+    KVDtype.FP32: (KVFormat.PLAIN, KVFormat.PLAIN),
+    KVDtype.FP16: (KVFormat.PLAIN, KVFormat.PLAIN),
+    KVDtype.BF16: (KVFormat.PLAIN, KVFormat.PLAIN),
+    KVDtype.INT8: (KVFormat.BLOCK_SCALE, KVFormat.BLOCK_SCALE),
+    KVDtype.FP8: (KVFormat.BLOCK_SCALE, KVFormat.BLOCK_SCALE),
+    KVDtype.INT8_DELTA: (KVFormat.DELTA, KVFormat.BLOCK_SCALE),
+    KVDtype.INT8_KIVI: (KVFormat.CHANNEL_SCALE, KVFormat.TOKEN_SCALE),
+}
+
+
+def kv_formats(dtype: KVDtype) -> tuple[KVFormat, KVFormat]:
+    """(key format, value format) of a storage dtype."""
+    return _FORMATS[dtype]
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """One tier's K/V as the pool holds them: parts with dims [L, N, ...] (engine/codecs.py)."""
+
+    k: Parts  # data [L, N, Hkv, bs, D]; scale / anchor as the format has them
+    v: Parts
+    dtype: KVDtype
+
+    @property
+    def block_size(self) -> int:
+        return self.k["data"].shape[3]
+
+    @property
+    def kv_heads(self) -> int:
+        return self.k["data"].shape[2]
+
+
+@dataclass(frozen=True)
+class PagedBatch:
+    """Where each sequence's keys are, and where its queries sit."""
+
+    block_table: torch.Tensor  # [B, NB] int32/int64 slots in the tier; entries past a row's context: any slot
+    context_lens: torch.Tensor  # [B] int: row b's keys are the first context_lens[b] of its table
+    q_pos: torch.Tensor  # [B, Q] int64 positions of the queries ([B] accepted for decode)
+    key_pos: torch.Tensor | None = None  # [B, NB*bs] int64 position of each key; None: key i sits at i
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        """q [B, H, D] (one query per row) -> [B, H, D] in q's dtype (computed in fp32)."""
+
+    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position)."""
+
+
+def make_backend(name: str, **options) -> AttentionBackend:
+    """'reference', 'cpu' or 'triton' (imports triton only when asked for)."""
+    if name == "reference":
+        from engine.attention.reference import ReferenceBackend
+
+        return ReferenceBackend(**options)
+    if name == "cpu":
+        from engine.attention.cpu_paged import ChunkedPagedBackend
+
+        return ChunkedPagedBackend(**options)
+    if name == "triton":
+        from engine.attention.triton_paged import TritonPagedBackend
+
+        return TritonPagedBackend(**options)
+    raise ValueError(f"attention backend {name!r}: choose reference, cpu or triton")
+
+
+def query_positions(batch: PagedBatch, B: int, Q: int) -> torch.Tensor:
+    """batch.q_pos as [B, Q] int64."""
+    return batch.q_pos.reshape(B, Q).long()
+
+
+def key_positions(batch: PagedBatch, S: int) -> torch.Tensor:
+    """[B, S] int64 key positions (index when batch.key_pos is None)."""
+    B = batch.block_table.shape[0]
+    if batch.key_pos is None:
+        return torch.arange(S, device=batch.block_table.device).expand(B, S)
+    return batch.key_pos[:, :S].long()
+
+
+def visibility(batch: PagedBatch, Q: int, S: int, window: int | None) -> torch.Tensor:
+    """[B, Q, S] bool: key s of row b visible to query q (the model's `_mask`, keys counted by context_lens)."""
+    B = batch.block_table.shape[0]
+    kpos = key_positions(batch, S)[:, None, :]  # [B, 1, S]
+    qpos = query_positions(batch, B, Q)[:, :, None]  # [B, Q, 1]
+    idx = torch.arange(S, device=kpos.device)
+    m = (idx[None, None, :] < batch.context_lens.to(kpos.device).long()[:, None, None]) & (kpos <= qpos)
+    if window is not None:
+        m = m & (kpos > qpos - window)
+    return m

@@ -1,0 +1,103 @@
+"""Paged attention in torch ops, for the CPU (it runs on any device).
+
+The reference decodes the whole table into [B, NB, Hkv, bs, D] and then copies it again into [B, Hkv, S, D]
+for SDPA. Here a chunk of blocks at a time is gathered straight into head-major order (one index_select of
+(slot, head) rows writes [B, Hkv, c, bs, D], which views as [B, Hkv, c*bs, D] without a copy), dequantized in that
+chunk, and folded into an online softmax (running max m, sum l, output acc). The chunk is sized to stay
+in cache; the context is never materialized whole.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, visibility
+from engine.codecs import Parts
+
+_NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
+
+
+def gather_head_major(parts: Parts, fmt: KVFormat, layer: int, slots: torch.Tensor) -> torch.Tensor:
+    """fp32 [B, Hkv, c, bs, D] of blocks slots [B, c]: the codec's decode, laid out head-major.
+
+    Same arithmetic as engine/codecs.py's decode, element for element (the tests compare them exactly).
+    Each part is read as rows of (slot, head) with index_select, a row copy about 3x faster on the CPU than
+    advanced indexing over two dims.
+    """
+    N, Hkv = parts["data"].shape[1:3]
+    B, c = slots.shape
+    rows = (slots[:, None, :] * Hkv + torch.arange(Hkv, device=slots.device)[None, :, None]).reshape(-1)
+
+    def take(name: str) -> torch.Tensor:  # part [N, Hkv, *rest] -> [B, Hkv, c, *rest]
+        x = parts[name][layer]
+        return x.reshape(N * Hkv, -1).index_select(0, rows).view(B, Hkv, c, *x.shape[2:])
+
+    x = take("data").float()  # [B, Hkv, c, bs, D]
+    if fmt is KVFormat.PLAIN:
+        return x
+    scale = take("scale")
+    if fmt is KVFormat.BLOCK_SCALE:
+        return x * scale[..., None, None]  # scale [B, Hkv, c] fp32
+    if fmt is KVFormat.CHANNEL_SCALE:
+        return x * scale.float()[..., None, :]  # scale [B, Hkv, c, D] fp16
+    if fmt is KVFormat.TOKEN_SCALE:
+        return x * scale.float()[..., None]  # scale [B, Hkv, c, bs] fp16
+    steps = x * scale[..., None, None]  # DELTA
+    steps[..., 0, :] = 0
+    return take("anchor").float()[..., None, :] + torch.cumsum(steps, dim=-2)  # anchor [B, Hkv, c, 1, D]
+
+
+class ChunkedPagedBackend:
+    """Online-softmax attention over chunks of blocks; `chunk_elems` bounds one chunk's K (and score) size."""
+
+    name = "cpu"
+
+    def __init__(self, chunk_elems: int = 1 << 20):
+        self.chunk_elems = chunk_elems
+
+    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
+
+    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        B, Q, H, D = q.shape
+        Hkv, bs = kv.kv_heads, kv.block_size
+        G = H // Hkv
+        kfmt, vfmt = kv_formats(kv.dtype)
+        table = batch.block_table.long()  # [B, NB]
+        NB = table.shape[1]
+        hidden = ~visibility(batch, Q, NB * bs, window)[:, None, None]  # [B, 1, 1, Q, S]
+        # Rows (g, q) of each kv head: [B, Hkv, G*Q, D], pre-scaled.
+        qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        first, last = 0, NB
+        if batch.key_pos is None and not q.is_cuda:  # key i at position i; .item() is free on the CPU
+            qpos = query_positions(batch, B, Q)
+            last = min(NB, int(qpos.max()) // bs + 1)  # blocks wholly after every query: never visible
+            if window is not None:
+                first = max(0, int(qpos.min()) - window + 1) // bs  # blocks wholly before every window
+        step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, G * Q)))
+        m = l = acc = None
+        for j in range(first, last, step):
+            slots = table[:, j : min(j + step, last)]  # [B, c]
+            n = slots.shape[1] * bs
+            k = gather_head_major(kv.k, kfmt, layer, slots).view(B, Hkv, n, D)
+            v = gather_head_major(kv.v, vfmt, layer, slots).view(B, Hkv, n, D)
+            s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G*Q, n]
+            s = s.view(B, Hkv, G, Q, n).masked_fill_(hidden[..., j * bs : j * bs + n], float("-inf"))
+            s = s.view(B, Hkv, G * Q, n)
+            cmax = s.amax(dim=-1, keepdim=True)  # [B, Hkv, G*Q, 1]
+            if m is None:
+                m = cmax.clamp_min(_NEG)
+                p = torch.exp(s - m)
+                l = p.sum(dim=-1, keepdim=True)
+                acc = torch.matmul(p, v)  # [B, Hkv, G*Q, D]
+                continue
+            m_new = torch.maximum(m, cmax)
+            alpha = torch.exp(m - m_new)
+            p = torch.exp(s - m_new)
+            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, v)
+            m = m_new
+        out = (acc / l).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        return out.to(q.dtype)

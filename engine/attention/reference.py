@@ -1,0 +1,37 @@
+"""The reference backend: today's model path, kept as the ground truth the fast backends are checked against.
+
+Every block of the table is decoded into a dense fp32 copy (codec.decode), permuted head-major, and attended
+with SDPA under a bool mask. Two full copies of the context per layer and step: simple, not fast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import PagedBatch, PagedKV, visibility
+from engine.codecs import codecs_for
+
+
+class ReferenceBackend:
+    name = "reference"
+
+    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
+
+    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        B, Q, H, D = q.shape
+        Hkv = kv.kv_heads
+        kc, vc = codecs_for(kv.dtype)
+        table = batch.block_table.long()
+        kb = kc.decode(kv.k, layer, table)  # [B, NB, Hkv, bs, D] fp32
+        vb = vc.decode(kv.v, layer, table)
+        S = kb.shape[1] * kb.shape[3]
+        kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)  # [B, Hkv, S, D]
+        vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
+        mask = visibility(batch, Q, S, window)[:, None]  # [B, 1, Q, S]
+        qg = q.float().transpose(1, 2)  # [B, H, Q, D]
+        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
+        return o.transpose(1, 2).to(q.dtype)  # [B, Q, H, D]

@@ -1,0 +1,293 @@
+"""Weights: held once (loaded straight into their final, fused buffers), `--weights-dtype` (bf16 / fp16 forward
+passes that agree with transformers in the same dtype), and KV tiers whose memory is committed as it is used."""
+
+from __future__ import annotations
+
+import resource
+import subprocess
+import sys
+
+import psutil
+import pytest
+import torch
+
+from conftest import prompts
+from engine.config import CacheConfig, ConfigError, EngineOptions
+from engine.engine import Engine
+from engine.loader import _expected_shapes, load_model, resolve_weights_dtype
+from engine.sequence import SamplingParams
+
+MB = 2**20
+
+
+# -- helpers ----------------------------------------------------------------------------------------
+
+
+def model_tensors(engine: Engine) -> list[torch.Tensor]:
+    m = engine.model
+    out = [m.embed, m.lm_head, m.norm]
+    for layer in m.layers:
+        out.extend(t for t in layer if t is not None)
+    return out
+
+
+def storages(tensors) -> dict[int, int]:
+    """data_ptr -> nbytes of each distinct storage the tensors use."""
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+
+
+def weight_bytes(spec, dtype: torch.dtype) -> int:
+    """One copy of the model's weights (a tied lm_head counted once)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(torch.Size(shape).numel() * itemsize for shape in _expected_shapes(spec).values())
+
+
+def greedy_hf(path: str, dtype: torch.dtype, ps: list[list[int]], n: int) -> list[list[int]]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    out = []
+    with torch.inference_mode():
+        for p in ps:  # one prompt at a time: transformers' generate without padding
+            ids = hf.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+            out.append(ids[0, len(p):].tolist())
+    return out
+
+
+def agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, list[int]]:
+    """(fraction of positions where the tokens are equal, identical-prefix length per prompt)."""
+    equal = sum(a == b for g, r in zip(got, ref) for a, b in zip(g, r))
+    prefix = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(got, ref)]
+    return equal / sum(len(r) for r in ref), prefix
+
+
+# -- weights held once ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_weights_are_held_once(tiny_llama, dtype):
+    """Loaded in the engine's dtype, the engine uses the loaded tensors as they are: every byte the model and
+    the LoadedModel reference is one copy of the weights, and q/k/v, gate/up are rows of the fused buffers."""
+    torch_dtype = resolve_weights_dtype(dtype)
+    loaded = load_model(tiny_llama, dtype=torch_dtype)
+    engine = Engine(loaded, CacheConfig(device_budget_mb=1, host_budget_mb=0), EngineOptions(weights_dtype=dtype))
+    model = engine.model
+    assert model.dtype == torch_dtype and all(t.dtype == torch_dtype for t in model_tensors(engine))
+    one_copy = weight_bytes(loaded.spec, torch_dtype)
+    both = storages([*model_tensors(engine), *engine.loaded.weights.values()])
+    assert sum(both.values()) == one_copy
+    assert storages(model_tensors(engine)).keys() == storages(engine.loaded.weights.values()).keys()
+    for i, (_, qkv, _, _, _, gate_up, _) in enumerate(model.layers):
+        p = f"model.layers.{i}."
+        for names, fused in (([p + f"self_attn.{x}_proj.weight" for x in "qkv"], qkv),
+                             ([p + f"mlp.{x}_proj.weight" for x in ("gate", "up")], gate_up)):
+            assert torch.equal(torch.cat([loaded.weights[n] for n in names]), fused)
+            assert {loaded.weights[n].untyped_storage().data_ptr() for n in names} == {fused.untyped_storage().data_ptr()}
+
+
+def test_in_memory_weights_are_fused_in_place(tiny_llama):
+    """A state dict built in memory (separate q/k/v tensors, as app/bench.py makes one): the engine fuses them
+    once and re-points the dict at the fused rows, so the unfused originals are freed, not kept beside them."""
+    loaded = load_model(tiny_llama)
+    loaded.weights = {k: v.clone() for k, v in loaded.weights.items()}  # separate storages, like a fresh dict
+    loaded.weights["lm_head.weight"] = loaded.weights["model.embed_tokens.weight"]
+    reference = {k: v.clone() for k, v in loaded.weights.items()}
+    engine = Engine(loaded, CacheConfig(device_budget_mb=1, host_budget_mb=0), EngineOptions(weights_dtype="fp32"))
+    both = storages([*model_tensors(engine), *loaded.weights.values()])
+    assert sum(both.values()) == weight_bytes(loaded.spec, torch.float32)
+    assert all(torch.equal(loaded.weights[k], v) for k, v in reference.items())
+    # A second engine from the same LoadedModel now shares the same buffers (no copy at all).
+    second = Engine(loaded, CacheConfig(device_budget_mb=1, host_budget_mb=0), EngineOptions(weights_dtype="fp32"))
+    assert storages(model_tensors(second)) == storages(model_tensors(engine))
+
+
+def test_an_engine_in_another_dtype_converts_once_and_leaves_the_loaded_model_alone(tiny_llama, llama_model):
+    """fp32 LoadedModel (shared by other engines), bf16 engine: the engine holds one bf16 copy of its own;
+    the caller's fp32 tensors are not touched (a later fp32 engine must still be exact)."""
+    before = {k: v.clone() for k, v in llama_model.weights.items()}
+    engine = Engine(llama_model, CacheConfig(device_budget_mb=1, host_budget_mb=0), EngineOptions(weights_dtype="bf16"))
+    own = storages(model_tensors(engine))
+    assert sum(own.values()) == weight_bytes(llama_model.spec, torch.bfloat16)
+    assert not own.keys() & storages(llama_model.weights.values()).keys()
+    assert all(v.dtype == torch.float32 and torch.equal(v, before[k]) for k, v in llama_model.weights.items())
+
+
+# -- bf16 / fp16 forward passes ----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smol_shaped(tmp_path_factory, tokenizer_files) -> str:
+    """A 2-layer random Llama with SmolLM2's widths (576 hidden, 1536 MLP, 9 heads, 3 KV heads): at these sizes
+    bf16 rounding tells kernels apart (the tiny 64-wide models agree even with the wrong ones)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import _save_tiny
+
+    return _save_tiny(tmp_path_factory.mktemp("smol-shaped"), LlamaConfig, LlamaForCausalLM, tokenizer_files, 3,
+                      hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_half_weights_match_transformers_in_the_same_dtype(smol_shaped, dtype):
+    """Half-precision weights and KV of the same dtype against transformers loaded in that dtype: norms in fp32
+    then rounded (LlamaRMSNorm), RoPE tables rounded, matmuls with F.linear, attention over exactly the valid
+    keys. Measured: every step's logits equal bit for bit, so every token too (each prompt run alone;
+    batching changes how bf16 matmuls round, in transformers as here). Before: w @ x.T for one-row decode steps
+    and SDPA over the padded block tail each broke the equality."""
+    from transformers import AutoModelForCausalLM
+
+    torch_dtype = resolve_weights_dtype(dtype)
+    hf = AutoModelForCausalLM.from_pretrained(smol_shaped, dtype=torch_dtype).eval()
+    engine = Engine(load_model(smol_shaped, dtype=torch_dtype), CacheConfig(block_size=8, kv_dtype=dtype),
+                    EngineOptions(weights_dtype=dtype))
+    forward = engine.model.forward
+    logits: list[torch.Tensor] = []
+    engine.model.forward = lambda batch, kv: (lambda out: logits.append(out[-1].clone()) or out)(forward(batch, kv))
+    for p in prompts(7, [5, 23, 40]):
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              output_logits=True, return_dict_in_generate=True)
+        logits.clear()
+        got = engine.generate([p], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+        assert got == ref.sequences[0, len(p):].tolist()
+        assert len(logits) == 12
+        for step, (ours, theirs) in enumerate(zip(logits, ref.logits)):
+            assert torch.equal(ours, theirs[0].float()), (len(p), step)
+
+
+@pytest.mark.slow
+def test_default_model_bf16_greedy_agrees_with_transformers_bf16(capsys):
+    """SmolLM2 with bf16 weights and bf16 KV against transformers in bf16 on the same weights: 128 greedy
+    tokens on each of 3 chat prompts (each run alone, as transformers' generate runs it). Agreement is the
+    fraction of positions whose tokens are equal; the identical prefix is reported beside it."""
+    from engine.loader import hf_reference_dir
+
+    loaded = load_model(None, dtype=torch.bfloat16)
+    texts = ["What is the capital of France, and why is it famous?", "Write a short poem about the sea.",
+             "Explain how a key-value cache speeds up transformer inference."]
+    ps = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
+          for t in texts]
+    ref = greedy_hf(hf_reference_dir(), torch.bfloat16, ps, 128)
+    engine = Engine(loaded, CacheConfig(kv_dtype="bf16"), EngineOptions(weights_dtype="bf16"))
+    got = [engine.generate([p], SamplingParams(max_new_tokens=128, ignore_eos=True))[0] for p in ps]
+    frac, prefix = agreement(got, ref)
+    with capsys.disabled():
+        print(f"\nbf16 weights + bf16 KV vs transformers bf16: agreement {frac:.3f}, identical prefixes {prefix}")
+    assert frac >= 0.95, (frac, prefix)
+
+
+# -- lazily committed tiers --------------------------------------------------------------------------
+
+
+def rss() -> int:
+    return psutil.Process().memory_info().rss
+
+
+def test_codec_alloc_commits_memory_as_it_is_written():
+    from engine.codecs import Geometry, codecs_for
+    from engine.config import KVDtype
+
+    g = Geometry(layers=4, kv_heads=2, block_size=16, head_dim=64)
+    for kv_dtype in KVDtype:
+        kc, vc = codecs_for(kv_dtype)
+        for codec in (kc, vc):
+            parts = codec.alloc(g, 8, torch.device("cpu"), pin=False)
+            for name, (shape, dtype) in codec.parts_shapes(g, 8).items():
+                t = parts[name]
+                assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.float().any()
+    kc, _ = codecs_for(KVDtype.BF16)
+    n = (512 * MB) // sum(kc.block_bytes(g).values())
+    before = rss()
+    parts = kc.alloc(g, n, torch.device("cpu"), pin=False)
+    allocated = rss() - before
+    parts["data"][:, :4] = 1.0  # four blocks in every layer: committed now, and only those
+    written = rss() - before
+    assert allocated < 32 * MB, allocated / MB
+    assert written < 32 * MB, written / MB
+    assert parts["data"][:, :4].float().eq(1).all() and not parts["data"][:, 4:].float().any()
+
+
+def test_engine_tiers_are_committed_as_they_are_used(llama_model):
+    """A 256 MB device + 1 GB host tier on CPU: creating the engine commits far less than the tiers' size."""
+    before = rss()
+    engine = Engine(llama_model, CacheConfig(device_budget_mb=256, host_budget_mb=1024), EngineOptions())
+    created = rss() - before
+    engine.generate(prompts(3, [40]), SamplingParams(max_new_tokens=8, ignore_eos=True))
+    used = rss() - before
+    tiers = (256 + 1024) * MB
+    assert created < 0.5 * tiers, created / MB
+    assert used < 0.5 * tiers, used / MB
+
+
+# -- the flag and its resolution ---------------------------------------------------------------------
+
+
+def test_auto_resolves_by_device():
+    assert resolve_weights_dtype("auto", "cpu") is torch.float32
+    assert resolve_weights_dtype("auto", "cuda") is torch.bfloat16
+    assert resolve_weights_dtype("auto", torch.device("cuda:1")) is torch.bfloat16
+    assert [resolve_weights_dtype(n, "cuda") for n in ("fp32", "bf16", "fp16")] == [
+        torch.float32, torch.bfloat16, torch.float16]
+    with pytest.raises(ValueError, match="fp64"):
+        resolve_weights_dtype("fp64")
+
+
+def test_engine_options_refuse_a_bad_weights_dtype(llama_model):
+    EngineOptions(weights_dtype="bf16").validate()
+    with pytest.raises(ConfigError, match="weights_dtype: 'fp64' is not one of auto, fp32, bf16, fp16"):
+        EngineOptions(weights_dtype="fp64").validate()
+    engine = Engine(llama_model, CacheConfig(device_budget_mb=1, host_budget_mb=0), EngineOptions())
+    assert engine.model.dtype is torch.float32  # auto on CPU
+
+
+def test_cli_flag_loads_straight_into_the_dtype(tiny_llama, capsys):
+    from app.cli import build_parser, main
+    from app.commands import open_engine
+
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "hi", "--model", tiny_llama, "--weights-dtype", "fp64"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.splitlines()[-1].endswith(
+        "argument --weights-dtype: invalid choice: 'fp64' (choose from 'auto', 'fp32', 'bf16', 'fp16')")
+    args = build_parser().parse_args(["generate", "hi", "--model", tiny_llama, "--weights-dtype", "bf16",
+                                      "--device-budget-mb", "1", "--host-budget-mb", "0"])
+    engine, _ = open_engine(args)
+    assert engine.options.weights_dtype == "bf16" and engine.model.dtype is torch.bfloat16
+    assert engine.model.embed is engine.loaded.weights["model.embed_tokens.weight"]  # no conversion copy
+    assert engine.loaded.weights["model.norm.weight"].dtype is torch.bfloat16
+    auto, _ = open_engine(build_parser().parse_args(["generate", "hi", "--model", tiny_llama]))
+    assert auto.model.dtype is torch.float32
+
+
+# -- the whole process -------------------------------------------------------------------------------
+
+
+def peak_rss_of(code: str) -> int:
+    """Peak RSS in bytes of a fresh `python -c code` (its children's max, read in a wrapper process)."""
+    wrapper = ("import resource, subprocess, sys; subprocess.run([sys.executable, '-c', sys.argv[1]], check=True, "
+               "stdout=subprocess.DEVNULL); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", wrapper, code], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    return int(out.stdout) * 1024  # Linux: KiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generate_peak_rss_is_one_copy_of_the_weights(default_model_loaded, dtype, capsys):
+    """`kvscope generate "hi" --max-new-tokens 8`: peak RSS minus the RSS of the same imports without a model
+    stays within 1.4x the weight bytes (the KV tiers, 1.25 GB configured, are committed as used: ~MBs)."""
+    if sys.platform != "linux":
+        pytest.skip("ru_maxrss units are Linux's")
+    base = peak_rss_of("import torch, engine.engine, app.commands")
+    peak = peak_rss_of("import sys; from app.cli import main; "
+                       f"sys.exit(main(['generate', 'hi', '--max-new-tokens', '8', '--weights-dtype', '{dtype}']))")
+    weights = weight_bytes(default_model_loaded.spec, resolve_weights_dtype(dtype))
+    with capsys.disabled():
+        print(f"\n{dtype}: peak RSS {peak / MB:.0f} MiB, imports alone {base / MB:.0f} MiB, "
+              f"weights {weights / MB:.0f} MiB: (peak - imports) / weights = {(peak - base) / weights:.2f}")
+    assert peak - base <= 1.4 * weights
+
+
+@pytest.fixture(scope="module")
+def default_model_loaded():
+    return load_model(None)

@@ -1,0 +1,44 @@
+"""The block map's grid: where each tier's slots sit in the code image (rows × cols, row-major).
+
+Each tier is a row-major grid with the same column count, device first, then a gap, then host, so a tier's
+slots are one contiguous slice of the flat code buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+GAP_FRACTION = 0.06  # gap between tiers (and the label band above the first) as a share of all rows
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Where each tier's slots sit in the code image (rows × cols, row-major)."""
+
+    cols: int
+    capacities: tuple[int, ...]
+    tops: tuple[int, ...]  # first image row of each tier
+    rows: tuple[int, ...]  # rows each tier spans (its last row may be partly filled)
+    gap: int  # background rows between tiers; the same band sits above the first tier, outside the image
+    height: int  # image rows
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Flat index of each tier's slot 0."""
+        return tuple(t * self.cols for t in self.tops)
+
+
+def grid_layout(capacities: tuple[int, ...], aspect: float) -> GridLayout:
+    """Columns chosen so the whole map (gaps and label band included) is about `aspect` wide per unit tall."""
+    total = max(sum(capacities), 1)
+    aspect = min(max(aspect, 0.2), 20.0)
+    cols = max(1, math.ceil(math.sqrt(total * aspect * (1 + 2 * GAP_FRACTION))))
+    cols = min(cols, 32000)  # QImage and ImageItem limits
+    rows = tuple(-(-c // cols) for c in capacities)
+    gap = max(1, math.ceil(GAP_FRACTION * sum(rows)))
+    tops, r = [], 0
+    for i, n in enumerate(rows):
+        tops.append(r)
+        r += n + (gap if i < len(rows) - 1 else 0)
+    return GridLayout(cols=cols, capacities=tuple(capacities), tops=tuple(tops), rows=rows, gap=gap, height=max(r, 1))

@@ -1,0 +1,108 @@
+"""The block map's legend: one line explaining the current colour mode, as swatches with names or a colour
+bar with ticks (log ticks for heat and age)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PySide6.QtCore import QPointF, QRectF, QSize
+from PySide6.QtGui import QFont, QImage, QPainter
+from PySide6.QtWidgets import QSizePolicy, QWidget
+
+from ui import palette as pal
+
+
+def _fmt_seconds(s: float) -> str:
+    if s < 1e-3:
+        return f"{s * 1e6:.0f} µs"
+    if s < 1:
+        return f"{s * 1e3:.0f} ms"
+    if s < 120:
+        return f"{s:g} s"
+    if s < 7200:
+        return f"{s / 60:.0f} min"
+    return f"{s / 3600:.0f} h"
+
+
+def _fmt_value(v: float) -> str:
+    return f"{v:g}" if v >= 0.01 else f"{v:.0e}"
+
+
+def _log_ticks(lo: float, hi: float, fmt) -> list[tuple[float, str]]:
+    span = math.log(hi / lo)
+    out = []
+    for e in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1):
+        v = 10.0 ** e
+        if lo * (1 - 1e-6) <= v <= hi * (1 + 1e-6):
+            out.append((math.log(v / lo) / span, fmt(v)))
+    if not out or out[-1][0] < 0.97:  # label the top of the range, in place of a decade crowding it
+        if out and out[-1][0] > 0.8:
+            out.pop()
+        out.append((1.0, fmt(hi)))
+    return out
+
+
+class _Legend(QWidget):
+    """One line explaining the current mode: swatches with names, or a colour bar with ticks."""
+
+    def __init__(self, parent=None):
+        super().__init__(parent)
+        self._items: list[tuple] = []
+        self.setMinimumHeight(30)
+        self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
+        f = QFont(self.font())
+        f.setPointSizeF(8.5)
+        self.setFont(f)
+
+    def set_items(self, items: list[tuple]) -> None:
+        """items: ("swatch", rgb, label) | ("ramp", colors (n,3) uint8, ticks [(frac, label)], title)."""
+        self._items = items
+        self.update()
+
+    def text(self) -> str:
+        parts = []
+        for it in self._items:
+            parts.append(it[2] if it[0] == "swatch" else f"{it[3]} {' '.join(t for _, t in it[2])}")
+        return " | ".join(parts)
+
+    def sizeHint(self) -> QSize:
+        return QSize(400, 30)
+
+    def paintEvent(self, _ev) -> None:
+        p = QPainter(self)
+        p.fillRect(self.rect(), pal.qcolor(pal.BACKGROUND))
+        fm = p.fontMetrics()
+        h = self.height()
+        x = 6
+        p.setPen(pal.qcolor(pal.TEXT))
+        for it in self._items:
+            if it[0] == "swatch":
+                _, rgb, label = it
+                p.fillRect(QRectF(x, h / 2 - 6, 12, 12), pal.qcolor(rgb))
+                p.setPen(pal.qcolor(pal.FRAME))
+                p.drawRect(QRectF(x, h / 2 - 6, 12, 12))
+                p.setPen(pal.qcolor(pal.TEXT))
+                x += 16
+                p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), label)
+                x += fm.horizontalAdvance(label) + 14
+            else:
+                _, colors, ticks, title = it
+                p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), title)
+                x += fm.horizontalAdvance(title) + 8
+                w = 220
+                img = QImage(np.ascontiguousarray(colors[None, :, :]).tobytes(), len(colors), 1, 3 * len(colors),
+                             QImage.Format.Format_RGB888)
+                bar = QRectF(x, 3, w, h / 2 - 3)
+                p.drawImage(bar, img)
+                p.setPen(pal.qcolor(pal.FRAME))
+                p.drawRect(bar)
+                p.setPen(pal.qcolor(pal.TEXT))
+                for i, (frac, label) in enumerate(ticks):
+                    tx = x + frac * w
+                    p.drawLine(QPointF(tx, bar.bottom()), QPointF(tx, bar.bottom() + 3))
+                    tw = fm.horizontalAdvance(label)
+                    lx = min(max(tx - tw / 2, x - 4), x + w - tw + 4)
+                    p.drawText(QPointF(lx, h - 2), label)
+                x += w + 18
+        p.end()
