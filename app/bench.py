@@ -174,8 +174,9 @@ def model_weight_bytes(model) -> int:
     return sum(seen.values())
 
 
-def long_context_bench(args: argparse.Namespace, say=print) -> dict:
-    """B sequences x `args.long` tokens of context: prefill, then decode steps timed against the memory floor."""
+def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, steps: int = 10) -> dict:
+    """B sequences x `args.long` tokens of context: prefill, then `steps` decode steps timed against the memory
+    floor (bandwidth: a `copy_mb` MB memcpy), and the top ops of 3 more steps under the torch profiler."""
     import numpy as np
     import torch
 
@@ -185,7 +186,7 @@ def long_context_bench(args: argparse.Namespace, say=print) -> dict:
     from engine.loader import load_model, resolve_weights_dtype
     from engine.sequence import SamplingParams
 
-    B, ctx, steps = args.batch, args.long, 10
+    B, ctx = args.batch, args.long
     config = cache_config(args)
     options = EngineOptions(device=args.device, weights_dtype=getattr(args, "weights_dtype", None) or "auto",
                             attention=getattr(args, "attention", None) or "auto", max_batch=max(16, B))
@@ -207,7 +208,8 @@ def long_context_bench(args: argparse.Namespace, say=print) -> dict:
     ps = bench_prompts(engine.tokenizer, B, ctx)
     say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention, {engine.config.summary()}")
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)) for p in ps]
+    # First token, a warm-up step, the timed steps and 3 profiled ones; no sequence finishes before the end.
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)) for p in ps]
     while any(engine.seqs[i].first_token_at is None for i in ids):
         engine.step()
     prefill_s = time.perf_counter() - t0
@@ -228,7 +230,7 @@ def long_context_bench(args: argparse.Namespace, say=print) -> dict:
     kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
     weights = model_weight_bytes(engine.model)
     say("[bench] memcpy bandwidth")
-    bw = memcpy_bandwidth(args.device)
+    bw = memcpy_bandwidth(args.device, copy_mb)
     floor = (weights + kv_read) / bw
     step_s = float(np.median(times))
     res = {"sequences": B, "context_tokens": ctx, "attention": engine.model.attention, "device": args.device,

@@ -26,7 +26,8 @@ def open_engine(args: argparse.Namespace):
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
                             n_keep=getattr(args, "n_keep", 0) or 0,
-                            weights_dtype=getattr(args, "weights_dtype", None) or "auto")
+                            weights_dtype=getattr(args, "weights_dtype", None) or "auto",
+                            attention=getattr(args, "attention", None) or "auto")
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.

@@ -22,7 +22,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "triton"),
                    help="attention backend over the paged cache: cpu reads the blocks in place (chunked online "
                         "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "
-                        "SDPA; auto: triton on CUDA when it imports, else cpu")
+                        "SDPA; auto: triton on CUDA when it imports, else cpu (reference for bf16/fp16 weights on the CPU, "
+                        "which match transformers in that dtype)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

@@ -186,8 +186,9 @@ class EngineOptions:
     stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
     weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.loader.resolve_weights_dtype)
     # Attention backend (engine/attention/): reference (dense gather + SDPA), cpu (chunked, reads blocks in place),
-    # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu.
-    attention: str = "reference"  # the in-place backends are being wired in; auto comes next
+    # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu (on the CPU with
+    # bf16/fp16 weights: reference, transformers' half-precision arithmetic; engine.model.resolve_attention).
+    attention: str = "auto"
     extra: dict = field(default_factory=dict)
 
     WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16")  # not a field (no annotation): the values weights_dtype takes

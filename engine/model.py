@@ -21,9 +21,14 @@ from engine.config import ConfigError, EngineOptions
 from engine.loader import ModelSpec, resolve_weights_dtype
 
 
-def resolve_attention(name: str, device: "torch.device | str") -> str:
-    """The backend `name` runs as: auto is triton on CUDA when triton imports, else the in-place torch path
-    (`cpu`, which runs on any device); an explicit name is kept (ConfigError when it cannot run here)."""
+def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtype = torch.float32) -> str:
+    """The backend `name` runs as (ConfigError when it cannot run here); an explicit name is kept.
+
+    auto: triton on CUDA when triton imports, else the in-place torch path (`cpu`, which runs on any device).
+    On the CPU with bf16/fp16 weights auto keeps `reference`: half weights on a CPU are the mode that matches
+    transformers in that dtype bit for bit (SDPA in the half type over exactly the valid keys), and the in-place
+    path attends in fp32 instead (closer to fp32, but greedy tokens drift from transformers' half-precision ones).
+    """
     if name not in EngineOptions.ATTENTION:
         raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
     if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -36,7 +41,7 @@ def resolve_attention(name: str, device: "torch.device | str") -> str:
         except Exception:  # not installed, or broken for this build: the torch path still reads in place
             return "cpu"
         return "triton"
-    return "cpu"
+    return "cpu" if dtype == torch.float32 else "reference"
 
 
 @dataclass
@@ -142,7 +147,7 @@ class LlamaFamily:
         self.spec = spec
         self.device = device
         self.dtype = resolve_weights_dtype(dtype, device)
-        self.use_attention(attention)
+        self.use_attention(attention)  # after self.dtype: auto depends on it
         self._dev = torch.empty(0, device=device).device  # concrete (cuda -> cuda:0), to compare with tensors'
         w = weights
         own = self._own
@@ -167,7 +172,7 @@ class LlamaFamily:
 
     def use_attention(self, name: str) -> None:
         """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
-        self.attention = resolve_attention(name, self.device)
+        self.attention = resolve_attention(name, self.device, self.dtype)
         self.backend: AttentionBackend | None = None if self.attention == "reference" else make_backend(self.attention)
 
     def _fits(self, t: torch.Tensor) -> bool:
@@ -235,14 +240,7 @@ class LlamaFamily:
         x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
         T = x.shape[0]
         cos, sin = self.cos_sin(batch.positions, x.dtype)
-        if self.backend is not None:
-            return self._forward_paged(batch, kv, x, cos, sin)
-        # The reference path. Half types: attend over the gathered keys up to the last valid one, not the padded blocks' tail.
-        # The masked tail changes how bf16 SDPA rounds (fp32 is exact either way), so without the cut greedy
-        # tokens drift from transformers', whose cache holds exactly the valid keys.
-        spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
-        masks = [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]
-        window_masks: dict[int, list[torch.Tensor]] = {}
+        attend = self._reference_attention(batch, kv, x) if self.backend is None else self._paged_attention(batch, kv, x)
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._rms(x, ln1)
             qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
@@ -252,15 +250,31 @@ class LlamaFamily:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             kv.write(li, k, v)
-            window = s.sliding_window[li]
-            if window is None:
-                layer_masks = masks
-            else:
-                if window not in window_masks:
-                    window_masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
-                layer_masks = window_masks[window]
+            attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
+            x = x + linear(attn.reshape(T, H * D), o_w)
+            h = self._rms(x, ln2)
+            gate, up = linear(h, gu_w).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, down_w)
+        x = self._rms(x[batch.logit_rows], self.norm)
+        return linear(x, self.lm_head).float()  # [R, vocab]
+
+    def _reference_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+        """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table decoded into a dense fp32
+        copy (kv.gather), permuted head-major, cast to the weights dtype, and SDPA under a bool mask."""
+        s = self.spec
+        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        T = x.shape[0]
+        # Half types: attend over the gathered keys up to the last valid one, not the padded blocks' tail.
+        # The masked tail changes how bf16 SDPA rounds (fp32 is exact either way), so without the cut greedy
+        # tokens drift from transformers', whose cache holds exactly the valid keys.
+        spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
+        masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}
+
+        def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+            if window not in masks:
+                masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-            for g, mask, n in zip(batch.groups, layer_masks, spans):
+            for g, mask, n in zip(batch.groups, masks[window], spans):
                 B, NB = g.table.shape
                 kb, vb = kv.gather(li, g.table)  # [B, NB, Hkv, bs, D], fp32
                 S = NB * kb.shape[3]
@@ -275,60 +289,39 @@ class LlamaFamily:
                 o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale,
                                                    enable_gqa=H != kb.shape[1])
                 attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
-            x = x + linear(attn.view(T, H * D), o_w)
-            h = self._rms(x, ln2)
-            gate, up = linear(h, gu_w).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, down_w)
-        return self._logits(x, batch)
+            return attn
 
-    def _logits(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x = self._rms(x[batch.logit_rows], self.norm)
-        return linear(x, self.lm_head).float()  # [R, vocab]
+        return attend
 
-    def _forward_paged(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor) -> torch.Tensor:
-        """The layers with attention through `self.backend`, reading the device tier's blocks where they lie.
+    def _paged_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+        """attend(layer, q [T, H, D], window) -> [T, H, D] through `self.backend`, reading the device tier's
+        blocks where they lie: decode(...) for the decode group, prefill(...) for each prompt chunk.
 
         The backend computes in fp32 (online softmax over chunks or tiles) and returns q's dtype; it reads
         exactly the keys each row's context length and positions make visible, so no mask or span is built.
         """
-        s, backend = self.spec, self.backend
-        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        backend, scale = self.backend, self.scale
         T = x.shape[0]
         paged = kv.paged()
         groups = [(g, g.paged()) for g in batch.groups]
-        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            h = self._rms(x, ln1)
-            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
-            if qkv_b is not None:
-                qkv = qkv + qkv_b
-            qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            kv.write(li, k, v)
-            window = s.sliding_window[li]
-            if len(groups) == 1 and groups[0][0].rows.shape[0] == T:  # every row, in order: no gather/scatter
-                g, pb = groups[0]
-                attn = self._attend(backend, q, g, pb, li, paged, window)
-            else:
-                attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-                for g, pb in groups:
-                    attn[g.rows] = self._attend(backend, q[g.rows], g, pb, li, paged, window)
-            x = x + linear(attn.reshape(T, H * D), o_w)
-            h = self._rms(x, ln2)
-            gate, up = linear(h, gu_w).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, down_w)
-        return self._logits(x, batch)
+        # One group holding every row in order (all decodes, or one prompt chunk): no gather/scatter of rows.
+        whole = len(groups) == 1 and groups[0][0].rows.shape[0] == T
 
-    def _attend(self, backend: AttentionBackend, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, layer: int,
-                paged: PagedKV, window: int | None) -> torch.Tensor:
-        """q [B*Q, H, D] of the group's rows -> [B*Q, H, D] in q's dtype."""
-        B = g.table.shape[0]
-        _, H, D = q.shape
-        if g.q_len == 1:
-            return backend.decode(q, layer, paged, pb, scale=self.scale, window=window)
-        o = backend.prefill(q.view(B, g.q_len, H, D), layer, paged, pb, scale=self.scale, window=window)
-        return o.view(B * g.q_len, H, D)
+        def run(li: int, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, window: int | None) -> torch.Tensor:
+            if g.q_len == 1:
+                return backend.decode(q, li, paged, pb, scale=scale, window=window)  # [B, H, D]
+            B, Q, (_, H, D) = g.table.shape[0], g.q_len, q.shape
+            return backend.prefill(q.view(B, Q, H, D), li, paged, pb, scale=scale, window=window).view(B * Q, H, D)
+
+        def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+            if whole:
+                return run(li, q, *groups[0], window)
+            attn = torch.empty(q.shape, dtype=x.dtype, device=x.device)
+            for g, pb in groups:
+                attn[g.rows] = run(li, q[g.rows], g, pb, window)
+            return attn
+
+        return attend
 
     @staticmethod
     def _span(g: AttnGroup) -> int:

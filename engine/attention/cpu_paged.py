@@ -4,12 +4,13 @@ The reference decodes the whole table into [B, NB, Hkv, bs, D] and then copies i
 for SDPA. Here a chunk of blocks at a time is gathered straight into head-major order (one index_select of
 (slot, head) rows writes [B, Hkv, c, bs, D], which views as [B, Hkv, c*bs, D] without a copy), dequantized in that
 chunk, and folded into an online softmax (running max m, sum l, output acc). The chunk is sized to stay
-in cache; the context is never materialized whole.
+in cache; the context is never materialized whole. Prefill on the CPU is the exception (see ChunkedPagedBackend).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, visibility
 from engine.codecs import Parts
@@ -48,12 +49,20 @@ def gather_head_major(parts: Parts, fmt: KVFormat, layer: int, slots: torch.Tens
 
 
 class ChunkedPagedBackend:
-    """Online-softmax attention over chunks of blocks; `chunk_elems` bounds one chunk's K (and score) size."""
+    """Online-softmax attention over chunks of blocks; `chunk_elems` bounds one chunk's K (and score) size.
+
+    Prefill on the CPU (`dense_prefill`, Q > 1): the visible blocks are gathered head-major once and attended with
+    SDPA (its CPU flash kernel) instead. With Q queries per key the one copy is amortized, and the kernel is
+    ~3x faster than the chunk loop at 1024 queries x 2048 keys (34 vs 109 ms a layer): `kvscope bench --long`'s
+    prefill of 8 x 2048 tokens of SmolLM2-135M took 59 s chunked, 37 s so (the reference path: 36 s).
+    The chunk loop stays for decode, and for prefill on CUDA (the triton backend's fallback).
+    """
 
     name = "cpu"
 
-    def __init__(self, chunk_elems: int = 1 << 20):
+    def __init__(self, chunk_elems: int = 1 << 20, dense_prefill: bool = True):
         self.chunk_elems = chunk_elems
+        self.dense_prefill = dense_prefill
 
     def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None) -> torch.Tensor:
@@ -76,6 +85,14 @@ class ChunkedPagedBackend:
             last = min(NB, int(qpos.max()) // bs + 1)  # blocks wholly after every query: never visible
             if window is not None:
                 first = max(0, int(qpos.min()) - window + 1) // bs  # blocks wholly before every window
+        if Q > 1 and self.dense_prefill and not q.is_cuda:
+            n = (last - first) * bs
+            k = gather_head_major(kv.k, kfmt, layer, table[:, first:last]).view(B, Hkv, n, D)
+            v = gather_head_major(kv.v, vfmt, layer, table[:, first:last]).view(B, Hkv, n, D)
+            mask = ~hidden[:, 0, 0, :, first * bs : last * bs][:, None]  # [B, 1, Q, n]
+            o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
+                                               enable_gqa=H != Hkv)  # [B, H, Q, D]
+            return o.transpose(1, 2).to(q.dtype)
         step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, G * Q)))
         m = l = acc = None
         for j in range(first, last, step):

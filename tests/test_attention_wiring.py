@@ -1,0 +1,367 @@
+"""The attention backends wired into the forward pass (EngineOptions.attention, `--attention`).
+
+`reference` is the original path (dense gather of every block + SDPA under a mask); `cpu` reads the blocks in
+place (chunked online softmax); `triton` is checked under TRITON_INTERPRET=1 in a subprocess (the interpreter
+mode is fixed when triton is first imported). Ground truth is transformers' greedy decoding on the same fp32
+weights, with a context shift replayed on its DynamicCache by hand, and, for quantized KV (where transformers
+has no equivalent), the reference path run side by side.
+
+Run as a script (`python tests/test_attention_wiring.py OUT.json MODEL_DIR...`, TRITON_INTERPRET=1) to be the
+Triton worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import Reference, prompts
+from engine.config import CacheConfig, ConfigError, EngineOptions
+from engine.engine import Engine
+from engine.sequence import SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKENDS = ("reference", "cpu")
+BLOCK_SIZES = (1, 7, 16)
+N = 24  # new tokens per request
+
+
+@pytest.fixture(scope="module")
+def mistral(tiny_mistral):
+    """(LoadedModel, Reference) of the sliding-window model (window 24)."""
+    from engine.loader import load_model
+
+    return load_model(tiny_mistral), Reference(tiny_mistral)
+
+
+def greedy(eng: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
+    out = eng.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    eng.check_invariants()
+    return out
+
+
+# -- selection ---------------------------------------------------------------------------------------
+
+
+def test_option_is_checked_and_each_backend_is_selectable(llama_model):
+    from engine.model import resolve_attention
+
+    EngineOptions(attention="cpu").validate()
+    with pytest.raises(ConfigError, match="attention: 'flash' is not one of auto, reference, cpu, triton"):
+        EngineOptions(attention="flash").validate()
+    assert resolve_attention("auto", "cpu") == "cpu"
+    small = CacheConfig(device_budget_mb=1, host_budget_mb=0)
+    assert Engine(llama_model, small).model.attention == "cpu"  # the default: auto, on the CPU
+    for name in BACKENDS:
+        eng = Engine(llama_model, small, EngineOptions(attention=name))
+        assert eng.model.attention == name
+        # reference: the model's inline gather + SDPA, no backend object; the others: the backend by that name
+        assert eng.model.backend is None if name == "reference" else eng.model.backend.name == name
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        with pytest.raises(ConfigError, match="'triton' needs a CUDA device"):
+            Engine(llama_model, small, EngineOptions(attention="triton"))
+
+
+def test_attention_flag_is_a_model_flag():
+    from app.cli import build_parser
+
+    ap = build_parser()
+    for cmd in (["generate", "hi"], ["info"], ["bench"]):
+        assert ap.parse_args(cmd).attention == "auto"
+        assert ap.parse_args(cmd + ["--attention", "reference"]).attention == "reference"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["generate", "hi", "--attention", "flash"])
+    import argparse
+
+    from app.options import add_model_flags
+
+    p = argparse.ArgumentParser()
+    add_model_flags(p)
+    helps = [a.help for a in p._actions if "--attention" in a.option_strings]
+    assert helps and "in place" in helps[0]
+
+
+# -- tokens against transformers ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sliding_window_tokens_equal_transformers(mistral, backend, block_size):
+    """Three requests at once (decode group + chunked prefill groups in the same steps), contexts past the
+    window of 24, on every block size."""
+    model, ref = mistral
+    ps = prompts(20, [10, 31, 57])
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(attention=backend, max_batched_tokens=16))
+    assert greedy(eng, ps, N) == [ref.greedy(p, N) for p in ps]
+
+
+def shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
+    """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
+    (engine/seq_ops.py): before computing a token whose context would pass `limit`, keep the first n_keep tokens,
+    drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions."""
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    from engine.model import rotate_half
+
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    inv = hf.model.rotary_emb.inv_freq.float()  # [D/2], default RoPE
+    toks, out = list(prompt), []
+    cache = DynamicCache()  # full layers (no sliding crop): the window is the mask's, by index = position
+    with torch.inference_mode():
+        logits = hf(torch.tensor([toks]), past_key_values=cache, use_cache=True).logits[0, -1]
+        while True:
+            out.append(int(logits.argmax()))
+            if len(out) == n:
+                return out
+            toks.append(out[-1])
+            if len(toks) > limit:
+                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
+                freqs = torch.full((1,), -float(n_discard))[:, None] * inv[None, :]
+                emb = torch.cat((freqs, freqs), dim=-1)
+                cos, sin = emb.cos(), emb.sin()
+                for layer in cache.layers:
+                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
+                    tail = k[:, :, n_keep + n_discard:]
+                    tail = tail * cos + rotate_half(tail) * sin
+                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
+                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
+                toks = toks[:n_keep] + toks[n_keep + n_discard:]
+            pos = len(toks) - 1
+            logits = hf(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True,
+                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
+
+
+@pytest.fixture(scope="module")
+def shift_refs(tiny_mistral):
+    ps = prompts(21, [20, 9])
+    return ps, [shifted_greedy(tiny_mistral, p, 60, 32, 4) for p in ps]
+
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_shift_tokens_equal_transformers(mistral, shift_refs, backend, block_size):
+    """context_limit 32, n_keep 4, 60 new tokens: several shifts per sequence (K-shifted keys, re-laid tails),
+    with the window of 24 inside the limit."""
+    model, _ = mistral
+    ps, want = shift_refs
+    eng = Engine(model, CacheConfig(block_size=block_size),
+                 EngineOptions(attention=backend, context_limit=32, n_keep=4))
+    assert greedy(eng, ps, 60) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_repositioned_keys_equal_transformers(llama_model, llama_ref, backend):
+    """Positions with a gap (seq_add before the prompt is computed: tokens 10.. sit at 15..): the backends get
+    key positions (PagedBatch.key_pos), and transformers the same position_ids."""
+    p = prompts(22, [30])[0]
+    eng = Engine(llama_model, CacheConfig(block_size=7), EngineOptions(attention=backend))
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True))
+    eng.seq_add(sid, 10, None, 5)
+    assert eng.seqs[sid].repositioned
+    eng.run_until_done()
+    eng.check_invariants()
+    hf = llama_ref.model
+    pos = list(range(10)) + list(range(15, 15 + len(p) - 10))
+    toks, want = list(p), []
+    with torch.inference_mode():
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        logits = hf(torch.tensor([toks]), position_ids=torch.tensor([pos]), past_key_values=cache).logits[0, -1]
+        for i in range(N):
+            want.append(int(logits.argmax()))
+            pos.append(pos[-1] + 1)
+            logits = hf(torch.tensor([[want[-1]]]), position_ids=torch.tensor([[pos[-1]]]), past_key_values=cache,
+                        cache_position=torch.tensor([len(p) + i])).logits[0, -1]
+    assert eng.seqs[sid].output == want
+
+
+def test_repositioned_window_cpu_equals_reference(mistral):
+    """Gapped positions under a sliding window, where a window by key index and one by key position differ
+    (tokens 20.. moved 10 on: the window of 24 ends at a different key): the cpu path must mask by position, as
+    the reference path does. A second gap mid-run re-rotates cached keys. Logits within 1e-4 every step."""
+    model, _ = mistral
+    engines, logits = _side_by_side(model, CacheConfig(block_size=7), [30, 45])
+    for eng in engines:
+        for sid in eng.seqs:
+            eng.seq_add(sid, 20, None, 10)
+    _step_together(engines, logits, until=lambda: engines[0].counters.generated >= 10)
+    for eng in engines:
+        for sid in eng.seqs:
+            eng.seq_add(sid, 50, None, 7)
+            assert eng.seqs[sid].repositioned
+    _step_together(engines, logits)
+
+
+# -- quantized KV: the cpu path against the reference path -------------------------------------------
+
+
+def _side_by_side(model, config: CacheConfig, lengths: list[int]) -> tuple[list[Engine], list[list[torch.Tensor]]]:
+    """A reference-path and a cpu-path engine with the same requests, each recording its logits."""
+    engines, logits = [], []
+    for backend in ("reference", "cpu"):
+        eng = Engine(model, config, EngineOptions(attention=backend, max_batched_tokens=16))
+        logits.append([])
+        _recording(eng, logits[-1])
+        for p in prompts(23, lengths):
+            eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        engines.append(eng)
+    return engines, logits
+
+
+def _step_together(engines: list[Engine], logits: list[list[torch.Tensor]], until=None) -> None:
+    """Step both engines until done (or `until()`), every step's logits within 1e-4, then the same tokens."""
+    steps = 0
+    while engines[0].has_work() and not (until and until()):
+        for eng in engines:
+            eng.step()
+        ref, got = logits[0][-1], logits[1][-1]
+        assert got.shape == ref.shape
+        err = float((got - ref).abs().max())
+        assert err <= 1e-4, f"step {steps}: max logit difference {err:.2e} (logit range {float(ref.abs().max()):.1f})"
+        steps += 1
+    assert engines[1].has_work() == engines[0].has_work() and steps > 0
+    assert [s.output for s in engines[0].seqs.values()] == [s.output for s in engines[1].seqs.values()]
+
+
+def _recording(eng: Engine, out: list) -> None:
+    forward = eng.model.forward
+
+    def wrapped(batch, kv):
+        logits = forward(batch, kv)
+        out.append(logits.clone())
+        return logits
+
+    eng.model.forward = wrapped
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "int8-delta", "int8-kivi", "fp16"])
+def test_quantized_kv_cpu_logits_equal_reference(mistral, kv_dtype):
+    """Two engines side by side, stepped together: every step's logits within 1e-4 (the same dequantization,
+    summed in another order), so the same tokens."""
+    model, _ = mistral
+    engines, logits = _side_by_side(model, CacheConfig(block_size=7, kv_dtype=kv_dtype), [12, 40, 70])
+    _step_together(engines, logits)
+    assert len(logits[1]) > N
+
+
+def test_half_weights_run_on_the_cpu_path(mistral):
+    """bf16 weights: the cpu backend attends in fp32 and returns bf16 (the reference path keeps transformers'
+    bf16 arithmetic, tests/test_weights.py); both run, and agree on most tokens."""
+    from engine.loader import load_model
+
+    _, ref = mistral
+    model = load_model(ref.model.name_or_path, dtype=torch.bfloat16)
+    ps = prompts(24, [10, 40])
+    out = {b: greedy(Engine(model, CacheConfig(block_size=7, kv_dtype="bf16"),
+                            EngineOptions(attention=b, weights_dtype="bf16")), ps, 12) for b in BACKENDS}
+    same = sum(a == b for x, y in zip(out["reference"], out["cpu"]) for a, b in zip(x, y))
+    assert same >= 0.75 * sum(map(len, out["cpu"])), out
+
+
+# -- the cpu backend's two prefill paths ---------------------------------------------------------------
+
+
+def _prefill_cases():
+    from test_paged_attention import CASES
+
+    return [c for c in CASES if c.bs in (1, 7, 100) and c.variant != "mha"]
+
+
+@pytest.mark.parametrize("dense", [True, False], ids=["sdpa", "chunked"])
+@pytest.mark.parametrize("case", _prefill_cases(), ids=lambda c: c.id)
+def test_cpu_prefill_both_paths_match_reference(case, dense):
+    """Prefill on the CPU gathers the visible blocks once and runs SDPA (dense_prefill); the chunked online
+    softmax is what a CUDA tensor (triton's prefill fallback) takes. Both against the reference backend, on the
+    cases of tests/test_paged_attention.py (every format, windows, explicit key positions)."""
+    from engine.attention import PagedBatch, make_backend
+    from test_paged_attention import D, assert_close, build
+
+    _, kv, batch, window, scale = build(case)
+    H, _ = case.heads
+    B, Qn = len(case.lens), 3
+    q = torch.randn(B, Qn, H, D, generator=torch.Generator().manual_seed(7))
+    idx = (batch.context_lens.long()[:, None] - Qn + torch.arange(Qn)[None, :]).clamp_min(0)
+    q_pos = idx if batch.key_pos is None else batch.key_pos.gather(1, idx)
+    pre = PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos)
+    want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window)
+    got = make_backend("cpu", dense_prefill=dense, **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window)
+    assert_close(got, want, case.id)
+
+
+# -- kvscope bench --long ---------------------------------------------------------------------------
+
+
+def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
+    """The bench's arithmetic on a tiny model (no timing asserted): KV read per step is every row's blocks."""
+    from app.bench import long_context_bench
+    from app.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--long", "40", "--batch", "2", "--model", tiny_llama,
+                                      "--block-size", "16", "--attention", "cpu", "--json"])
+    assert args.long == 40
+    res = long_context_bench(args, say=lambda *a: None, copy_mb=16, steps=3)
+    assert res["attention"] == "cpu" and res["sequences"] == 2 and res["decode_steps"] == 3
+    # 2 rows of 40 + 1 warm-up + 3 timed steps (+ the token being computed) = 45 keys = 3 blocks of 16 each
+    assert res["kv_bytes_read"] == 2 * 3 * _block_bytes(tiny_llama, 16)
+    assert res["floor_ms"] > 0 and res["step_ms_median"] > 0 and res["step_over_floor"] > 0
+    assert res["profile_top_ops"] and all({"op", "ms_per_step", "share"} <= set(op) for op in res["profile_top_ops"])
+    assert build_parser().parse_args(["bench", "--long"]).long == 2048
+
+
+def _block_bytes(path: str, bs: int) -> int:
+    from engine.loader import load_model
+
+    return Engine(load_model(path), CacheConfig(block_size=bs, device_budget_mb=1, host_budget_mb=0)).pool.block_bytes
+
+
+# -- triton, interpreted -----------------------------------------------------------------------------
+
+
+TRITON_CASES = ((7, [10, 31, 57]), (16, [5, 40]))  # (block size, prompt lengths) on the sliding-window model
+
+
+def test_triton_backend_tokens_equal_transformers(mistral, tiny_mistral, tmp_path):
+    """The paged-decode kernel (prefill: the cpu path) in an engine, under the interpreter."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton is not installed ({e})")
+    _, ref = mistral
+    out = tmp_path / "tokens.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"],  # conftest, imported there, reuses it
+               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_mistral], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    got = json.loads(out.read_text())
+    for i, (bs, lengths) in enumerate(TRITON_CASES):
+        ps = prompts(25 + i, lengths)
+        assert got[i] == [ref.greedy(p, 12) for p in ps], f"block size {bs}"
+
+
+def _triton_worker(out: str, path: str) -> None:
+    from engine.attention.triton_paged import INTERPRET
+    from engine.loader import load_model
+
+    assert INTERPRET, "run with TRITON_INTERPRET=1"
+    model = load_model(path)
+    res = []
+    for i, (bs, lengths) in enumerate(TRITON_CASES):
+        eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(attention="triton", max_batched_tokens=16))
+        assert eng.model.backend.name == "triton"
+        res.append(greedy(eng, prompts(25 + i, lengths), 12))
+    with open(out, "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest's prompts
+    _triton_worker(sys.argv[1], sys.argv[2])
