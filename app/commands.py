@@ -172,6 +172,7 @@ REQUEST_KEYS = {"prompt", "max_new_tokens", "chat"}
 def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]:
     """(line number, request) for each request line, checked for shape; read lazily (memory stays bounded)."""
     from engine.engine import RequestError
+    from engine.sequence import check_token_ids
 
     try:
         f = open(path, "rb")
@@ -202,9 +203,10 @@ def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]
                 raise RequestError(f"{path}:{n}: chat must be true or false, not {chat!r}")
             prompt = obj["prompt"]
             if isinstance(prompt, list):
-                for i, t in enumerate(prompt):
-                    if isinstance(t, bool) or not isinstance(t, int):
-                        raise RequestError(f"{path}:{n}: token {i} of the prompt is {t!r}, not an integer token id")
+                try:
+                    check_token_ids(prompt)
+                except RequestError as e:
+                    raise RequestError(f"{path}:{n}: {e}") from None
             if not prompt or (isinstance(prompt, str) and not prompt.strip()):
                 raise RequestError(f"{path}:{n}: empty prompt")
             yield n, {"prompt": prompt, "max_new_tokens": mnt, "chat": chat}

@@ -33,7 +33,7 @@ from engine.model_runner import ModelRunner
 from engine.relayout import relayout
 from engine.scheduler import Scheduled, Scheduler
 from engine.seq_ops import SequenceOps
-from engine.sequence import SamplingParams, Sequence, SeqState
+from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
 from engine.telemetry import Counters, Event, Telemetry
 
 __all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
@@ -53,8 +53,8 @@ class Engine(SequenceOps):
         self.spec = model.spec
         self.tokenizer = model.tokenizer
         self.options = options or EngineOptions()
-        self.config = config or CacheConfig()
-        self.config.validate()
+        config = config or CacheConfig()
+        config.validate()
         self.device = torch.device(self.options.device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError("device cuda requested but torch sees no CUDA device")
@@ -73,7 +73,7 @@ class Engine(SequenceOps):
         self.counters = Counters()
         self.telemetry = Telemetry(self)
         self.seqs: dict[int, Sequence] = {}
-        self.kv = KVManager(self.spec, self.device, self.config, self.telemetry, self.counters)
+        self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit, shift=self._context_shift, abort=self._finish)
         self._next_id = 0
@@ -83,6 +83,10 @@ class Engine(SequenceOps):
         self.eos = set(self.spec.eos_token_ids)
 
     # -- views kept for callers (telemetry, tests, the window) ----------------------------------
+    @property
+    def config(self) -> CacheConfig:
+        return self.kv.config
+
     @property
     def pool(self) -> BlockPool:
         return self.kv.pool
@@ -113,11 +117,7 @@ class Engine(SequenceOps):
         """The prompt as a list of ints if this engine can serve it now; else RequestError naming why."""
         if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
             raise RequestError("the prompt must be a non-empty list of token ids")
-        for i, t in enumerate(prompt_ids):
-            if isinstance(t, bool) or not isinstance(t, int) and not hasattr(t, "__index__"):
-                raise RequestError(f"token {i} of the prompt is {t!r}, not an integer token id")
-            if not 0 <= t < self.spec.vocab_size:
-                raise RequestError(f"token {i} of the prompt is {t}, outside the vocabulary (0..{self.spec.vocab_size - 1})")
+        check_token_ids(prompt_ids, self.spec.vocab_size)
         if not isinstance(sampling, SamplingParams):
             raise RequestError("sampling must be SamplingParams")
         self._check_fits(len(prompt_ids), sampling.max_new_tokens)
@@ -223,7 +223,6 @@ class Engine(SequenceOps):
                 raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
         else:
             self.kv.set_policy(new)
-        self.config = new
         self.telemetry.emit("config", changes={k: str(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
                             summary=new.summary())
 

@@ -26,7 +26,6 @@ class KVManager:
         self.device = device
         self.telemetry = telemetry
         self.counters = counters
-        self.config = config
         self.pool = self.make_pool(config)
         self.trace = None  # TraceRecorder while recording
 
@@ -81,9 +80,14 @@ class KVManager:
             raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
                               f"but {free / gib:.2f} GiB is free; lower it")
 
-    def use(self, pool: BlockPool, config: CacheConfig) -> None:
-        """Switch to a re-laid pool (see relayout.py) and its config."""
-        self.pool, self.config = pool, config
+    @property
+    def config(self) -> CacheConfig:
+        """The live config: the pool's own (one copy; a re-lay or a policy change replaces it there)."""
+        return self.pool.config
+
+    def use(self, pool: BlockPool) -> None:
+        """Switch to a re-laid pool (see relayout.py), built for the new config."""
+        self.pool = pool
 
     def set_policy(self, config: CacheConfig) -> None:
         """A change that keeps the geometry: the pool keeps its blocks, the policy starts afresh."""
@@ -91,7 +95,6 @@ class KVManager:
 
         self.pool.config = config
         self.pool.policy = make_policy(config.policy, config.decay)
-        self.config = config
 
     # -- queries ------------------------------------------------------------------------------
     def capacity(self, tier: Tier) -> int:

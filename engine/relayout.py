@@ -23,7 +23,7 @@ def relayout(kv: KVManager, seqs: list[Sequence], new: CacheConfig, now: float) 
         tables = _copy_bytes(old_pool, pool, seqs, now)
     else:
         tables = _reencode(kv, pool, seqs, new, now)
-    kv.use(pool, new)  # commit: nothing above touched a sequence
+    kv.use(pool)  # commit: nothing above touched a sequence
     for seq in seqs:
         if seq.id in tables:
             seq.blocks, seq.hashes = tables[seq.id]

@@ -21,6 +21,16 @@ class SeqState(enum.IntEnum):
     FINISHED = 4
 
 
+def check_token_ids(ids: list, vocab_size: int | None = None) -> None:
+    """RequestError naming the first entry that is not an integer token id (bools, floats, strings and lists
+    are refused; numpy integers pass) or, given `vocab_size`, lies outside the vocabulary."""
+    for i, t in enumerate(ids):
+        if isinstance(t, (bool, np.bool_)) or not hasattr(type(t), "__index__"):
+            raise RequestError(f"token {i} of the prompt is {t!r}, not an integer token id")
+        if vocab_size is not None and not 0 <= t < vocab_size:
+            raise RequestError(f"token {i} of the prompt is {t}, outside the vocabulary (0..{vocab_size - 1})")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_new_tokens: int = 64

@@ -97,6 +97,14 @@ class AttentionBackend(Protocol):
         """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position)."""
 
 
+class DecodeAsPrefill:
+    """For backends whose decode is their prefill with one query per row."""
+
+    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+               window: int | None = None) -> torch.Tensor:
+        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
+
+
 def make_backend(name: str, **options) -> AttentionBackend:
     """'reference', 'cpu' or 'triton' (imports triton only when asked for)."""
     if name == "reference":

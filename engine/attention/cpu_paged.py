@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, visibility
+from engine.attention import DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, visibility
 from engine.codecs import Parts
 
 _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
@@ -48,7 +48,7 @@ def gather_head_major(parts: Parts, fmt: KVFormat, layer: int, slots: torch.Tens
     return take("anchor").float()[..., None, :] + torch.cumsum(steps, dim=-2)  # anchor [B, Hkv, c, 1, D]
 
 
-class ChunkedPagedBackend:
+class ChunkedPagedBackend(DecodeAsPrefill):
     """Online-softmax attention over chunks of blocks; `chunk_elems` bounds one chunk's K (and score) size.
 
     Prefill on the CPU (`dense_prefill`, Q > 1): the visible blocks are gathered head-major once and attended with
@@ -63,10 +63,6 @@ class ChunkedPagedBackend:
     def __init__(self, chunk_elems: int = 1 << 20, dense_prefill: bool = True):
         self.chunk_elems = chunk_elems
         self.dense_prefill = dense_prefill
-
-    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
-               window: int | None = None) -> torch.Tensor:
-        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
 
     def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:

@@ -9,16 +9,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import PagedBatch, PagedKV, visibility
+from engine.attention import DecodeAsPrefill, PagedBatch, PagedKV, visibility
 from engine.codecs import codecs_for
 
 
-class ReferenceBackend:
+class ReferenceBackend(DecodeAsPrefill):
     name = "reference"
-
-    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
-               window: int | None = None) -> torch.Tensor:
-        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
 
     def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
