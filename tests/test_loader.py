@@ -23,8 +23,10 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 
-from engine import loader
-from engine.loader import CONVERT_STAGE, ModelLoadError, hf_reference_dir, load_model
+from engine import gguf_cache, loader
+from engine.gguf_cache import CONVERT_STAGE
+from engine.loader import ModelLoadError, hf_reference_dir, load_model
+from engine.safetensors_io import read_safetensors
 from engine.tokenizer import StreamDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -296,7 +298,7 @@ def relinked_conversion(default_model, tmp_path: Path, monkeypatch) -> list[str]
         for f in pristine.iterdir():
             os.link(f, Path(out_dir) / f.name)
 
-    monkeypatch.setattr(loader, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", fake_convert)
     return calls
 
 
@@ -348,14 +350,14 @@ def test_flipped_bytes_in_cached_weights_are_detected_and_rebuilt(default_model,
     flip_bytes_in_tensor(weights, name, offset=4096, count=16)
     assert weights.stat().st_size == size
     # safetensors loads the damaged file without complaint: only the checksums can tell.
-    assert not torch.equal(loader._read_safetensors(str(cache_dir))[name], model.weights[name])
+    assert not torch.equal(read_safetensors(str(cache_dir))[name], model.weights[name])
     capsys.readouterr()
     rebuilt = load_model()
     assert relinked_conversion == [model.source]
     err = capsys.readouterr().err
     assert f"checksum mismatch in {weights}: {name}" in err and "converting it again" in err
     assert_same_weights(rebuilt.weights, model.weights)
-    loader._verify_checksums(str(cache_dir))  # the rebuilt entry carries checksums that match it
+    gguf_cache.verify_checksums(str(cache_dir))  # the rebuilt entry carries checksums that match it
 
     marker = cache_dir / "kvscope-complete.json"  # an entry without checksums is not trusted either
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "checksums": {}}))
@@ -366,24 +368,24 @@ def test_flipped_bytes_in_cached_weights_are_detected_and_rebuilt(default_model,
 def test_checksums_cover_every_byte(tmp_path: Path, tiny_tokenizer: Path) -> None:
     """Damage to the header, to any tensor, to a json file, or bytes appended: each is a mismatch."""
     make_tiny(tmp_path, tiny_tokenizer)
-    files = loader._entry_files(str(tmp_path))
-    (tmp_path / "kvscope-complete.json").write_text(json.dumps({"checksums": loader._checksums(str(tmp_path), files)}))
-    loader._verify_checksums(str(tmp_path))
+    checksums = gguf_cache._checksums(str(tmp_path), gguf_cache._entry_files(str(tmp_path)))
+    (tmp_path / "kvscope-complete.json").write_text(json.dumps({"checksums": checksums}))
+    gguf_cache.verify_checksums(str(tmp_path))
     weights = tmp_path / "model.safetensors"
     pristine = weights.read_bytes()
     (header_len,) = struct.unpack("<Q", pristine[:8])
     for at in (20, 8 + header_len, len(pristine) - 1):  # header, first tensor byte, last tensor byte
         weights.write_bytes(pristine[:at] + bytes([pristine[at] ^ 1]) + pristine[at + 1:])
         with pytest.raises(ModelLoadError, match="checksum mismatch|cannot checksum"):  # or a header json broke
-            loader._verify_checksums(str(tmp_path))
+            gguf_cache.verify_checksums(str(tmp_path))
     weights.write_bytes(pristine + b"\0")
     with pytest.raises(ModelLoadError, match="checksum mismatch.*tail"):
-        loader._verify_checksums(str(tmp_path))
+        gguf_cache.verify_checksums(str(tmp_path))
     weights.write_bytes(pristine)
     config = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace('"num_hidden_layers": 2', '"num_hidden_layers": 3'))
     with pytest.raises(ModelLoadError, match=r"checksum mismatch in .*config\.json"):
-        loader._verify_checksums(str(tmp_path))
+        gguf_cache.verify_checksums(str(tmp_path))
 
 
 def test_user_hf_dir_is_never_checked_or_rebuilt(tmp_path: Path, tiny_tokenizer: Path, monkeypatch) -> None:
@@ -405,9 +407,9 @@ def test_orphaned_build_dirs_are_removed(default_model) -> None:
         return {p.name for p in models.iterdir() if p.name.startswith(".building-")}
 
     # A conversion killed midway, in a process that has exited since: its directory is an orphan.
-    code = ("import os, signal\nfrom engine import loader\n"
-            "loader._convert_gguf = lambda *args: os.kill(os.getpid(), signal.SIGKILL)\n"
-            "loader._gguf_cache_dir(loader.default_model_path(), None, rebuild=True)\n")
+    code = ("import os, signal\nfrom engine import gguf_cache, loader\n"
+            "gguf_cache._convert_gguf = lambda *args: os.kill(os.getpid(), signal.SIGKILL)\n"
+            "gguf_cache.converted_dir(loader.default_model_path(), None, rebuild=True)\n")
     killed = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ))
     assert killed.wait(timeout=120) == -signal.SIGKILL
     left = building()
@@ -416,8 +418,8 @@ def test_orphaned_build_dirs_are_removed(default_model) -> None:
         load_model()
         assert building() == set(), "the killed conversion's directory survived a load"
 
-        live = Path(loader._new_build_dir(str(models)))  # this process, alive: maybe converting right now
-        reused = Path(loader._new_build_dir(str(models)))  # its pid now belongs to another process
+        live = Path(gguf_cache._new_build_dir(str(models)))  # this process, alive: maybe converting right now
+        reused = Path(gguf_cache._new_build_dir(str(models)))  # its pid now belongs to another process
         record = json.loads((reused / "kvscope-builder.json").read_text())
         (reused / "kvscope-builder.json").write_text(json.dumps({**record, "started": record["started"] - 1000}))
         old, young = models / ".building-legacy-old", models / ".building-legacy-young"  # no record at all
@@ -491,6 +493,6 @@ def test_stream_decoder_never_splits_characters(default_model) -> None:
 
 def test_the_suite_never_writes_to_the_users_cache() -> None:
     # conftest points KVSCOPE_CACHE_DIR at a session directory before anything is imported.
-    root = os.path.realpath(loader.cache_root())
+    root = os.path.realpath(gguf_cache.cache_root())
     assert not root.startswith(os.path.realpath(os.path.expanduser("~/.cache")))
     assert root == os.path.realpath(os.environ["KVSCOPE_CACHE_DIR"])

@@ -14,7 +14,8 @@ import torch
 from conftest import prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.engine import Engine
-from engine.loader import _expected_shapes, load_model, resolve_weights_dtype
+from engine.loader import load_model, resolve_weights_dtype
+from engine.model_spec import expected_shapes
 from engine.sequence import SamplingParams
 
 MB = 2**20
@@ -39,7 +40,7 @@ def storages(tensors) -> dict[int, int]:
 def weight_bytes(spec, dtype: torch.dtype) -> int:
     """One copy of the model's weights (a tied lm_head counted once)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return sum(torch.Size(shape).numel() * itemsize for shape in _expected_shapes(spec).values())
+    return sum(torch.Size(shape).numel() * itemsize for shape in expected_shapes(spec).values())
 
 
 def greedy_hf(path: str, dtype: torch.dtype, ps: list[list[int]], n: int) -> list[list[int]]:
