@@ -189,7 +189,8 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     B, ctx = args.batch, args.long
     config = cache_config(args)
     options = EngineOptions(device=args.device, weights_dtype=getattr(args, "weights_dtype", None) or "auto",
-                            attention=getattr(args, "attention", None) or "auto", max_batch=max(16, B))
+                            attention=getattr(args, "attention", None) or "auto",
+                            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto", max_batch=max(16, B))
     options.validate()
     model = load_model(args.model, dtype=resolve_weights_dtype(options.weights_dtype, options.device),
                        device=options.device)

@@ -18,7 +18,9 @@ def progress_printer(stage: str, fraction: float) -> None:
           flush=True)
 
 
-def open_engine(args: argparse.Namespace):
+def open_engine(args: argparse.Namespace, progress=progress_printer):
+    """The engine for the parsed flags, and the seconds its model took to load; progress(stage, fraction)
+    hears the load's stages (the first start's conversion)."""
     from engine.config import EngineOptions
     from engine.engine import Engine
     from engine.loader import load_model, resolve_weights_dtype
@@ -27,12 +29,13 @@ def open_engine(args: argparse.Namespace):
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
                             n_keep=getattr(args, "n_keep", 0) or 0,
                             weights_dtype=getattr(args, "weights_dtype", None) or "auto",
-                            attention=getattr(args, "attention", None) or "auto")
+                            attention=getattr(args, "attention", None) or "auto",
+                            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto")
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.
     dtype = resolve_weights_dtype(options.weights_dtype, options.device)
-    model = load_model(args.model, progress=progress_printer, dtype=dtype, device=options.device)
+    model = load_model(args.model, progress=progress, dtype=dtype, device=options.device)
     engine = Engine(model, config, options)
     return engine, time.perf_counter() - t0
 

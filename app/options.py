@@ -24,6 +24,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "
                         "SDPA; auto: triton on CUDA when it imports, else cpu (reference for bf16/fp16 weights on the CPU, "
                         "which match transformers in that dtype)")
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off", "static"),
+                   help="replay decode steps from CUDA graphs, one per batch-size bucket (auto: on with CUDA and a "
+                        "paged attention backend; static: the graphs' padded static-shaped step run eagerly, a check)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

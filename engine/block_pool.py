@@ -74,9 +74,13 @@ class BlockPool:
         return BlockPool._block_bytes(kc, vc, Geometry(layers, kv_heads, config.block_size, head_dim))
 
     def _make_tier(self, tier: Tier, cap: int, device: torch.device, pin: bool, universe: int) -> TierPool:
-        k = self.kcodec.alloc(self.geom, cap, device, pin)
-        v = self.vcodec.alloc(self.geom, cap, device, pin)
-        return TierPool(tier, cap, k, v, self.geom.block_size, universe)
+        # The device tier has two slots past its blocks, never allocated: the null block (slot `cap`), zeros that pad
+        # block tables (attention reads it only where keys are masked), and the sink (slot `cap + 1`), written by a
+        # CUDA graph's padding rows and never read (engine/decode_graphs.py).
+        dev = tier is Tier.DEVICE
+        k = self.kcodec.alloc(self.geom, cap + 2 if dev else cap, device, pin)
+        v = self.vcodec.alloc(self.geom, cap + 2 if dev else cap, device, pin)
+        return TierPool(tier, cap, k, v, self.geom.block_size, universe, null_slot=cap if dev else None)
 
     # -- per-block accessors (by lid) ---------------------------------------------------------
     def _meta(self, name: str, lids) -> np.ndarray:
@@ -343,7 +347,7 @@ class BlockPool:
     def write_blocks(self, lids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
         """Encode fp32 K/V [layers, n, kv_heads, block_size, head_dim] into fresh blocks (any tier).
 
-        Slots at or past each block's fill are zeroed so they cannot inflate a scale.
+        Slots at or past each block's fill are zeroed so they cannot inflate a block's channel scales.
         """
         lids_np = np.asarray(lids, dtype=np.int64)
         for t in self.tiers:
@@ -354,12 +358,11 @@ class BlockPool:
             sl = self.slot[lids_np[rows]]
             slots = torch.as_tensor(sl, device=dev)
             r = torch.as_tensor(rows, device=k.device)
-            keep = torch.zeros(len(rows), dtype=torch.bool, device=dev)
             fill = torch.as_tensor(t.fill[sl], device=dev)
             mask = (torch.arange(self.geom.block_size, device=dev)[None, :] < fill[:, None]).float()[:, None, :, None]
             for layer in range(self.geom.layers):
-                self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * mask, keep)
-                self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * mask, keep)
+                self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * mask)
+                self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * mask)
 
     # -- accounting ---------------------------------------------------------------------------
     def metadata_bytes(self) -> int:
@@ -377,6 +380,10 @@ class BlockPool:
             used = np.flatnonzero(t.lid >= 0)
             assert len(used) + len(t.free_slots) == t.capacity, f"{t.tier.name}: slots leaked"
             assert not (set(used.tolist()) & set(t.free_slots)), f"{t.tier.name}: slot both free and used"
+            if t.null_slot is not None:
+                assert t.null_slot not in t.free_slots and all(
+                    not bool(p[:, t.null_slot].view(torch.uint8).any()) for p in (*t.k.values(), *t.v.values())), \
+                    "the null block was handed out or written"
             for s in used.tolist():
                 lid = int(t.lid[s])
                 assert self.tier[lid] == t.tier and self.slot[lid] == s, f"block {lid} not where it says"

@@ -189,10 +189,14 @@ class EngineOptions:
     # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu (on the CPU with
     # bf16/fp16 weights: reference, transformers' half-precision arithmetic; engine.model.resolve_attention).
     attention: str = "auto"
+    # Decode steps replayed from CUDA graphs (engine/decode_graphs.py): auto (on with CUDA and a paged backend),
+    # on, off; "static" runs the graphs' static-shaped step eagerly (how the CPU tests check it).
+    cuda_graphs: str = "auto"
     extra: dict = field(default_factory=dict)
 
     WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16")  # not a field (no annotation): the values weights_dtype takes
     ATTENTION = ("auto", "reference", "cpu", "triton")  # not a field: the values attention takes
+    CUDA_GRAPHS = ("auto", "on", "off", "static")  # not a field: the values cuda_graphs takes
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ConfigError (naming the option and its range) for values no model, or this model (whose
@@ -202,6 +206,8 @@ class EngineOptions:
 
         if self.device not in ("cpu", "cuda") and not str(self.device).startswith("cuda:"):
             raise bad("device", self.device, "is not cpu or cuda")
+        if self.cuda_graphs not in self.CUDA_GRAPHS:
+            raise bad("cuda_graphs", self.cuda_graphs, f"is not one of {', '.join(self.CUDA_GRAPHS)}")
         if self.weights_dtype not in self.WEIGHTS_DTYPES:
             raise bad("weights_dtype", self.weights_dtype, f"is not one of {', '.join(self.WEIGHTS_DTYPES)}")
         if self.attention not in self.ATTENTION:

@@ -62,8 +62,9 @@ class Engine(SequenceOps):
         self.options.validate(self.spec.max_position_embeddings)
         self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype)
         self.model.use_attention(self.options.attention)
-        self.runner = ModelRunner(self.model, self.device)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
+        self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
+                                  self.context_limit)
         self.lock = threading.RLock()
         self.step_lock = threading.RLock()
         # A step loop re-takes step_lock at once, and locks are not fair: a waiting reconfigure would starve.
@@ -244,9 +245,9 @@ class Engine(SequenceOps):
             if not sched:
                 self.scheduler.watch_progress([], now)
                 return []
-            batch, kv, writes = self.runner.build(self.pool, sched)
+            run, writes = self.runner.prepare(self.pool, sched)
             t1 = time.perf_counter()
-        logits = self.model.forward(batch, kv)
+        logits = run()
         with self.lock:
             t2 = time.perf_counter()
             outs = self._commit(sched, writes, self.runner.sample(sched, logits))

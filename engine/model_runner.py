@@ -12,6 +12,8 @@ import torch
 
 from engine.attention import PagedKV
 from engine.block_pool import BlockPool, Tier, blocks_for
+from engine.codecs import Appends
+from engine.decode_graphs import DecodeGraphs
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
 from engine.sequence import Sequence
 
@@ -19,26 +21,15 @@ from engine.sequence import Sequence
 class StepKV:
     """The model's view of the cache for one step: where new K/V go, and the device tier to read."""
 
-    def __init__(self, pool: BlockPool, slots: torch.Tensor, offsets: torch.Tensor, write_blocks: np.ndarray,
-                 tok_block: torch.Tensor, prev_fill: np.ndarray, new_fill: np.ndarray):
+    def __init__(self, pool: BlockPool, appends: Appends):
         self.pool = pool
         self.dev = pool.tiers[Tier.DEVICE]
-        self.slots, self.offsets = slots, offsets  # [T] slot_mapping: block slot and offset of each new token
-        dev = self.dev.k["data"].device
-        self.wslots = torch.as_tensor(write_blocks, device=dev)  # [U] distinct slots written
-        self.tok_block = tok_block  # [T] index into wslots
-        self.keep = torch.as_tensor(prev_fill > 0, device=dev)
-        bs = pool.geom.block_size
-        self.fill_mask = (torch.arange(bs, device=dev)[None, :] < torch.as_tensor(new_fill, device=dev)[:, None])
-        self.fill_mask = self.fill_mask.float()[:, None, :, None]  # [U, 1, bs, 1]
+        self.appends = appends  # slot_mapping (slot, offset) of every new token, and the blocks they extend
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        for codec, parts, x in ((self.pool.kcodec, self.dev.k, k), (self.pool.vcodec, self.dev.v, v)):
-            if codec.scatter(parts, layer, self.slots, self.offsets, x):
-                continue
-            blocks = codec.decode(parts, layer, self.wslots)  # [U, Hkv, bs, D]
-            blocks[self.tok_block, :, self.offsets] = x.float()
-            codec.encode(parts, layer, self.wslots, blocks * self.fill_mask, self.keep)
+        """k, v [T, kv_heads, head_dim]: appended in place, one scatter per part; no block is re-encoded."""
+        self.pool.kcodec.append(self.dev.k, layer, self.appends, k)
+        self.pool.vcodec.append(self.dev.v, layer, self.appends, v)
 
     def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
@@ -83,10 +74,23 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaFamily, device: torch.device):
+    def __init__(self, model: LlamaFamily, device: torch.device, max_batch: int = 16, graphs: str = "off",
+                 context_limit: int = 1 << 30):
         self.model = model
         self.device = device
         self.inputs = StepInputs(device)
+        self.context_limit = context_limit
+        self.graphs = DecodeGraphs(model, device, max_batch, graphs)
+
+    def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
+        """(run() -> logits [len(sched), vocab], writes): a decode step through its CUDA graph when it can, else
+        the eager forward pass over `build`'s tensors. Host-side work happens here; `run` does the device work."""
+        if self.graphs.eligible(sched):
+            got = self.graphs.prepare(pool, sched, self.context_limit)
+            if got is not None:
+                return got
+        batch, kv, writes = self.build(pool, sched)
+        return (lambda: self.model.forward(batch, kv)), writes
 
     def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """The step's flat token batch, where each token's K/V goes, and the attention groups."""
@@ -121,20 +125,21 @@ class ModelRunner:
         new_fill = np.zeros(len(wl), dtype=np.int64)
         np.maximum.at(new_fill, tok_block, offs_np + 1)
         put = self.inputs.put
-        kv = StepKV(pool, put("slots", pool.slot[lids_np]), put("offsets", offs_np), pool.slot[wl],
-                    put("tok_block", tok_block), prev_fill, new_fill)
+        kv = StepKV(pool, Appends.of(put("slots", pool.slot[lids_np]), put("offsets", offs_np), put("wslots", pool.slot[wl]),
+                                     put("tok_block", tok_block), put("prev_fill", prev_fill),
+                                     int((offs_np - prev_fill[tok_block]).max())))
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
         return batch, kv, (wl, new_fill)
 
     def _group(self, pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
                ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None, name: str = "g") -> AttnGroup:
-        """Sequences attended together, their block tables padded to the longest (pad: slot 0, masked)."""
+        """Sequences attended together, their block tables padded to the longest with the null block (masked)."""
         bs = pool.geom.block_size
         ctx = ctx or [s.num_cached + 1 for s in seqs]
         nb = max(blocks_for(c, bs) for c in ctx)
         B = len(seqs)
-        table = np.zeros((B, nb), dtype=np.int64)
+        table = np.full((B, nb), pool.tiers[Tier.DEVICE].null_slot, dtype=np.int64)
         kpos = np.zeros((B, nb * bs), dtype=np.int64)
         kvalid = np.zeros((B, nb * bs), dtype=bool)
         qp = np.zeros((B, q_len), dtype=np.int64)

@@ -338,7 +338,8 @@ class Telemetry:
                 "v_bytes": nb.get("v_data", 0),
                 "scale_bytes": sum(v for k, v in nb.items() if not k.endswith("_data")),
                 "metadata_bytes": t.metadata_bytes(),
-                "capacity_bytes": sum(nb.values()),
+                "capacity_bytes": t.capacity * pool.block_bytes,  # the blocks' (k/v/scale bytes add reserved_bytes)
+                "reserved_bytes": sum(nb.values()) - t.capacity * pool.block_bytes,  # device: the null and sink blocks
                 "used_bytes": t.used * pool.block_bytes,
                 "capacity_blocks": t.capacity,
                 "used_blocks": t.used,

@@ -77,9 +77,12 @@ class TierPool:
 
     META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash")
 
-    def __init__(self, tier: Tier, capacity: int, k: Parts, v: Parts, block_size: int, universe: int):
+    def __init__(self, tier: Tier, capacity: int, k: Parts, v: Parts, block_size: int, universe: int,
+                 null_slot: int | None = None):
         self.tier = tier
         self.capacity = capacity
+        self.null_slot = null_slot  # device tier: a zero block past the capacity that pads block tables,
+        self.sink_slot = None if null_slot is None else null_slot + 1  # and one that padding rows write to
         self.k, self.v = k, v
         n = capacity
         self.lid = np.full(n, -1, dtype=np.int64)  # -1: free slot

@@ -215,8 +215,8 @@ def _side_by_side(model, config: CacheConfig, lengths: list[int]) -> tuple[list[
     return engines, logits
 
 
-def _step_together(engines: list[Engine], logits: list[list[torch.Tensor]], until=None) -> None:
-    """Step both engines until done (or `until()`), every step's logits within 1e-4, then the same tokens."""
+def _step_together(engines: list[Engine], logits: list[list[torch.Tensor]], until=None, tol: float = 1e-4) -> None:
+    """Step both engines until done (or `until()`), every step's logits within `tol`, then the same tokens."""
     steps = 0
     while engines[0].has_work() and not (until and until()):
         for eng in engines:
@@ -224,7 +224,7 @@ def _step_together(engines: list[Engine], logits: list[list[torch.Tensor]], unti
         ref, got = logits[0][-1], logits[1][-1]
         assert got.shape == ref.shape
         err = float((got - ref).abs().max())
-        assert err <= 1e-4, f"step {steps}: max logit difference {err:.2e} (logit range {float(ref.abs().max()):.1f})"
+        assert err <= tol, f"step {steps}: max logit difference {err:.2e} (logit range {float(ref.abs().max()):.1f})"
         steps += 1
     assert engines[1].has_work() == engines[0].has_work() and steps > 0
     assert [s.output for s in engines[0].seqs.values()] == [s.output for s in engines[1].seqs.values()]
@@ -243,11 +243,13 @@ def _recording(eng: Engine, out: list) -> None:
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "int8-delta", "int8-kivi", "fp16"])
 def test_quantized_kv_cpu_logits_equal_reference(mistral, kv_dtype):
-    """Two engines side by side, stepped together: every step's logits within 1e-4 (the same dequantization,
-    summed in another order), so the same tokens."""
+    """Two engines side by side, stepped together: every step's logits close (the same dequantization, summed in
+    another order), so the same tokens. fp16 within 1e-4; the 8-bit formats within 2e-3: a K/V element that lands
+    on a rounding boundary can take the next code in one engine (one step of its token's scale, which a
+    last-bit difference from the other summation order decides), and that difference is carried forward."""
     model, _ = mistral
     engines, logits = _side_by_side(model, CacheConfig(block_size=7, kv_dtype=kv_dtype), [12, 40, 70])
-    _step_together(engines, logits)
+    _step_together(engines, logits, tol=1e-4 if kv_dtype == "fp16" else 2e-3)
     assert len(logits[1]) > N
 
 

@@ -112,8 +112,9 @@ def make_machine(model):
             e = self.engine
             e.check_invariants()
             p = e.pool
-            for t in p.tiers:  # bytes accounted equal the pool
-                assert sum(t.nbytes().values()) == t.capacity * p.block_bytes
+            for t in p.tiers:  # bytes accounted equal the pool (the device tier's null and sink blocks besides)
+                reserved = 2 if t.null_slot is not None else 0
+                assert sum(t.nbytes().values()) == (t.capacity + reserved) * p.block_bytes
             for s in e.seqs.values():
                 if not s.done and s.state != SeqState.RUNNING:
                     assert len(s.blocks) * e.config.block_size >= s.num_cached

@@ -117,9 +117,8 @@ def build(case: Case):
         xk[-1] *= 30  # the poisoned block: any read of it swamps the output
         xv[-1] = 50.0
         slots = torch.arange(1, nblocks + 2)
-        keep = torch.zeros(nblocks + 1, dtype=torch.bool)
-        kc.encode(k, layer, slots, xk, keep)
-        vc.encode(v, layer, slots, xv, keep)
+        kc.encode(k, layer, slots, xk)
+        vc.encode(v, layer, slots, xv)
     if kv_formats(case.dtype)[0] is KVFormat.DELTA:
         # The encoder leaves token 0's codes at 0 and decode ignores them (the anchor is token 0): codes there
         # must stay ignored, whatever they are.
@@ -230,8 +229,8 @@ def test_head_major_gather_is_the_codec_decode_exactly(dtype):
 
 def test_formats_cover_every_dtype():
     assert {kv_formats(d) for d in KVDtype} == {
-        (KVFormat.PLAIN, KVFormat.PLAIN), (KVFormat.BLOCK_SCALE, KVFormat.BLOCK_SCALE),
-        (KVFormat.DELTA, KVFormat.BLOCK_SCALE), (KVFormat.CHANNEL_SCALE, KVFormat.TOKEN_SCALE)}
+        (KVFormat.PLAIN, KVFormat.PLAIN), (KVFormat.TOKEN_SCALE, KVFormat.TOKEN_SCALE),
+        (KVFormat.DELTA, KVFormat.TOKEN_SCALE), (KVFormat.CHANNEL_SCALE, KVFormat.TOKEN_SCALE)}
     with pytest.raises(ValueError):
         make_backend("flash")
 
@@ -355,9 +354,9 @@ def test_triton_kernel_compiles_for_the_gpu(arch):
     for dtype in KVDtype:
         kf, vf = kv_formats(dtype)
         sig = {n: ("i32" if n.startswith("s_") or n in ("window", "blocks_per_split") else "*fp32") for n in names}
-        sig.update(K=f"*{data[dtype]}", V=f"*{data[dtype]}", KA="*fp16", Table="*i32", Ctx="*i32", QPos="*i64",
+        sig.update(K=f"*{data[dtype]}", V=f"*{data[dtype]}", KX="*fp16", Table="*i32", Ctx="*i32", QPos="*i64",
                    KPos="*i64", sm_scale="fp32",
-                   KS="*fp16" if kf is KVFormat.CHANNEL_SCALE else "*fp32",
+                   KS="*fp16" if kf is not KVFormat.PLAIN else "*fp32",
                    VS="*fp16" if vf is KVFormat.TOKEN_SCALE else "*fp32")
         split = dtype in (KVDtype.INT8_DELTA, KVDtype.FP8)
         consts = dict(G=3, D=64, BS=100, BLOCK_G=4, BLOCK_D=64, BLOCK_T=32, K_FMT=int(kf), V_FMT=int(vf),

@@ -36,19 +36,18 @@ class KVFormat(enum.IntEnum):
     """How one side (K or V) of a storage format turns its parts into fp32 (see engine/codecs.py)."""
 
     PLAIN = 0  # data cast: fp32 / fp16 / bf16
-    BLOCK_SCALE = 1  # data * scale[slot, head]: int8, fp8
-    CHANNEL_SCALE = 2  # data * scale[slot, head, channel] (fp16): int8-kivi keys
-    TOKEN_SCALE = 3  # data * scale[slot, head, token] (fp16): int8-kivi values
-    DELTA = 4  # anchor[slot, head] + cumsum over tokens of data * scale (token 0's step is 0): int8-delta keys
+    CHANNEL_SCALE = 2  # data * scale[slot, head, channel] * tscale[slot, head, token] (fp16): int8-kivi keys
+    TOKEN_SCALE = 3  # data * scale[slot, head, token] (fp16): int8, fp8, int8-kivi and int8-delta values
+    DELTA = 4  # anchor[slot, head] + cumsum over tokens of data * scale[slot, head, token] (token 0's step is 0)
 
 
 _FORMATS = {
     KVDtype.FP32: (KVFormat.PLAIN, KVFormat.PLAIN),
     KVDtype.FP16: (KVFormat.PLAIN, KVFormat.PLAIN),
     KVDtype.BF16: (KVFormat.PLAIN, KVFormat.PLAIN),
-    KVDtype.INT8: (KVFormat.BLOCK_SCALE, KVFormat.BLOCK_SCALE),
-    KVDtype.FP8: (KVFormat.BLOCK_SCALE, KVFormat.BLOCK_SCALE),
-    KVDtype.INT8_DELTA: (KVFormat.DELTA, KVFormat.BLOCK_SCALE),
+    KVDtype.INT8: (KVFormat.TOKEN_SCALE, KVFormat.TOKEN_SCALE),
+    KVDtype.FP8: (KVFormat.TOKEN_SCALE, KVFormat.TOKEN_SCALE),
+    KVDtype.INT8_DELTA: (KVFormat.DELTA, KVFormat.TOKEN_SCALE),
     KVDtype.INT8_KIVI: (KVFormat.CHANNEL_SCALE, KVFormat.TOKEN_SCALE),
 }
 

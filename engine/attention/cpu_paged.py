@@ -36,14 +36,12 @@ def gather_head_major(parts: Parts, fmt: KVFormat, layer: int, slots: torch.Tens
     x = take("data").float()  # [B, Hkv, c, bs, D]
     if fmt is KVFormat.PLAIN:
         return x
-    scale = take("scale")
-    if fmt is KVFormat.BLOCK_SCALE:
-        return x * scale[..., None, None]  # scale [B, Hkv, c] fp32
+    scale = take("scale").float()
     if fmt is KVFormat.CHANNEL_SCALE:
-        return x * scale.float()[..., None, :]  # scale [B, Hkv, c, D] fp16
+        return x * scale[..., None, :] * take("tscale").float()[..., None]  # scale [B, Hkv, c, D], tscale [.., bs]
     if fmt is KVFormat.TOKEN_SCALE:
-        return x * scale.float()[..., None]  # scale [B, Hkv, c, bs] fp16
-    steps = x * scale[..., None, None]  # DELTA
+        return x * scale[..., None]  # scale [B, Hkv, c, bs] fp16
+    steps = x * scale[..., None]  # DELTA
     steps[..., 0, :] = 0
     return take("anchor").float()[..., None, :] + torch.cumsum(steps, dim=-2)  # anchor [B, Hkv, c, 1, D]
 

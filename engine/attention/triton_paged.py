@@ -30,7 +30,6 @@ from engine.attention.cpu_paged import ChunkedPagedBackend
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1 when triton was imported
 
 # The formats as kernel constants.
-_BLOCK = tl.constexpr(KVFormat.BLOCK_SCALE.value)
 _CHANNEL = tl.constexpr(KVFormat.CHANNEL_SCALE.value)
 _TOKEN = tl.constexpr(KVFormat.TOKEN_SCALE.value)
 _DELTA = tl.constexpr(KVFormat.DELTA.value)
@@ -40,12 +39,13 @@ _DELTA = tl.constexpr(KVFormat.DELTA.value)
 def _paged_decode(
     Q, Out,  # [B, H, D]
     Mw, Lw, Aw,  # split-K partials: [B, Hkv, splits, BLOCK_G] running max and sum, [.., BLOCK_G, BLOCK_D] output
-    K, KS, KA,  # one layer: data [N, Hkv, BS, D]; scale [N, Hkv] / [N, Hkv, D] / unused; anchor [N, Hkv, D]
-    V, VS,  # data [N, Hkv, BS, D]; scale [N, Hkv] / [N, Hkv, BS] / unused
+    K, KS, KX,  # one layer: data [N, Hkv, BS, D]; scale [N, Hkv, BS] per token / [N, Hkv, D] per channel / unused;
+                # KX: anchor [N, Hkv, D] (delta keys) or per-token scale [N, Hkv, BS] (channel keys) / unused
+    V, VS,  # data [N, Hkv, BS, D]; scale [N, Hkv, BS] / unused
     Table, Ctx, QPos, KPos,  # [B, NB], [B], [B], [B, NB*BS]
     sm_scale, window, blocks_per_split,
     s_qb, s_qh, s_qd, s_ob, s_oh, s_od,
-    s_kn, s_kh, s_kt, s_kd, s_ksn, s_ksh, s_ksx, s_kan, s_kah, s_kad,
+    s_kn, s_kh, s_kt, s_kd, s_ksn, s_ksh, s_ksx, s_kxn, s_kxh, s_kxx,
     s_vn, s_vh, s_vt, s_vd, s_vsn, s_vsh, s_vsx,
     s_tb, s_tn, s_pb, s_pn,
     G: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
@@ -80,18 +80,12 @@ def _paged_decode(
         slot = tl.load(Table + b * s_tb + j * s_tn).to(tl.int64)
         kb = K + slot * s_kn + kvh * s_kh
         vb = V + slot * s_vn + kvh * s_vh
-        ks = 1.0
         kch = tl.zeros([BLOCK_D], tl.float32) + 1.0
         carry = tl.zeros([BLOCK_D], tl.float32)  # delta keys: anchor + steps of the tiles before this one
-        if K_FMT == _BLOCK or K_FMT == _DELTA:
-            ks = tl.load(KS + slot * s_ksn + kvh * s_ksh).to(tl.float32)
         if K_FMT == _CHANNEL:
             kch = tl.load(KS + slot * s_ksn + kvh * s_ksh + d * s_ksx, mask=dm, other=0.0).to(tl.float32)
         if K_FMT == _DELTA:
-            carry = tl.load(KA + slot * s_kan + kvh * s_kah + d * s_kad, mask=dm, other=0.0).to(tl.float32)
-        vs = 1.0
-        if V_FMT == _BLOCK:
-            vs = tl.load(VS + slot * s_vsn + kvh * s_vsh).to(tl.float32)
+            carry = tl.load(KX + slot * s_kxn + kvh * s_kxh + d * s_kxx, mask=dm, other=0.0).to(tl.float32)
         for t0 in range(0, BS, BLOCK_T):
             t = t0 + tt
             tm = t < BS
@@ -108,12 +102,15 @@ def _paged_decode(
                 kx = tl.where((u & 128) != 0, -mag, mag)
             else:
                 kx = kx.to(tl.float32)
-            if K_FMT == _BLOCK:
-                kx = kx * ks
+            if K_FMT == _TOKEN:
+                ktok = tl.load(KS + slot * s_ksn + kvh * s_ksh + t * s_ksx, mask=tm, other=0.0).to(tl.float32)
+                kx = kx * ktok[:, None]
             if K_FMT == _CHANNEL:
-                kx = kx * kch[None, :]
+                ktok = tl.load(KX + slot * s_kxn + kvh * s_kxh + t * s_kxx, mask=tm, other=0.0).to(tl.float32)
+                kx = kx * kch[None, :] * ktok[:, None]
             if K_FMT == _DELTA:
-                steps = tl.where((t != 0)[:, None], kx * ks, 0.0)  # token 0 is the anchor itself
+                ktok = tl.load(KS + slot * s_ksn + kvh * s_ksh + t * s_ksx, mask=tm, other=0.0).to(tl.float32)
+                steps = tl.where((t != 0)[:, None], kx * ktok[:, None], 0.0)  # token 0 is the anchor itself
                 kx = carry[None, :] + tl.cumsum(steps, axis=0)
                 carry = carry + tl.sum(steps, axis=0)
             # -- scores [BLOCK_G, BLOCK_T], masked --
@@ -141,8 +138,6 @@ def _paged_decode(
                 vx = tl.where((u & 128) != 0, -mag, mag)
             else:
                 vx = vx.to(tl.float32)
-            if V_FMT == _BLOCK:
-                vx = vx * vs
             if V_FMT == _TOKEN:
                 vtok = tl.load(VS + slot * s_vsn + kvh * s_vsh + t * s_vsx, mask=valid, other=0.0).to(tl.float32)
                 vx = vx * vtok[:, None]
@@ -204,7 +199,7 @@ class TritonPagedBackend:
                                "(or TRITON_INTERPRET=1 set before triton is imported)")
         kd, vd = _bytes_if_fp8(kv.k["data"][layer]), _bytes_if_fp8(kv.v["data"][layer])  # [N, Hkv, bs, D]
         ks = kv.k["scale"][layer] if "scale" in kv.k else kd
-        ka = kv.k["anchor"][layer] if "anchor" in kv.k else kd
+        kx = kv.k["anchor"][layer] if "anchor" in kv.k else kv.k["tscale"][layer] if "tscale" in kv.k else kd
         vs = kv.v["scale"][layer] if "scale" in kv.v else vd
         table = batch.block_table
         ctx = batch.context_lens
@@ -221,10 +216,10 @@ class TritonPagedBackend:
         else:
             mw = lw = aw = out  # unused
         _paged_decode[(B, Hkv, splits)](
-            q, out, mw, lw, aw, kd, ks, ka, vd, vs, table, ctx, qpos, kpos,
+            q, out, mw, lw, aw, kd, ks, kx, vd, vs, table, ctx, qpos, kpos,
             float(scale), int(window or 0), -(-NB // splits),
             *q.stride(), *out.stride(),
-            *kd.stride(), *_strides3(ks), *_strides3(ka),
+            *kd.stride(), *_strides3(ks), *_strides3(kx),
             *vd.stride(), *_strides3(vs),
             *table.stride(), *kpos.stride(),
             G=G, D=D, BS=bs,
