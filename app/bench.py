@@ -48,6 +48,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if getattr(args, "long", None):
         return cmd_bench_long(args)
+    if getattr(args, "quality", False):
+        from app.quality_bench import cmd_bench_quality
+
+        return cmd_bench_quality(args)
     engine, _ = open_engine(args)
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
     P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
@@ -112,6 +116,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     res["step_split"] = {"forward_s": c.forward_s, "bookkeeping_s": c.bookkeeping_s,
                          "bookkeeping_fraction": c.bookkeeping_s / max(c.forward_s + c.bookkeeping_s, 1e-9)}
+    cost = engine.telemetry.cost_signals()
+    cost["device_hit_rate"] = c.device_hit_rate
+    res["cost"] = {k: (None if isinstance(v, float) and v != v else v) for k, v in cost.items()}  # NaN: no data
     res["config"] = engine.config.as_dict()
     res["model"] = engine.spec.name
     res["device"] = args.device
@@ -136,6 +143,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         print(f"    generate_batch failed: {bb['generate_batch_error']}; vs sequential "
               f"{r['batch8_vs_generate_sequential']:.2f}x")
+    k = res["cost"]
+
+    def show(x, fmt):
+        return "no data" if x is None else fmt.format(x)
+
+    print(f"cost: TTFT p50/p95 {show(k['ttft_p50'], '{:.3f}')} / {show(k['ttft_p95'], '{:.3f}')} s, waiting "
+          f"{k['waiting']}, preempted {k['preemptions']}, promotion stall {k['promote_stall_s']:.3f} s, promoted / "
+          f"demoted {show(k['promoted_mb_per_token'], '{:.3f}')} / {show(k['demoted_mb_per_token'], '{:.3f}')} MB per "
+          f"token, device hit rate (keys read) {show(k['device_hit_rate'], '{:.3f}')}, streamed from host "
+          f"{show(k['streamed_share'], '{:.3f}')}")
     s = res["step_split"]
     print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
           f"({100 * s['bookkeeping_fraction']:.1f} %)")

@@ -22,12 +22,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", nargs="?", help="the prompt text")
     g.add_argument("--prompt-file", help='JSONL: {"prompt": ..., "max_new_tokens": ...} per line, run concurrently')
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="stop each sequence after N generated tokens (default 64; sooner at EOS)")
     mode = g.add_mutually_exclusive_group()
     mode.add_argument("--greedy", action="store_true", help="argmax decoding (the default)")
-    mode.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int)
+    mode.add_argument("--temperature", type=float, metavar="T",
+                      help="sample instead of argmax: logits divided by T (> 0; higher is more random)")
+    g.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="with --temperature: sample from the smallest set of tokens whose probabilities sum to P "
+                        "(nucleus sampling; 1.0, the default, keeps all)")
+    g.add_argument("--seed", type=int, help="with --temperature: a seed for the sampler, for repeatable output")
     g.add_argument("--ignore-eos", action="store_true", help="always generate max-new-tokens")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, stats")
     g.add_argument("--record-trace", metavar="FILE.npz", help="record every block read (for kvscope policy-lab)")
@@ -52,6 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--snapshot-blocks", type=int, metavar="N",
                    help="instead: time engine snapshots of a pool of N blocks filled by live sequences")
     b.add_argument("--long", type=int, nargs="?", const=2048, metavar="CONTEXT", help="instead: --batch sequences of CONTEXT tokens (2048), decode step time against the memory floor (weights + KV read per step / memcpy bandwidth), top ops")
+    b.add_argument("--quality", action="store_true",
+                   help="instead: per KV dtype, bytes/token, tok/s, KL divergence, top-1 agreement and max logit error "
+                        "against fp32 KV (teacher-forced: the fp32 run's tokens fed to each)")
+    b.add_argument("--quality-tokens", type=int, default=128, metavar="N", help="with --quality: new tokens per prompt")
+    b.add_argument("--quality-prompts", type=int, default=5, metavar="P", help="with --quality: prompts")
+    b.add_argument("--quality-dtypes", default="fp16,bf16,fp8,int8,int8-delta,int8-kivi", metavar="LIST",
+                   help="with --quality: the KV dtypes to measure, comma-separated")
     b.add_argument("--json", action="store_true")
     _add_model_flags(b)
     _add_cache_flags(b)
@@ -60,17 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_sweep_flags(b)
     sub.add_parser("policy-lab", add_help=False,
                    help="replay a recorded block-access trace through eviction policies, against Belady's OPT")
+    sub.add_parser("attach", add_help=False,
+                   help="draw the KV caches of running vLLM / SGLang servers live (KV events + /metrics), read-only")
     return ap
 
 
-SUBCOMMANDS = ("generate", "info", "bench", "policy-lab")
+SUBCOMMANDS = ("generate", "info", "bench", "policy-lab", "attach")
 
 
 def window_parser() -> argparse.ArgumentParser:
     from app.window import add_window_flags
 
     ap = argparse.ArgumentParser(prog="kvscope", description="KV Scope: watch and tune a tiered, paged KV cache "
-                                 "while a real model runs. Subcommands: generate, info, bench (kvscope SUB -h).")
+                                 f"while a real model runs. Subcommands: {', '.join(SUBCOMMANDS)} (kvscope SUB -h).")
     add_window_flags(ap)
     _add_model_flags(ap)
     _add_cache_flags(ap)
@@ -79,6 +92,10 @@ def window_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "attach":  # before the engine imports below: attach needs no torch
+        from app.attach import main as attach_main
+
+        return attach_main(argv[1:])
     from engine.config import ConfigError
     from engine.errors import RequestError
     from engine.loader import ModelLoadError

@@ -41,6 +41,7 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demote-after", dest="demote_after_s", type=float, help=KNOBS["demote_after_s"].help)
     p.add_argument("--prefetch-depth", type=int, help=KNOBS["prefetch_depth"].help)
     p.add_argument("--evict-batch", type=int, help=KNOBS["evict_batch"].help)
+    p.add_argument("--host-reads", choices=KNOBS["host_reads"].choices, help=KNOBS["host_reads"].help)
     p.add_argument("--context-limit", type=int, help="tokens per sequence before a context shift (default: the model's)")
     p.add_argument("--n-keep", type=int, default=0, help="tokens a context shift keeps at the start")
 

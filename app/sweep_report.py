@@ -38,7 +38,10 @@ def row_of(r: RunResult) -> dict:
         "evictions": c["evictions"], "promotions": c["promotions"], "promoted_bytes": c["promoted_bytes"],
         "demotions": c["demotions"], "demoted_bytes": c["demoted_bytes"],
         "peak_device_bytes": r.peak_device_bytes, "peak_host_bytes": r.peak_host_bytes,
-        "preemptions": c["preemptions"],
+        "preemptions": c["preemptions"], "promote_stall_s": c.get("promote_stall_s", 0.0),
+        "promoted_mb_per_token": c["promoted_bytes"] / 2**20 / r.generated if r.generated else float("nan"),
+        "demoted_mb_per_token": c["demoted_bytes"] / 2**20 / r.generated if r.generated else float("nan"),
+        "streamed_share": c.get("read_tokens_streamed", 0) / c["read_tokens"] if c.get("read_tokens") else float("nan"),
     }
     for k in RESIDENCY:
         row[f"{k}_p50_s"] = _pct(r.residency[k], 50)
@@ -80,14 +83,26 @@ TABLE = (  # header (units in it), cell
     ("tok/s", lambda r: f"{r['tokens_per_s']:.1f}"),
     ("TTFT p50/p95 ms", lambda r: f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}"),
     ("ITL p50/p95 ms", lambda r: f"{_ms(r['itl_p50_ms'])} / {_ms(r['itl_p95_ms'])}"),
-    ("dev hit %", lambda r: f"{100 * r['device_hit_rate']:.1f}"),
-    ("prefix hit %", lambda r: f"{100 * r['prefix_hit_rate']:.1f}"),
+    ("dev hit %", lambda r: _pc(r["device_hit_rate"])),
+    ("streamed %", lambda r: _pc(r["streamed_share"])),
+    ("prefix hit %", lambda r: _pc(r["prefix_hit_rate"])),
     ("evict", lambda r: str(r["evictions"])),
     ("promote n/MB", lambda r: f"{r['promotions']} / {_mb(r['promoted_bytes'])}"),
     ("demote n/MB", lambda r: f"{r['demotions']} / {_mb(r['demoted_bytes'])}"),
     ("peak dev/host MB", lambda r: f"{_mb(r['peak_device_bytes'])} / {_mb(r['peak_host_bytes'])}"),
     ("preempt", lambda r: str(r["preemptions"])),
+    ("stall s", lambda r: f"{r['promote_stall_s']:.2f}"),
+    ("MB/tok in/out", lambda r: f"{_f3(r['promoted_mb_per_token'])} / {_f3(r['demoted_mb_per_token'])}"),
 )
+
+
+def _pc(x) -> str:
+    """A share as a percentage; "-" for no data (nothing counted)."""
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:.1f}"
+
+
+def _f3(x) -> str:
+    return "-" if x is None or not math.isfinite(x) else f"{x:.3f}"
 
 
 def format_table(rows: list[dict]) -> str:
@@ -160,9 +175,11 @@ def plot_sweep(results: list[RunResult], title: str, path: str) -> None:
     a_ttft.legend(frameon=False, loc="upper center", ncols=2)
     config_axis(a_ttft)
 
-    for dx, key, color, lab in ((-wd / 2, "device_hit_rate", blue, "device tier (block reads)"),
+    for dx, key, color, lab in ((-wd / 2, "device_hit_rate", blue, "device tier (keys read)"),
                                 (wd / 2, "prefix_hit_rate", orange, "prefix cache (prompt tokens)")):
-        bars = a_hit.bar(x + dx, [100 * r[key] for r in rows], wd, color=color, label=lab)
+        # No data (nothing read / no prompt) is a missing bar, not a 0 one.
+        vals = [100 * r[key] if r[key] is not None and math.isfinite(r[key]) else np.nan for r in rows]
+        bars = a_hit.bar(x + dx, vals, wd, color=color, label=lab)
         a_hit.bar_label(bars, fmt="%.0f", fontsize=8, padding=2)
     a_hit.set_title("Hit rates")
     a_hit.set_ylabel("%")

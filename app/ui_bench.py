@@ -49,8 +49,8 @@ def _two_minutes_of_history(eng, seed: int = 0) -> None:
     saved = dataclasses.replace(c)
     end = eng.clock()
     for i in range(SERIES_LEN):
-        c.block_reads += int(rng.integers(50, 400))
-        c.block_misses += int(rng.integers(0, 40))
+        c.read_tokens += int(rng.integers(800, 6400))
+        c.read_tokens_missed += int(rng.integers(0, 640))
         c.prompt_tokens += int(rng.integers(0, 300))
         c.prompt_reused += int(rng.integers(0, 150))
         c.evictions += int(rng.integers(0, 30))

@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
-import time
+import threading
 
-NO_DISPLAY = (
-    "kvscope: no display found (DISPLAY / WAYLAND_DISPLAY are unset), so the window cannot open.\n"
-    "  Run it headless instead, e.g.:\n"
-    "    kvscope --headless --screenshot kvscope.png --run-for 20\n"
-    "  (runs the demo workload offscreen for 20 s, then writes the PNG and its snapshot JSON), or give it a\n"
-    "  display (a desktop session, ssh -X, or xvfb-run kvscope)."
-)
+from app.platform_check import NO_DISPLAY, window_problem  # noqa: F401  (NO_DISPLAY: for app.attach)
 
 
 def add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -38,9 +33,13 @@ def has_display() -> bool:
 def run_window(args: argparse.Namespace) -> int:
     if args.headless:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
-    elif not has_display():
-        print(NO_DISPLAY, file=sys.stderr)
-        return 2
+    else:
+        # Before Qt starts: a plugin that cannot load or a display that does not answer would abort the
+        # process with Qt's misleading advice.
+        problem = window_problem()
+        if problem:
+            print(problem, file=sys.stderr)
+            return 2
     if args.screenshot and not args.headless:
         print("kvscope: error: --screenshot needs --headless (in the window, use File > Save screenshot)",
               file=sys.stderr)
@@ -78,7 +77,7 @@ def run_window(args: argparse.Namespace) -> int:
             return 2
         return _show(app, win, args, runner=None)
 
-    runner = start_runner(args)
+    runner = start_runner(args) if args.headless else load_with_progress(args)
     settings = None if args.headless else QtCore.QSettings("kvscope", "kvscope")
     win = MainWindow(runner, settings=settings, confirm_lossy=(lambda dtype: True) if args.headless else None)
     try:
@@ -87,7 +86,57 @@ def run_window(args: argparse.Namespace) -> int:
         runner.stop()
 
 
-def start_runner(args: argparse.Namespace):
+def load_with_progress(args: argparse.Namespace):
+    """start_runner on a worker thread while a small window shows the load's progress (the first start
+    converts the model, half a minute with nothing else on screen); raises what the load raised."""
+    from PySide6 import QtCore
+
+    from app.commands import progress_printer
+    from ui.loading_window import LoadingWindow
+
+    class Bridge(QtCore.QObject):  # carries the worker's reports to the window's thread
+        progress = QtCore.Signal(str, float)
+        done = QtCore.Signal()
+
+    win = LoadingWindow()
+    win.show()
+    bridge = Bridge()
+    bridge.progress.connect(win.set_progress)
+    loop = QtCore.QEventLoop()
+    bridge.done.connect(loop.quit)
+    out: dict = {}
+
+    def report(stage: str, fraction: float) -> None:
+        progress_printer(stage, fraction)
+        bridge.progress.emit(stage, fraction)
+
+    def work() -> None:
+        try:
+            out["runner"] = start_runner(args, progress=report)
+        except BaseException as e:  # handed to the main thread, raised there
+            out["error"] = e
+        finally:
+            bridge.done.emit()
+
+    def interrupt(*_) -> None:  # Ctrl+C in the terminal still stops a start (the window's timer lets it run)
+        out.setdefault("error", KeyboardInterrupt())
+        loop.quit()
+
+    worker = threading.Thread(target=work, name="kvscope-load", daemon=True)
+    worker.start()
+    old = signal.signal(signal.SIGINT, interrupt)
+    try:
+        loop.exec()  # the signal is queued, so a load that ends first still ends this loop
+    finally:
+        signal.signal(signal.SIGINT, old)
+    win.close()
+    if "error" in out:
+        raise out["error"]
+    worker.join()
+    return out["runner"]
+
+
+def start_runner(args: argparse.Namespace, progress=None):
     import torch
 
     from app.commands import open_engine
@@ -106,7 +155,7 @@ def start_runner(args: argparse.Namespace):
     if args.host_budget_mb is None:
         args.host_budget_mb = 192.0
     print("[kvscope] loading the model…", file=sys.stderr, flush=True)
-    engine, load_s = open_engine(args)
+    engine, load_s = open_engine(args) if progress is None else open_engine(args, progress=progress)
     print(f"[kvscope] model ready in {load_s:.1f} s", file=sys.stderr, flush=True)
     if getattr(args, "replay", None):
         from app.trace_workload import TraceWorkload
@@ -122,9 +171,10 @@ def _show(app, win, args, runner) -> int:
     there ends the event loop (never a hang) with one error line and exit status 2 (never a traceback)."""
     from PySide6 import QtCore
 
-    win.show()
     if not args.headless:
+        win.show_fitted()
         return app.exec()
+    win.show()
     done = {"rc": 0}
     what = f"{args.open_snapshot}: cannot draw the snapshot" if runner is None else "the window failed"
 

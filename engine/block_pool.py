@@ -29,6 +29,9 @@ def chain_hash(parent: int, tokens: np.ndarray) -> int:
     return int.from_bytes(h.digest(), "little") or 1
 
 
+RESERVED = 2  # device-tier slots past the blocks: the null block and the sink (see _make_tier)
+
+
 class BlockPool:
     """Blocks of both tiers: allocation, ref counts, hashes, heat, eviction, migration.
 
@@ -44,7 +47,8 @@ class BlockPool:
         self.geom = Geometry(layers, kv_heads, config.block_size, head_dim)
         self.kcodec, self.vcodec = codecs_for(config.kv_dtype)
         self.block_bytes = self._block_bytes(self.kcodec, self.vcodec, self.geom)
-        cap_dev = max(1, int(config.device_budget_mb * 2**20) // self.block_bytes)
+        # The budget holds the device tier's blocks and its two reserved slots (the null and sink blocks).
+        cap_dev = max(0, int(config.device_budget_mb * 2**20) // self.block_bytes - RESERVED)
         cap_host = int(config.host_budget_mb * 2**20) // self.block_bytes
         self.policy: EvictionPolicy = make_policy(config.policy, config.decay)
         n = cap_dev + cap_host

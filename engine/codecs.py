@@ -18,6 +18,7 @@ appending their tokens one by one would.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 from dataclasses import dataclass
 
@@ -51,6 +52,10 @@ class Appends:
     prev_fill: torch.Tensor  # [U] int64
     rank: torch.Tensor  # [T] offset - prev_fill of the token's block: 0 for the first token a block gets this step
     max_rank: int  # most tokens any one block gets this step, minus 1
+    rows: torch.Tensor | None = None  # [T] the step's rows these tokens are (when a step's writes span two tiers)
+
+    def with_rows(self, rows: torch.Tensor) -> "Appends":
+        return dataclasses.replace(self, rows=rows)
 
     @staticmethod
     def of(slots: torch.Tensor, offsets: torch.Tensor, wslots: torch.Tensor, tok_block: torch.Tensor,

@@ -17,8 +17,8 @@ class KVDtype(enum.IntEnum):
     BF16 = 2
     INT8 = 3
     INT8_DELTA = 4  # int8 values, keys stored as closed-loop deltas between consecutive tokens
-    FP8 = 5  # e4m3 with per-block per-head scales
-    INT8_KIVI = 6  # int8, keys with per-channel scales, values with per-token scales (KIVI's layout)
+    FP8 = 5  # e4m3 with a scale per token and head
+    INT8_KIVI = 6  # int8, keys with per-channel (x per-token) scales, values with per-token scales (KIVI's layout)
 
     @property
     def label(self) -> str:
@@ -68,6 +68,7 @@ def change_is_lossy(old: "CacheConfig", new: "CacheConfig") -> bool:
     return not (old.kv_dtype is new.kv_dtype and new.kv_dtype in ELEMENTWISE)
 
 POLICIES = ("lru", "heat", "s3fifo")
+HOST_READS = ("promote", "stream")
 
 
 class ConfigError(ValueError):
@@ -96,6 +97,7 @@ class CacheConfig:
     demote_after_s: float = 5.0
     prefetch_depth: int = 2
     evict_batch: int = 8
+    host_reads: str = "promote"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDtype.parse(self.kv_dtype))
@@ -124,7 +126,8 @@ class CacheConfig:
         return (
             f"bs={self.block_size} {self.kv_dtype.label} dev={self.device_budget_mb:g}MB "
             f"host={self.host_budget_mb:g}MB {self.policy}(decay {self.decay:g}) "
-            f"demote>{self.demote_after_s:g}s prefetch={self.prefetch_depth} batch={self.evict_batch}"
+            f"demote>{self.demote_after_s:g}s prefetch={self.prefetch_depth} batch={self.evict_batch} "
+            f"host-reads={self.host_reads}"
         )
 
 
@@ -133,13 +136,18 @@ KNOBS: dict[str, Knob] = {
     for k in (
         Knob("block_size", int, 1, 1024, unit="tokens", help="tokens per block (all layers' K and V)"),
         Knob("kv_dtype", KVDtype, choices=tuple(_DTYPE_LABELS.values()), help="storage format of cached K/V"),
-        Knob("device_budget_mb", float, 0.01, 1 << 20, unit="MB", help="device-tier pool size"),
+        Knob("device_budget_mb", float, 0.0, 1 << 20, unit="MB",
+             help="device-tier pool size (its blocks and two reserved ones; 0: every block on the host tier)"),
         Knob("host_budget_mb", float, 0.0, 1 << 22, unit="MB", help="host-tier pool size"),
         Knob("policy", str, choices=POLICIES, help="eviction order for cold cached blocks"),
         Knob("decay", float, 0.01, 1.0, unit="/s", help="heat decay per second: heat = heat*decay^dt + 1"),
         Knob("demote_after_s", float, 0.0, 3600.0, unit="s", help="idle time before a block moves device -> host"),
         Knob("prefetch_depth", int, 0, 64, unit="blocks", help="blocks promoted along with a device-tier miss"),
         Knob("evict_batch", int, 1, 4096, unit="blocks", help="cold blocks evicted at once"),
+        Knob("host_reads", str, choices=HOST_READS,
+             help="how attention reads a block on the host tier: promote (copied to the device tier first, as room "
+                  "allows; blocks that cannot fit are streamed), stream (read where it is, one layer at a time; "
+                  "only blocks being written are promoted)"),
     )
 }
 

@@ -54,7 +54,8 @@ class DecodeGraphs:
         self.mode = ("on" if self.cuda else "off") if mode == "auto" else mode
         if self.mode == "on" and not self.cuda:
             self.mode = "static"
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [min(b for b in BUCKETS if b >= max_batch)]
+        top = next((b for b in BUCKETS if b >= max_batch), BUCKETS[-1])  # larger batches than the top bucket: eager
+        self.buckets = [b for b in BUCKETS if b < top] + [top]
         self.captured: dict[int, _Captured] = {}
         self.key: tuple | None = None
         self.fallback: str | None = None  # why decode runs eager for good (a failed capture)
@@ -75,6 +76,8 @@ class DecodeGraphs:
     # -- a step ------------------------------------------------------------------------------------
     def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]], context_limit: int):
         """(run() -> logits [B, vocab], writes) for a decode step; inputs packed and sent now."""
+        if any((pool.tier[seq.table()] != Tier.DEVICE).any() for seq, _ in sched):
+            return None  # a block read from the host tier: the eager step streams it
         bs = pool.geom.block_size
         width = blocks_for(context_limit, bs) + 1  # +1: a row at the limit before its shift writes one more
         key = self._key(pool, width)

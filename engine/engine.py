@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from engine.block_pool import BlockPool, CacheFull, Tier, blocks_for
+from engine.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.errors import RequestError
 from engine.kv_manager import KVManager
@@ -127,11 +127,11 @@ class Engine(SequenceOps):
     def _check_fits(self, prompt_len: int, max_new: int) -> None:
         peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
         need = blocks_for(peak, self.config.block_size)
-        cap = self.kv.capacity(Tier.DEVICE)
-        if need > cap:
+        dev, host = self.kv.capacity(Tier.DEVICE), self.kv.capacity(Tier.HOST)
+        if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
             raise RequestError(
-                f"request needs {need} blocks of {self.config.block_size} tokens ({peak} tokens) but the device tier "
-                f"holds {cap}; raise device_budget_mb or shorten the prompt"
+                f"request needs {need} blocks of {self.config.block_size} tokens ({peak} tokens) but the device and "
+                f"host tiers hold {dev} + {host}; raise device_budget_mb or host_budget_mb, or shorten the prompt"
             )
         if prompt_len > self.context_limit:
             raise RequestError(f"prompt of {prompt_len} tokens exceeds the context limit of {self.context_limit}")
@@ -188,7 +188,7 @@ class Engine(SequenceOps):
             self._check_budget(new)
             self._apply_config(new, changes)
         except ConfigError as e:
-            self.telemetry.emit("config_error", changes={k: str(v) for k, v in changes.items()}, message=str(e))
+            self.telemetry.emit("config_error", changes={k: _label(v) for k, v in changes.items()}, message=str(e))
             raise
         return new
 
@@ -196,12 +196,13 @@ class Engine(SequenceOps):
         per = self.kv.bytes_per_block(new)
         dev = int(new.device_budget_mb * 2**20) // per
         host = int(new.host_budget_mb * 2**20) // per
-        need_dev = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
-                                   new.block_size) for s in self.seqs.values() if not s.done), default=1)
-        if dev < need_dev:
+        dev = max(0, dev - RESERVED)
+        need = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
+                               new.block_size) for s in self.seqs.values() if not s.done), default=0)
+        if dev + host < need:
             raise ConfigError(
-                f"device_budget_mb {new.device_budget_mb:g} gives {dev} blocks of {per} bytes; a live sequence needs "
-                f"{need_dev}: raise the budget or finish that sequence first")
+                f"budgets give {dev} + {host} blocks of {per} bytes (device + host); a live sequence needs {need}: "
+                "raise a budget or finish that sequence first; nothing was changed")
         live = sum(blocks_for(s.num_cached, new.block_size) for s in self.seqs.values() if not s.done)
         if dev + host < live:
             raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {live}; nothing was changed")
@@ -215,16 +216,21 @@ class Engine(SequenceOps):
     def _apply_config(self, new: CacheConfig, changes: dict) -> None:
         """Under both locks. Raises ConfigError with the engine unchanged if the new layout cannot be built."""
         old = self.config
-        geometry = (new.block_size, new.kv_dtype, new.device_budget_mb, new.host_budget_mb) != (
-            old.block_size, old.kv_dtype, old.device_budget_mb, old.host_budget_mb)
-        if geometry:
+        layout = (new.block_size, new.kv_dtype) != (old.block_size, old.kv_dtype)
+        budgets = (new.device_budget_mb, new.host_budget_mb) != (old.device_budget_mb, old.host_budget_mb)
+        if budgets and not layout:  # in place: tiers grow or shrink, blocks (and the prefix cache) stay
+            try:
+                self.kv.resize(new, self.clock())
+            except CacheFull as e:
+                raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
+        elif layout:
             try:
                 relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
             except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
                 raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
         else:
             self.kv.set_policy(new)
-        self.telemetry.emit("config", changes={k: str(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
+        self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
                             summary=new.summary())
 
     # -- the step -----------------------------------------------------------------------------
@@ -364,3 +370,8 @@ class Engine(SequenceOps):
                 assert len(s.blocks) == blocks_for(s.num_cached, self.config.block_size) or s.state == SeqState.RUNNING, (
                     f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
                 assert len(s.blocks) == len(s.hashes)
+
+
+def _label(value) -> str:
+    """A knob value as events show it: a dtype by its name ("int8-kivi", not "6")."""
+    return value.label if isinstance(value, KVDtype) else str(value)

@@ -8,10 +8,12 @@ matching by chain hash, copy-on-write and the per-step hashing of full blocks li
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
-from engine.block_pool import NO_HASH, BlockPool, CacheFull, Tier, blocks_for, chain_hash
+from engine.block_pool import NO_HASH, RESERVED, BlockPool, CacheFull, Tier, blocks_for, chain_hash
 from engine.config import CacheConfig, ConfigError, KVDtype
 from engine.sequence import Sequence
 
@@ -61,7 +63,7 @@ class KVManager:
         import psutil
 
         per = self.bytes_per_block(config)
-        dev = max(1, int(config.device_budget_mb * 2**20) // per) * per
+        dev = max(int(config.device_budget_mb * 2**20) // per, RESERVED) * per
         host = int(config.host_budget_mb * 2**20) // per * per
         vm = psutil.virtual_memory()
         gib = 2**30
@@ -88,6 +90,14 @@ class KVManager:
     def use(self, pool: BlockPool) -> None:
         """Switch to a re-laid pool (see relayout.py), built for the new config."""
         self.pool = pool
+
+    def resize(self, config: CacheConfig, now: float) -> None:
+        """A budget-only change, in place (engine/tier_resize.py): CacheFull with nothing changed if the blocks
+        sequences own cannot fit, ConfigError if this machine cannot hold the new budgets."""
+        from engine.tier_resize import resize
+
+        self.check_memory(config)
+        resize(self.pool, config, now)
 
     def set_policy(self, config: CacheConfig) -> None:
         """A change that keeps the geometry: the pool keeps its blocks, the policy starts afresh."""
@@ -140,18 +150,21 @@ class KVManager:
         return lids, hashes
 
     def fits_admission(self, seq: Sequence, match: list[int], first: int) -> bool:
-        """Room on the device tier for the sequence's blocks plus its first chunk of `first` tokens.
+        """Room on the device tier for the blocks the sequence's first chunk of `first` tokens writes.
 
-        `match` is a prefix found for a sequence holding no blocks: matched blocks that sit unowned on the
-        device stop being reclaimable once taken, and matched host blocks must be promoted.
+        `match` is a prefix found for a sequence holding no blocks. Blocks it only reads may stay on the host tier
+        (promote mode promotes them at schedule time as room allows); matched blocks that sit unowned on the
+        device stop being reclaimable once taken.
         """
         p = self.pool
+        bs = self.config.block_size
         lids = np.asarray(match or seq.blocks, dtype=np.int64)
-        cached = len(match) * self.config.block_size if match else seq.num_cached
-        need = blocks_for(cached + first, self.config.block_size) - len(lids)
-        tiers = p.tier[lids]
-        on_host = int(np.count_nonzero(tiers == HOST))
-        pinned = int(np.count_nonzero(p._meta("ref", lids[tiers == DEVICE]) == 0)) if match else 0
+        cached = len(match) * bs if match else seq.num_cached
+        need = blocks_for(cached + first, bs) - len(lids)
+        written = lids[cached // bs:]
+        on_host = int(np.count_nonzero(p.tier[written] == HOST))
+        dev = lids[p.tier[lids] == DEVICE]
+        pinned = int(np.count_nonzero(p._meta("ref", dev) == 0)) if match else 0
         return p.reclaimable(Tier.DEVICE) - pinned >= need + on_host
 
     def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:
@@ -196,18 +209,58 @@ class KVManager:
         if len(idle) and p.tiers[Tier.HOST].capacity:
             p.move(idle, Tier.HOST, now, reason="idle")
 
-    def room_needed(self, seq: Sequence, n: int) -> int:
-        """Device slots the sequence needs to compute n more tokens: its host blocks, new blocks, and a
-        copy of a shared partial tail it is about to write into."""
+    def streams(self) -> bool:
+        return self.config.host_reads == "stream"
+
+    def written(self, seq: Sequence) -> np.ndarray:
+        """The sequence's existing blocks its next tokens go into (its partial tail, if any)."""
+        return seq.table()[seq.num_cached // self.config.block_size:]
+
+    def room_needed(self, seq: Sequence, n: int, minimal: bool = False) -> int:
+        """Device slots the sequence needs to compute n more tokens: its host blocks (only those it writes into
+        when `minimal` or host_reads is stream: the rest are read where they are), new blocks, and a copy of a
+        shared partial tail it is about to write into."""
         p = self.pool
         bs = self.config.block_size
         new_blocks = blocks_for(seq.num_cached + n, bs) - len(seq.blocks)
-        table = seq.table()
-        on_host = int(np.count_nonzero(p.tier[table] == HOST))
+        read = self.written(seq) if minimal or self.streams() else seq.table()
+        on_host = int(np.count_nonzero(p.tier[read] == HOST))
         tail_cow = 0
         if seq.num_cached % bs and seq.blocks:
             tail_cow = 1 if p.ref_of(seq.blocks[seq.num_cached // bs]) > 1 else 0
         return on_host + max(new_blocks, 0) + tail_cow
+
+    def fits_anywhere(self, seq: Sequence, n: int) -> bool:
+        """The new blocks for n more tokens (and a copy of a shared tail) can be had on either tier: with a
+        device tier full of blocks that are only read, writes go to the host tier."""
+        p = self.pool
+        bs = self.config.block_size
+        need = max(blocks_for(seq.num_cached + n, bs) - len(seq.blocks), 0)
+        if seq.num_cached % bs and seq.blocks and p.ref_of(seq.blocks[seq.num_cached // bs]) > 1:
+            need += 1
+        return p.reclaimable(Tier.DEVICE) + p.reclaimable(Tier.HOST) >= need
+
+    def _place_new(self) -> Tier:
+        """Where a new block goes: the device tier while it has room, else the host tier."""
+        return Tier.DEVICE if self.pool.reclaimable(Tier.DEVICE) else Tier.HOST
+
+    def demote_unwritten(self, need: int, seqs: list[Sequence], pinned: set[int], now: float) -> bool:
+        """Room by moving device blocks that `seqs` hold but do not write this step (not in `pinned`) to the host
+        tier, coldest first: attention then reads them there. For sequences larger than the device tier."""
+        p = self.pool
+        if p.can_allocate(Tier.DEVICE, need):
+            return True
+        tables = [s.table() for s in seqs if s.blocks]
+        if not tables:
+            return False
+        cand = np.unique(np.concatenate(tables))
+        cand = cand[p.tier[cand] == DEVICE]
+        if pinned and len(cand):
+            cand = cand[~np.isin(cand, np.fromiter(pinned, dtype=np.int64))]
+        if len(cand):
+            cand = cand[np.argsort(p.last_of(cand), kind="stable")]
+            p.move(cand[:max(need - p.reclaimable(Tier.DEVICE), 0)], Tier.HOST, now, reason="room")
+        return p.can_allocate(Tier.DEVICE, need)
 
     def reclaim(self, need: int, now: float, idle: list[Sequence], keep: list[Sequence]) -> bool:
         """Make `need` device slots obtainable from sequences that are not running: demote their blocks to
@@ -237,41 +290,55 @@ class KVManager:
                 return True
         return p.can_allocate(Tier.DEVICE, need)
 
-    def make_resident(self, seq: Sequence, n: int, now: float) -> None:
-        """With room ensured: promote the sequence's host blocks, copy a shared tail, add blocks for n tokens.
+    def make_resident(self, seq: Sequence, n: int, now: float, minimal: bool = False) -> None:
+        """With room ensured: promote the sequence's host blocks (only those it writes into when `minimal` or
+        host_reads is stream), copy a shared tail, add blocks for n tokens.
 
-        Device-tier reads: a host block is a miss; promoting it brings the next prefetch_depth host blocks of
-        the sequence along, so they are hits when attention reaches them.
+        Promoting a host block brings the next prefetch_depth host blocks of the sequence along. Attention reads
+        are counted per token: a key in a block that was on the host tier when the step began is a device-tier
+        miss, whether it was promoted for the step or is read where it is (streamed).
         """
         p = self.pool
         bs = self.config.block_size
         table = seq.table()
-        on_host = table[p.tier[table] == HOST]
-        group = 1 + self.config.prefetch_depth
+        tiers = p.tier[table]
+        host_rows = np.flatnonzero(tiers == HOST)
+        minimal = minimal or self.streams()
+        group = 1 if minimal else 1 + self.config.prefetch_depth
+        promote = host_rows[host_rows >= seq.num_cached // bs] if minimal else host_rows
+        if minimal:  # as the device tier has room; a written block left on the host tier is written there
+            promote = promote[:p.reclaimable(Tier.DEVICE)]
         if self.trace is not None:
-            tiers = p.tier[table].copy()
             hits = np.ones(len(table), dtype=bool)
-            hits[np.flatnonzero(tiers == HOST)[::group]] = False  # the first of each promoted group misses
-            self.trace.add(now, seq.id, p.serial[table], tiers, hits)
-        misses = 0
-        for j in range(0, len(on_host), group):
-            misses += 1
-            p.move(on_host[j:j + group], Tier.DEVICE, now, reason="miss")
+            hits[host_rows] = False
+            self.trace.add(now, seq.id, p.serial[table], tiers.copy(), hits)
+        if len(promote):
+            t0 = time.perf_counter()
+            for j in range(0, len(promote), group):
+                p.move(table[promote[j:j + group]], Tier.DEVICE, now, reason="miss")
+            self.counters.promote_stall_s += time.perf_counter() - t0
         self.counters.block_reads += len(table)
-        self.counters.block_misses += misses
+        self.counters.block_misses += len(host_rows)
         if seq.num_cached % bs and seq.blocks:
             self.ensure_writable(seq, seq.num_cached // bs, now)
         while len(seq.blocks) < blocks_for(seq.num_cached + n, bs):
-            seq.blocks.append(p.allocate(Tier.DEVICE, seq.id, now))
+            seq.blocks.append(p.allocate(self._place_new() if minimal else Tier.DEVICE, seq.id, now))
             seq.hashes.append(0)
             seq.table_version += 1
+        # Keys attention reads this step, per block of the table: full blocks, then the tail up to the new tokens.
+        read = seq.num_cached + n
+        keys = np.full(len(seq.blocks), bs, dtype=np.int64)
+        keys[-1] = read - (len(seq.blocks) - 1) * bs
+        self.counters.read_tokens += read
+        self.counters.read_tokens_missed += int(keys[host_rows].sum())
+        self.counters.read_tokens_streamed += int(keys[p.tier[seq.table()] == HOST].sum())
 
     def ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
         """Copy-on-write of block bi if shared; forget its hash if cached (its content is about to change)."""
         p = self.pool
         lid = seq.blocks[bi]
         if p.ref_of(lid) > 1:
-            new = p.allocate(Tier.DEVICE, seq.id, now)
+            new = p.allocate(self._place_new(), seq.id, now)
             p.copy_block(lid, new)
             p.decref(lid)
             seq.blocks[bi] = new

@@ -50,17 +50,20 @@ class AttnGroup:
 
     rows: torch.Tensor  # [B*Q] indices into the step's T tokens, row-major by sequence
     q_len: int
-    table: torch.Tensor  # [B, NB] device slots of each sequence's blocks (padded with slot 0)
+    table: torch.Tensor  # [B, NB] device slots of each sequence's blocks (padded with the null block)
     kpos: torch.Tensor  # [B, NB*bs] position of each gathered key; masked where kvalid is False
     kvalid: torch.Tensor  # [B, NB*bs] bool
     qpos: torch.Tensor  # [B, Q] positions of the queries
     ctx: torch.Tensor | None = None  # [B] keys of each row (its first ctx[b] table entries' tokens); None: kvalid.sum(1)
     key_pos: torch.Tensor | None = None  # kpos when some row is repositioned; None: key i sits at position i
+    on_host: torch.Tensor | None = None  # [B, NB] bool: blocks read from the host tier (PagedBatch.on_host)
+    host_table: torch.Tensor | None = None  # [B, NB] their host-tier slots (a CPU tensor)
 
     def paged(self) -> PagedBatch:
         """The group as an attention backend reads it."""
         ctx = self.ctx if self.ctx is not None else self.kvalid.sum(1)
-        return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos)
+        return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos,
+                          on_host=self.on_host, host_table=self.host_table)
 
 
 @dataclass
@@ -75,8 +78,8 @@ class KVStore(Protocol):
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new K/V [T, Hkv, D] for the step's tokens."""
 
-    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 K/V of the blocks in table [B, NB]: [B, NB, Hkv, bs, D] each."""
+    def gather(self, layer: int, group: "AttnGroup") -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K/V of the group's blocks, from the tier each is in: [B, NB, Hkv, bs, D] each."""
 
     def paged(self) -> PagedKV:
         """The tier's K/V parts as they lie, for the in-place backends."""
@@ -276,7 +279,7 @@ class LlamaFamily:
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
             for g, mask, n in zip(batch.groups, masks[window], spans):
                 B, NB = g.table.shape
-                kb, vb = kv.gather(li, g.table)  # [B, NB, Hkv, bs, D], fp32
+                kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32
                 S = NB * kb.shape[3]
                 # Attention in the weights dtype, as transformers computes it (a no-op for fp32).
                 kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.attention import PagedKV
+from engine.attention import PagedKV, read_blocks
 from engine.block_pool import BlockPool, Tier, blocks_for
 from engine.codecs import Appends
 from engine.decode_graphs import DecodeGraphs
@@ -19,23 +19,42 @@ from engine.sequence import Sequence
 
 
 class StepKV:
-    """The model's view of the cache for one step: where new K/V go, and the device tier to read."""
+    """The model's view of the cache for one step: where new K/V go, and the tiers to read."""
 
-    def __init__(self, pool: BlockPool, appends: Appends):
+    def __init__(self, pool: BlockPool, appends: Appends, host: tuple[torch.Tensor, Appends] | None = None):
         self.pool = pool
         self.dev = pool.tiers[Tier.DEVICE]
         self.appends = appends  # slot_mapping (slot, offset) of every new token, and the blocks they extend
+        # Tokens whose blocks are on the host tier (a device tier too small for the step's writes): their rows of
+        # the step's K/V and their appends into the host tier's parts. None: every write goes to the device tier.
+        self.host = host
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim]: appended in place, one scatter per part; no block is re-encoded."""
-        self.pool.kcodec.append(self.dev.k, layer, self.appends, k)
-        self.pool.vcodec.append(self.dev.v, layer, self.appends, v)
+        kc, vc = self.pool.kcodec, self.pool.vcodec
+        if self.host is None:
+            kc.append(self.dev.k, layer, self.appends, k)
+            vc.append(self.dev.v, layer, self.appends, v)
+            return
+        rows, happ = self.host
+        ht = self.pool.tiers[Tier.HOST]
+        kc.append(ht.k, layer, happ, k[rows].to(ht.k["data"].device))
+        vc.append(ht.v, layer, happ, v[rows].to(ht.v["data"].device))
+        if self.appends is not None:
+            drows = self.appends.rows
+            kc.append(self.dev.k, layer, self.appends, k[drows])
+            vc.append(self.dev.v, layer, self.appends, v[drows])
 
-    def gather(self, layer: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self.pool.kcodec.decode(self.dev.k, layer, table), self.pool.vcodec.decode(self.dev.v, layer, table))
+    def gather(self, layer: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, kv, every = group.paged(), self.paged(), slice(None)
+        kc, vc = self.pool.kcodec, self.pool.vcodec
+        return (read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False),
+                read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False))
 
     def paged(self) -> PagedKV:
-        return PagedKV(k=self.dev.k, v=self.dev.v, dtype=self.pool.config.kv_dtype)
+        host = self.pool.tiers[Tier.HOST]
+        dtype = self.pool.config.kv_dtype
+        return PagedKV(k=self.dev.k, v=self.dev.v, dtype=dtype, host=PagedKV(k=host.k, v=host.v, dtype=dtype))
 
 
 class StepInputs:
@@ -117,20 +136,40 @@ class ModelRunner:
         if decode:
             groups.insert(0, self._group(pool, decode, decode_rows, name="decode"))
         lids_np, offs_np = np.concatenate(lids), np.concatenate(offs)
-        # Writes are appends: the first offset written into a block is how many of its slots were
-        # already valid, and the block's fill afterwards is the last offset written + 1.
-        wl, tok_block = np.unique(lids_np, return_inverse=True)
-        prev_fill = np.full(len(wl), bs, dtype=np.int64)
-        np.minimum.at(prev_fill, tok_block, offs_np)
+        on_host = pool.tier[lids_np] == Tier.HOST
+        wl = np.unique(lids_np)
         new_fill = np.zeros(len(wl), dtype=np.int64)
-        np.maximum.at(new_fill, tok_block, offs_np + 1)
+        np.maximum.at(new_fill, np.searchsorted(wl, lids_np), offs_np + 1)
+        if not on_host.any():
+            kv = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True))
+        else:  # some blocks written are on the host tier: their tokens' K/V go there
+            rows = np.flatnonzero(on_host)
+            dev_rows = np.flatnonzero(~on_host)
+            host = (torch.as_tensor(rows, device=self.device), self._appends(pool, lids_np[rows], offs_np[rows], "h", device=False))
+            dev = self._appends(pool, lids_np[dev_rows], offs_np[dev_rows], "", device=True, rows=dev_rows) if len(dev_rows) else None
+            kv = StepKV(pool, dev, host)
         put = self.inputs.put
-        kv = StepKV(pool, Appends.of(put("slots", pool.slot[lids_np]), put("offsets", offs_np), put("wslots", pool.slot[wl]),
-                                     put("tok_block", tok_block), put("prev_fill", prev_fill),
-                                     int((offs_np - prev_fill[tok_block]).max())))
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
         return batch, kv, (wl, new_fill)
+
+    def _appends(self, pool: BlockPool, lids: np.ndarray, offs: np.ndarray, prefix: str, device: bool,
+                 rows: np.ndarray | None = None) -> Appends:
+        """Appends of tokens (block lids, offsets) into their tier's parts. Writes are appends: the first offset
+        written into a block is how many of its slots were already valid."""
+        wl, tok_block = np.unique(lids, return_inverse=True)
+        prev_fill = np.full(len(wl), pool.geom.block_size, dtype=np.int64)
+        np.minimum.at(prev_fill, tok_block, offs)
+        max_rank = int((offs - prev_fill[tok_block]).max())
+        if device:
+            put = self.inputs.put
+            a = Appends.of(put(prefix + "slots", pool.slot[lids]), put(prefix + "offsets", offs),
+                           put(prefix + "wslots", pool.slot[wl]), put(prefix + "tok_block", tok_block),
+                           put(prefix + "prev_fill", prev_fill), max_rank)
+            return a if rows is None else a.with_rows(put("dev_rows", rows))
+        t = torch.from_numpy  # the host tier's parts are CPU tensors
+        return Appends.of(t(pool.slot[lids]), t(offs.astype(np.int64)), t(pool.slot[wl]), t(tok_block.astype(np.int64)),
+                          t(prev_fill), max_rank)
 
     def _group(self, pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
                ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None, name: str = "g") -> AttnGroup:
@@ -139,14 +178,18 @@ class ModelRunner:
         ctx = ctx or [s.num_cached + 1 for s in seqs]
         nb = max(blocks_for(c, bs) for c in ctx)
         B = len(seqs)
-        table = np.full((B, nb), pool.tiers[Tier.DEVICE].null_slot, dtype=np.int64)
+        null = pool.tiers[Tier.DEVICE].null_slot
+        table = np.full((B, nb), null, dtype=np.int64)
+        host = np.zeros((B, nb), dtype=bool)
         kpos = np.zeros((B, nb * bs), dtype=np.int64)
         kvalid = np.zeros((B, nb * bs), dtype=bool)
         qp = np.zeros((B, q_len), dtype=np.int64)
         ctx_np = np.asarray(ctx, dtype=np.int64)
         for b, (seq, c) in enumerate(zip(seqs, ctx)):
             k = blocks_for(c, bs)
-            table[b, :k] = pool.slot[seq.table()[:k]]
+            lids = seq.table()[:k]
+            table[b, :k] = pool.slot[lids]
+            host[b, :k] = pool.tier[lids] == Tier.HOST
             kp = seq.key_positions(c)
             kpos[b, :c] = kp
             kvalid[b, :c] = True
@@ -157,9 +200,14 @@ class ModelRunner:
         # Key positions for the backends only when some row's differ from their indices (after a context shift,
         # seq_add, seq_div): else None, and a backend may skip blocks wholly after the queries or before a window.
         key_pos = kpos_t if any(seq.repositioned for seq in seqs) else None
+        on_host = host_table = None
+        if host.any():  # blocks read where they are on the host tier: the device table points at the null block
+            host_table = torch.from_numpy(np.where(host, table, 0))
+            table = np.where(host, null, table)
+            on_host = put(name + ".on_host", host)
         return AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
                          kpos=kpos_t, kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp),
-                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos)
+                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos, on_host=on_host, host_table=host_table)
 
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:

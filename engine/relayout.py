@@ -16,13 +16,14 @@ from engine.sequence import Sequence
 
 
 def relayout(kv: KVManager, seqs: list[Sequence], new: CacheConfig, now: float) -> None:
-    """Move every live sequence's blocks into a fresh pool of `new`'s geometry and switch to it."""
+    """Move every live sequence's blocks into a fresh pool of `new`'s geometry and switch to it. A dtype change
+    (same block size) also re-lays the prefix cache: each cached block is re-encoded with its hash and history.
+    (Budget-only changes never come here: they resize the pool in place, engine/tier_resize.py.)"""
     old_pool = kv.pool
     pool = kv.make_pool(new)
-    if (new.block_size, new.kv_dtype) == (kv.config.block_size, kv.config.kv_dtype):
-        tables = _copy_bytes(old_pool, pool, seqs, now)
-    else:
-        tables = _reencode(kv, pool, seqs, new, now)
+    tables = _reencode(kv, pool, seqs, new, now)
+    if new.block_size == old_pool.config.block_size:
+        _relay_cached(old_pool, pool, now)
     kv.use(pool)  # commit: nothing above touched a sequence
     for seq in seqs:
         if seq.id in tables:
@@ -30,27 +31,30 @@ def relayout(kv: KVManager, seqs: list[Sequence], new: CacheConfig, now: float) 
             seq.table_version += 1
 
 
-def _copy_bytes(old: BlockPool, pool: BlockPool, seqs: list[Sequence], now: float) -> dict:
-    """A budget-only change: every live block is copied byte for byte (codes and scales), so even the formats
-    whose encoding is not idempotent keep exactly what attention read."""
-    mapping: dict[int, int] = {}
-    tables = {}
-    for seq in seqs:
-        for lid in seq.blocks:
-            if lid in mapping:
-                pool.incref(mapping[lid])
-                continue
-            tier = Tier.DEVICE if pool.reclaimable(Tier.DEVICE) else Tier.HOST
-            new_lid = pool.allocate(tier, seq.id, now)
-            pool.copy_from(old, lid, new_lid)
-            h = old.hash_of(lid)
-            if h:
-                t = old.tiers[old.tier[lid]]
-                pool.set_hash(new_lid, h, t.tokens[old.slot[lid], :old.fill_of(lid)])
-            mapping[lid] = new_lid
-        if seq.blocks:
-            tables[seq.id] = ([mapping[lid] for lid in seq.blocks], list(seq.hashes))
-    return tables
+def _relay_cached(old: BlockPool, pool: BlockPool, now: float) -> None:
+    """Cached (unowned) blocks of `old`, hottest first, re-encoded into `pool` while it has room; each keeps its
+    hash, tokens and access history, so the prefix cache and the eviction order survive the change."""
+    cand = [(t, int(s)) for t in old.tiers for s in t.cached.view()]
+    cand.sort(key=lambda ts: -ts[0].last[ts[1]])
+    for t, s in cand:
+        h = int(t.hash[s])
+        if h in pool.by_hash:  # a live sequence's block, re-laid already
+            continue
+        free = [tt for tt in (Tier.DEVICE, Tier.HOST) if pool.tiers[tt].free_slots]  # never evict one re-laid already
+        if not free:
+            return
+        tier = free[0]
+        lid = int(t.lid[s])
+        new_lid = pool.allocate(tier, -1, now)
+        fill = int(t.fill[s])
+        pool.set_fill([new_lid], [fill])
+        k, v = old.read_blocks([lid])
+        pool.write_blocks([new_lid], k, v)
+        pool.set_hash(new_lid, h, t.tokens[s, :fill])
+        nt, ns = pool.tiers[pool.tier[new_lid]], pool.slot[new_lid]
+        for m in ("last", "heat", "born", "hist"):
+            getattr(nt, m)[ns] = getattr(t, m)[s]
+        pool.decref(new_lid)  # unowned and hashed: cached
 
 
 def _reencode(kv: KVManager, pool: BlockPool, seqs: list[Sequence], new: CacheConfig, now: float) -> dict:

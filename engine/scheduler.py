@@ -103,6 +103,7 @@ class Scheduler:
         active = [self.seqs[s] for s in self.active()]
         active.sort(key=lambda s: (s.pending > 1, s.arrival))  # decodes first, then prompt chunks by arrival
         sched: Scheduled = []
+        pinned: set[int] = set()  # blocks the sequences scheduled so far write into: they stay on the device
         for seq in active:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted while making room for an earlier one
@@ -116,17 +117,45 @@ class Scheduler:
             if n <= 0:
                 continue
             keep = {seq.id} | {s.id for s, _ in sched}
-            if not self._make_room(self.kv.room_needed(seq, n), now, keep):
+            placed = self._place(seq, n, now, keep, pinned, sched)
+            if placed is None:
                 self.preempt(seq, now)
                 continue
-            self.kv.make_resident(seq, n, now)
+            n, minimal = placed
+            self.kv.make_resident(seq, n, now, minimal)
+            pinned.update(self.kv.written(seq).tolist())
             sched.append((seq, n))
             budget -= n if n > 1 else 0
             if budget <= 0 and n > 1:
                 break
         return sched
 
-    def _make_room(self, need: int, now: float, keep: set[int]) -> bool:
+    def _place(self, seq: Sequence, n: int, now: float, keep: set[int], pinned: set[int],
+               sched: Scheduled) -> tuple[int, bool] | None:
+        """(tokens, minimal) the sequence can compute this step with room made for them; None: preempt it.
+
+        Every host block resident first (host_reads promote), with room from idle sequences; else only the blocks
+        it writes, the rest read from the host tier where they are, with room also from the device blocks that
+        scheduled sequences (itself included) only read, moved to the host tier; a prompt chunk that still does
+        not fit is shortened. Last, room from preempting newer running sequences.
+        """
+        kv = self.kv
+        if not kv.streams() and self._make_room(kv.room_needed(seq, n), now, keep, preempt=False):
+            return n, False
+        readers = [seq] + [s for s, _ in sched]
+        need = kv.room_needed(seq, n, minimal=True)
+        if self._make_room(need, now, keep, preempt=False) or kv.demote_unwritten(
+                need, readers, pinned | set(kv.written(seq).tolist()), now):
+            return n, True
+        for m in _shorter(n):  # the device tier cannot take all the writes: the rest go to the host tier
+            if kv.fits_anywhere(seq, m):
+                return m, True
+        m = 1 if n == 1 else min(n, kv.config.block_size)
+        if self._make_room(kv.room_needed(seq, m, minimal=True), now, keep):
+            return m, True
+        return None
+
+    def _make_room(self, need: int, now: float, keep: set[int], preempt: bool = True) -> bool:
         """Ensure `need` device slots are obtainable: from idle sequences, then by preempting running ones."""
         if self.kv.can_allocate(need):
             return True
@@ -134,6 +163,8 @@ class Scheduler:
                 if s.id not in keep and not s.done and s.state != SeqState.RUNNING and s.blocks]
         if self.kv.reclaim(need, now, idle, [self.seqs[k] for k in keep]):
             return True
+        if not preempt:
+            return False
         for sid in reversed(self.active()):  # newest first, never one already scheduled this step
             if sid in keep:
                 continue
@@ -176,3 +207,12 @@ class Scheduler:
         victim.error = message
         self.abort(victim, "stalled", now)
         self.stalled = 0
+
+
+def _shorter(n: int):
+    """n, then halves of it down to 1: a prompt chunk shortened until its blocks fit."""
+    while n >= 1:
+        yield n
+        if n == 1:
+            return
+        n = max(1, n // 2)

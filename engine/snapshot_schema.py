@@ -49,7 +49,7 @@ def _snapshot(body: Any) -> Snapshot:
     seqs = _seqs(body["seqs"], tuple(tier.capacity for tier in tiers))
     counters = _counters(body["counters"])
     windowed = _obj(body["windowed"], "windowed", ("tokens_per_s",))
-    windowed = {k: _num(v, f"windowed.{_clip(k, 40)}") for k, v in windowed.items()}
+    windowed = {k: _num(v, f"windowed.{_clip(k, 40)}", nan_ok=True) for k, v in windowed.items()}  # NaN: no data
     memory = _memory(body["memory"])
     series = _series(body["series"])
     residency = _residency(body["residency"])
@@ -152,7 +152,7 @@ def _counters(x: Any) -> dict:
         if k in ints:
             out[k] = _int(v, where, 0)
         elif k in ("device_hit_rate", "prefix_hit_rate"):
-            out[k] = _num(v, where, 0.0, 1.0)
+            out[k] = _num(v, where, 0.0, 1.0, nan_ok=True)  # NaN: nothing counted yet
         else:
             out[k] = _num(v, where, nan_ok=True)  # ttft_p50 is NaN before any first token
     return out

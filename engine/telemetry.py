@@ -35,8 +35,12 @@ class Counters:
     generated: int = 0
     prompt_tokens: int = 0
     prompt_reused: int = 0
-    block_reads: int = 0
-    block_misses: int = 0
+    block_reads: int = 0  # blocks in the tables of scheduled sequences, per step
+    block_misses: int = 0  # of those, blocks on the host tier when the step began
+    read_tokens: int = 0  # keys attention read: each scheduled sequence's context, per step
+    read_tokens_missed: int = 0  # of those, keys in blocks on the host tier when the step began (promoted or streamed)
+    promote_stall_s: float = 0.0  # seconds steps waited on copies of their blocks to the device tier
+    read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no room)
     evictions: int = 0
     promotions: int = 0
     demotions: int = 0
@@ -49,11 +53,13 @@ class Counters:
 
     @property
     def device_hit_rate(self) -> float:
-        return 1.0 - self.block_misses / self.block_reads if self.block_reads else 0.0
+        """Share of the keys attention read that were on the device tier when their step began (nan: none read)."""
+        return 1.0 - self.read_tokens_missed / self.read_tokens if self.read_tokens else float("nan")
 
     @property
     def prefix_hit_rate(self) -> float:
-        return self.prompt_reused / self.prompt_tokens if self.prompt_tokens else 0.0
+        """Share of prompt tokens served from the prefix cache (nan: no prompt yet)."""
+        return self.prompt_reused / self.prompt_tokens if self.prompt_tokens else float("nan")
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -123,12 +129,33 @@ class Telemetry:
         self.residency["reuse_gap"].extend(gaps.tolist())
         self.residency["age_at_hit"].extend(ages.tolist())
 
+    def cost_signals(self) -> dict[str, float]:
+        """What a change costs, as the window and `kvscope bench` show it (NaN: nothing counted yet).
+
+        ttft_p50 / ttft_p95: seconds from arrival to first token over the last requests; waiting / running: sequences
+        queued and admitted now; preemptions: since start; promote_stall_s: seconds steps spent copying blocks to
+        the device tier before they could run (on CUDA: issuing the side-stream copies; the compute stream's wait
+        for them is not timed); promoted_mb_per_token / demoted_mb_per_token: MB moved between tiers
+        per generated token; streamed_share: keys attention read from the host tier where they are, as a share of
+        all keys read."""
+        c, e = self.engine.counters, self.engine
+        t = np.asarray(self.ttfts, dtype=np.float64)
+        per_tok = (lambda b: b / 2**20 / c.generated) if c.generated else (lambda b: float("nan"))
+        return {
+            "ttft_p50": float(np.percentile(t, 50)) if len(t) else float("nan"),
+            "ttft_p95": float(np.percentile(t, 95)) if len(t) else float("nan"),
+            "waiting": len(e.waiting), "running": len(e.running), "preemptions": c.preemptions,
+            "promote_stall_s": c.promote_stall_s,
+            "promoted_mb_per_token": per_tok(c.promoted_bytes), "demoted_mb_per_token": per_tok(c.demoted_bytes),
+            "streamed_share": c.read_tokens_streamed / c.read_tokens if c.read_tokens else float("nan"),
+        }
+
     def ttft(self, seconds: float) -> None:
         self.ttfts.append(seconds)
 
     def after_step(self, now: float) -> None:
         c = self.engine.counters
-        point = (now, c.block_reads, c.block_misses, c.prompt_tokens, c.prompt_reused, c.evictions, c.promotions,
+        point = (now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused, c.evictions, c.promotions,
                  c.demotions, c.generated)
         self.history.append(point)
         while self.history and now - self.history[0][0] > WINDOW_S:
@@ -152,16 +179,17 @@ class Telemetry:
         return out
 
     def _windowed(self, now: float) -> dict[str, float]:
+        nan = float("nan")  # no data: nothing counted in the window (drawn as a gap, never as 0)
         if len(self.history) < 2:
-            return {"device_hit_rate": 0.0, "prefix_hit_rate": 0.0, "evictions_per_s": 0.0, "promotions_per_s": 0.0,
-                    "demotions_per_s": 0.0, "tokens_per_s": 0.0}
+            return {"device_hit_rate": nan, "prefix_hit_rate": nan, "evictions_per_s": nan, "promotions_per_s": nan,
+                    "demotions_per_s": nan, "tokens_per_s": nan}
         a, b = self.history[0], self.history[-1]
         dt = max(b[0] - a[0], 1e-6)
         reads, misses = b[1] - a[1], b[2] - a[2]
         prompt, reused = b[3] - a[3], b[4] - a[4]
         return {
-            "device_hit_rate": 1.0 - misses / reads if reads else 1.0,
-            "prefix_hit_rate": reused / prompt if prompt else 0.0,
+            "device_hit_rate": 1.0 - misses / reads if reads else nan,
+            "prefix_hit_rate": reused / prompt if prompt else nan,
             "evictions_per_s": (b[5] - a[5]) / dt,
             "promotions_per_s": (b[6] - a[6]) / dt,
             "demotions_per_s": (b[7] - a[7]) / dt,
@@ -190,7 +218,7 @@ class Telemetry:
         tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
         seqs = self._seqs(now, tables)
         counters = e.counters.as_dict()
-        counters["ttft_p50"] = float(np.median(self.ttfts)) if self.ttfts else float("nan")
+        counters.update(self.cost_signals())
         windowed = self._windowed(now)
         memory = self.memory()
         names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",

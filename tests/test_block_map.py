@@ -240,3 +240,31 @@ def test_fake_snapshot_is_consistent():
     for t in s.tiers:
         assert np.all(t.heat[t.state == 0] == 0) and np.all(t.owner[t.state == 0] == -1)
     assert sum(len(x) for x in s.seqs.block_slot) == sum(int(np.count_nonzero(t.owner >= 0)) for t in s.tiers)
+
+
+@pytest.mark.parametrize("height", [260, 330, 480])
+def test_tier_labels_clear_the_tier_above_on_a_short_map(qtbot, height):
+    """The demo's tiers (66 device and 273 host blocks) in the block map's place at 1280 x 720 and taller
+    (issue 11: the host tier's label overlapped the device tier's frame)."""
+    bm = BlockMap()
+    qtbot.addWidget(bm)
+    bm.resize(430, height)
+    bm.show()
+    qtbot.waitExposed(bm)
+    bm.set_snapshot(fake_snapshot((66, 273)))
+    qtbot.wait(20)
+    from PySide6.QtCore import QPointF
+
+    view, lay = bm.view, bm._layout
+
+    def on_view(item):
+        return view.mapFromScene(item.sceneBoundingRect()).boundingRect()
+
+    def row_y(row: float) -> float:  # where an image row's top edge is, in the view's pixels
+        return view.mapFromScene(bm.vb.mapViewToScene(QPointF(0, row))).y()
+
+    device_bottom = row_y(lay.tops[0] + lay.rows[0])  # the device tier's frame, its last row's lower edge
+    host_label = on_view(bm._labels[1])  # the text item's box, margins included
+    assert host_label.top() > device_bottom + 1, (host_label, device_bottom)
+    assert host_label.bottom() < row_y(lay.tops[1])  # and it sits above its own tier
+    assert on_view(bm._labels[0]).top() >= 0  # the first tier's label is inside the view

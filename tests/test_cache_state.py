@@ -99,12 +99,27 @@ def make_machine(model):
             self.engine.cancel(data.draw(st.sampled_from(self.live())))
 
         @rule(bs=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from(["fp32", "fp16", "int8", "int8-delta", "int8-kivi"]),
-              dev=st.sampled_from([0.02, 0.03, 0.05]), policy=st.sampled_from(["lru", "heat"]))
-        def reconfigure(self, bs, dtype, dev, policy):
+              dev=st.sampled_from([0.0, 0.005, 0.02, 0.03, 0.05]), policy=st.sampled_from(["lru", "heat"]),
+              host_reads=st.sampled_from(["promote", "stream"]))
+        def reconfigure(self, bs, dtype, dev, policy, host_reads):
+            # Device tiers down to none: sequences then run from the host tier (issue 10).
             try:
-                self.engine.reconfigure(block_size=bs, kv_dtype=dtype, device_budget_mb=dev, policy=policy)
+                self.engine.reconfigure(block_size=bs, kv_dtype=dtype, device_budget_mb=dev, policy=policy,
+                                        host_reads=host_reads)
             except ConfigError:
                 return
+            self.engine.step()
+
+        @rule(dev=st.sampled_from([0.0, 0.004, 0.01, 0.03, 0.08]), host=st.sampled_from([0.0, 0.01, 0.06, 0.2]))
+        def resize(self, dev, host):
+            # Budgets alone change in place (engine/tier_resize.py): same pool, block ids kept, or refused unchanged.
+            pool, tables = self.engine.pool, {s.id: list(s.blocks) for s in self.engine.seqs.values()}
+            try:
+                self.engine.reconfigure(device_budget_mb=dev, host_budget_mb=host)
+            except ConfigError:
+                assert self.engine.pool is pool and {s.id: s.blocks for s in self.engine.seqs.values()} == tables
+                return
+            assert self.engine.pool is pool and {s.id: s.blocks for s in self.engine.seqs.values()} == tables
             self.engine.step()
 
         @invariant()

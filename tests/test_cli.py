@@ -31,7 +31,9 @@ def test_bad_input_gets_a_clear_error(tiny_llama, tmp_path):
         (["generate", "hi", "--model", str(tmp_path / "nope")], "model not found"),
         (["generate", "hi", "--model", tiny_llama, "--block-size", "0"], "block_size"),
         (["generate", "hi", "--model", tiny_llama, "--decay", "7"], "decay"),
-        (["generate", "hi " * 3000, "--model", tiny_llama, "--device-budget-mb", "0.05"], "device tier"),
+        (["generate", "hi " * 3000, "--model", tiny_llama, "--device-budget-mb", "0.05"], "context limit of 512"),
+        (["generate", "hi " * 300, "--model", tiny_llama, "--device-budget-mb", "0.05", "--host-budget-mb", "0.05"],
+         "device and host tiers hold"),
     ]
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\nnot json\n')
@@ -205,7 +207,7 @@ def test_record_trace_to_a_bad_path_fails_before_the_model_loads(tmp_path, capsy
 def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp_path, capsys, monkeypatch):
     from engine.scheduler import Scheduler
 
-    monkeypatch.setattr(Scheduler, "_make_room", lambda self, need, now, keep: False)  # a tier with no room, ever
+    monkeypatch.setattr(Scheduler, "_place", lambda self, *a: None)  # tiers with no room for a step, ever
     rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--json", "hello there", "--block-size", "1",
                            "--max-new-tokens", "8")
     assert rc == 2 and out == "" and "no sequence made progress" in err

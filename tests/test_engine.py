@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import Reference, prompts
-from engine.block_pool import Tier
+from engine.block_pool import RESERVED, Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
 from engine.engine import Engine, RequestError
 from engine.sequence import SamplingParams
@@ -38,11 +38,13 @@ def test_tight_device_budget_migrates_and_stays_exact(llama_model, llama_ref, ho
                  EngineOptions(max_batched_tokens=64))
     assert run(eng, ps) == [llama_ref.greedy(p, N) for p in ps]
     c = eng.counters
-    assert c.demotions > 0 and c.preemptions > 0
+    # Blocks leave the device tier (demoted to make room, or dropped with a preempted sequence's KV); a sequence
+    # runs with blocks left on the host tier (read there) rather than preempting another (issue 10).
+    assert c.demotions > 0 or c.preemptions > 0
     modes = {e.fields["mode"] for e in eng.take_events() if e.kind == "preempt"}
-    assert mode in modes
+    assert not modes or mode in modes
     if mode == "swap":
-        assert c.promotions > 0 and c.block_misses > 0 and 0 < c.device_hit_rate < 1
+        assert c.read_tokens_missed > 0 and 0 < c.device_hit_rate < 1
 
 
 def test_idle_demotion_and_promotion_with_prefetch(llama_model, llama_ref):
@@ -59,12 +61,20 @@ def test_idle_demotion_and_promotion_with_prefetch(llama_model, llama_ref):
     eng.step()
     seq_a = eng.seqs[a]
     assert all(eng.pool.tier[lid] == Tier.HOST for lid in seq_a.blocks)
+    assert seq_a.num_cached == 43
     eng.resume(a)
     misses_before = eng.counters.block_misses
+    read_missed = eng.counters.read_tokens_missed
+    eng.take_events()
     eng.step()
     assert all(eng.pool.tier[lid] == Tier.DEVICE for lid in seq_a.blocks)
-    # 10 host blocks promoted in groups of 1 + prefetch_depth: 3 misses, not 10.
-    assert eng.counters.block_misses - misses_before == 3
+    # Its 11 host blocks (43 tokens) read: 11 block misses, every key it reads (43 + the new one) was in a block
+    # on the host tier; promoted in groups of 1 + prefetch_depth: 3 moves, not 11.
+    assert len(seq_a.blocks) == 11
+    assert eng.counters.block_misses - misses_before == 11
+    assert eng.counters.read_tokens_missed - read_missed == 44
+    moves = [e for e in eng.take_events() if e.kind == "promote"]
+    assert len(moves) == 3 and [e.fields["n"] for e in moves] == [4, 4, 3], [e.fields for e in moves]
     eng.run_until_done()
     eng.check_invariants()
     assert eng.seqs[a].output == llama_ref.greedy(ps[0], N)
@@ -184,7 +194,7 @@ def test_invalid_config_is_refused_and_nothing_changes(llama_model):
     before = eng.config
     for bad in (dict(block_size=0), dict(block_size="x"), dict(kv_dtype="int3"), dict(policy="mru"),
                 dict(decay=1.5), dict(device_budget_mb=-1), dict(evict_batch=0), dict(nonsense=1),
-                dict(device_budget_mb=0.05, block_size=1024)):
+                dict(device_budget_mb=0.05, host_budget_mb=0, block_size=1024)):
         with pytest.raises(ConfigError):
             eng.reconfigure(**bad)
     assert eng.config == before
@@ -193,9 +203,9 @@ def test_invalid_config_is_refused_and_nothing_changes(llama_model):
 
 
 def test_prompt_that_cannot_fit_is_refused(llama_model):
-    eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.05))
-    with pytest.raises(RequestError, match="device tier"):
-        eng.add_request(prompts(11, [2000])[0], SP)
+    eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.05, host_budget_mb=0.05))
+    with pytest.raises(RequestError, match="device and host tiers hold 4 \\+ 6"):
+        eng.add_request(prompts(11, [200])[0], SP)
     with pytest.raises(RequestError):
         eng.add_request([], SP)
     with pytest.raises(RequestError):
@@ -294,7 +304,7 @@ def test_access_trace_records_every_read_with_hits_and_misses(llama_model, tmp_p
 
 def test_seq_add_with_both_tiers_full_is_refused_and_changes_nothing(llama_model):
     # 0.02 MB device + 0 host = 10 blocks of 4 tokens; a 36-token prompt and its fork share 9 of them.
-    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.02, host_budget_mb=0.0))
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=(10 + RESERVED) * 2048 / 2**20, host_budget_mb=0.0))
     a = eng.add_request(prompts(17, [36])[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     eng.step()
     eng.seq_cp(a)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import BlockPool
+from engine.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig
 from engine.eviction import LRU, S3FIFO, Heat, make_policy, s3fifo_sizes
 from engine.tiers import Tier
@@ -17,7 +17,7 @@ BLOCK_BYTES = 16  # geometry (1 layer, 1 head, head_dim 2), block_size 1, fp32: 
 
 
 def make_pool(cap: int, policy: str, decay: float = 0.9, host: int = 0, evict_batch: int = 1) -> BlockPool:
-    cfg = CacheConfig(block_size=1, device_budget_mb=cap * BLOCK_BYTES / 2**20,
+    cfg = CacheConfig(block_size=1, device_budget_mb=(cap + RESERVED) * BLOCK_BYTES / 2**20,
                       host_budget_mb=host * BLOCK_BYTES / 2**20, policy=policy, decay=decay, evict_batch=evict_batch)
     pool = BlockPool((1, 1, 2), cfg, torch.device("cpu"))
     assert pool.tiers[Tier.DEVICE].capacity == cap and pool.tiers[Tier.HOST].capacity == host

@@ -13,19 +13,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import prompts
-from engine.block_pool import BlockPool, Tier
+from engine.block_pool import RESERVED, BlockPool, Tier
 from engine.codecs import fp8_supported
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.engine import Engine, RequestError
 from engine.sequence import SamplingParams
 
 
-def budget_mb(model, blocks: int, block_size: int, dtype=KVDtype.FP32) -> float:
-    """The budget (MB) that gives exactly `blocks` blocks."""
+def budget_mb(model, blocks: int, block_size: int, dtype=KVDtype.FP32, device: bool = True) -> float:
+    """The budget (MB) that gives exactly `blocks` blocks (on the device tier, with its two reserved slots)."""
     s = model.spec
     per = BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
                                     s.num_kv_heads, s.head_dim)
-    return blocks * per / 2**20
+    return (blocks + (RESERVED if device else 0)) * per / 2**20
 
 
 def test_shared_prefix_on_a_full_device_tier_without_host_room_finishes(llama_model, llama_ref):
@@ -66,16 +66,17 @@ def test_a_paused_sequence_on_a_full_device_tier_does_not_starve_the_others(llam
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 3, 8, 16]), dev_blocks=st.integers(1, 40),
-       host_blocks=st.integers(0, 30), n=st.integers(1, 6), max_batch=st.integers(1, 6))
+@given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 3, 8, 16]), dev_blocks=st.integers(0, 40),
+       host_blocks=st.integers(0, 30), n=st.integers(1, 6), max_batch=st.integers(1, 6),
+       host_reads=st.sampled_from(["promote", "stream"]))
 def test_any_small_budget_every_request_finishes_or_is_refused(llama_model, llama_ref, seed, block_size, dev_blocks,
-                                                               host_blocks, n, max_batch):
+                                                               host_blocks, n, max_batch, host_reads):
     rng = random.Random(seed)
-    dev_blocks = max(dev_blocks, math.ceil(0.01 / budget_mb(llama_model, 1, block_size)))  # the knob's minimum
     shared = prompts(seed % 1000, [rng.randint(0, 40)])[0]
     eng = Engine(llama_model, CacheConfig(block_size=block_size,
                                           device_budget_mb=budget_mb(llama_model, dev_blocks, block_size),
-                                          host_budget_mb=budget_mb(llama_model, host_blocks, block_size)),
+                                          host_budget_mb=budget_mb(llama_model, host_blocks, block_size, device=False),
+                                          host_reads=host_reads),
                  EngineOptions(max_batch=max_batch, max_batched_tokens=rng.choice([7, 64, 1024])))
     accepted = []
     for i in range(n):
@@ -84,7 +85,7 @@ def test_any_small_budget_every_request_finishes_or_is_refused(llama_model, llam
         try:
             accepted.append((eng.add_request(p, sp), p, sp.max_new_tokens))
         except RequestError as e:
-            assert "device tier holds" in str(e)  # refused with the reason, up front
+            assert "device and host tiers hold" in str(e)  # refused with the reason, up front
     eng.run_until_done(max_steps=3_000)
     assert not eng.has_work()
     for sid, p, m in accepted:
@@ -100,7 +101,7 @@ def test_a_run_that_cannot_progress_aborts_with_a_reason_instead_of_spinning(lla
     a, b = (eng.add_request(p, sp) for p in prompts(5, [10, 12]))
     for _ in range(3):
         eng.step()
-    monkeypatch.setattr(eng.scheduler, "_make_room", lambda need, now, keep: False)  # a device tier that never has room
+    monkeypatch.setattr(eng.scheduler, "_place", lambda *a: None)  # tiers that never have room for a step
     steps = 0
     while eng.has_work() and steps < 1_000:
         eng.step()

@@ -133,3 +133,47 @@ def test_marks_are_drawn_where_they_happened_and_read_on_hover(qtbot):
     assert c.marks_near(x_cfg) == ["block_size=32"]
     assert c.marks_near(x_shift) == ["context shift, seq 3"]
     assert c.marks_near(r.left() + 2) == []  # the 400 s old mark is outside the span
+
+
+def test_mark_labels_stay_readable_and_apart(qtbot):
+    """Config changes close together (issue 11: their labels collided with each other and ran under other
+    marks' lines and the curves): one label per few pixels, boxes that overlap no other, inside the plot,
+    with no curve drawn through the text."""
+    c = StripChart("Hit rate", "rate", span_s=120, y_range=(0.0, 1.0))
+    c.add_series("a", "series a", "#ff0000", width=2)
+    c.resize(330, 200)
+    qtbot.addWidget(c)
+    x = np.linspace(-25, 0, 250)
+    c.set_data(x, {"a": np.full(250, 0.93)})  # a curve through the labels' rows
+    c.set_marks([(-20.0, "config", "block_size=8"), (-19.95, "config", "kv_dtype=int8"),
+                 (-19.0, "workload", "workload: demo"), (-18.5, "config", "policy=lru"),
+                 (-10.0, "config", "block_size=16, kv_dtype=fp32, device_budget_mb=256"),
+                 (-2.0, "config", "decay=0.5")])
+    img = _paint(c)
+    labels = c.mark_labels()
+    texts = [t for _, t, _ in labels]
+    assert "block_size=8; kv_dtype=int8" in texts  # marks a pixel apart share one label
+    assert len(labels) >= 4
+    r = c._rect
+    for i, (box, _, _) in enumerate(labels):
+        assert r.contains(box)
+        assert not any(box.intersects(other) for other, _, _ in labels[i + 1:])
+        assert _count(img, (255, 0, 0), box) == 0  # the curve passes behind the label, not through it
+
+
+def test_the_unit_text_clears_the_legend(qtbot):
+    """A narrow chart whose legend fills its last row (issue 11: "demotions" ran into "blocks / s")."""
+    c = StripChart("Evictions and migrations", "blocks / s", span_s=120)
+    for key, label in (("e", "evictions"), ("p", "promotions"), ("d", "demotions")):
+        c.add_series(key, label, "#ff0000", tip=f"{label}: what is counted")
+    qtbot.addWidget(c)
+    for width in (240, 300, 330, 420, 600):
+        c.resize(width, 160)
+        unit = c.unit_rect()
+        assert unit.left() >= 0 and unit.right() <= width
+        assert not any(unit.intersects(e) for e in c.legend_rects()), width
+        assert unit.bottom() <= c._plot_rect().top()
+    # A legend entry's tooltip says what its series counts.
+    entry = c.legend_rects()[2]
+    assert c.legend_tip(entry.center()) == "demotions: demotions: what is counted"
+    assert c.legend_tip(QtCore.QPointF(2, 150)) == ""

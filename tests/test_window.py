@@ -72,9 +72,11 @@ def test_each_control_changes_the_live_config(qtbot, window, runner, name):
 def test_invalid_value_is_refused_visibly_and_config_unchanged(qtbot, window, runner):
     busy(runner, n=1)
     qtbot.waitUntil(lambda: runner.engine.seqs[0].num_cached > 30, timeout=10_000)
+    # No host tier, then a device tier too small for the live sequence: in the knob's range, but refused.
+    assert window.controls.apply("host_budget_mb", 0.0)
     before = runner.engine.config
     control = window.controls.controls["device_budget_mb"]
-    control.spin.setValue(0.01)  # in the slider's range, but too small for the live sequence
+    control.spin.setValue(0.01)
     assert "refused" in window.controls.message.text()
     assert "device_budget_mb" in window.controls.message.text()
     assert runner.engine.config == before
@@ -198,6 +200,8 @@ def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_
                         assert seq.tokens[: len(tokens)] == tokens, f"sequence {sid} lost tokens"
                     assert seq.finish_reason in ("", "eos", "length", "cancelled"), seq.finish_reason
             runner.pause_engine(False)
+        runner.pause_engine(True)  # so no sequence arrives between the window's snapshot and the check
+        qtbot.wait(300)
         win.refresh_all()
         shown = set(win.seqs._ids)
         assert {sid for sid, s in eng.seqs.items() if s.state != SeqState.FINISHED} <= shown

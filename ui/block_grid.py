@@ -29,14 +29,19 @@ class GridLayout:
         return tuple(t * self.cols for t in self.tops)
 
 
-def grid_layout(capacities: tuple[int, ...], aspect: float) -> GridLayout:
-    """Columns chosen so the whole map (gaps and label band included) is about `aspect` wide per unit tall."""
+def grid_layout(capacities: tuple[int, ...], aspect: float, label_share: float = 0.0) -> GridLayout:
+    """Columns chosen so the whole map (gaps and label band included) is about `aspect` wide per unit tall.
+
+    label_share: the share of the map's height a tier's label needs (its pixel height over the view's); the
+    gaps grow to it, so a label never overlaps the tier above it on a short view."""
     total = max(sum(capacities), 1)
     aspect = min(max(aspect, 0.2), 20.0)
     cols = max(1, math.ceil(math.sqrt(total * aspect * (1 + 2 * GAP_FRACTION))))
     cols = min(cols, 32000)  # QImage and ImageItem limits
     rows = tuple(-(-c // cols) for c in capacities)
-    gap = max(1, math.ceil(GAP_FRACTION * sum(rows)))
+    share = min(max(label_share, 0.0), 0.3)
+    # g >= share * (rows + 2 g): the map's height includes the band above the first tier and the gap.
+    gap = max(1, math.ceil(GAP_FRACTION * sum(rows)), math.ceil(share * sum(rows) / (1 - 2 * share)))
     tops, r = [], 0
     for i, n in enumerate(rows):
         tops.append(r)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPoint, QPointF, QRectF, Qt, Signal
-from PySide6.QtGui import QFont, QPainterPath, QPen
+from PySide6.QtGui import QFont, QFontMetrics, QPainterPath, QPen
 from PySide6.QtWidgets import QComboBox, QGraphicsPathItem, QHBoxLayout, QToolTip, QVBoxLayout, QWidget
 
 from engine.snapshot import SeqTable, Snapshot
@@ -219,8 +219,14 @@ class BlockMap(QWidget):
         w, h = self.view.width(), self.view.height()
         return w / h if w > 50 and h > 50 else 2.0
 
+    def _label_share(self) -> float:
+        """The share of the view's height a tier's gap needs: the label (its text and the text item's
+        margins) sits 0.15 gap above its tier, so the gap is the label's height / 0.85, and a margin."""
+        h = self.view.height()
+        return ((QFontMetrics(self._label_font).height() + 10) / 0.85 + 3) / h if h > 50 else 0.0
+
     def _relayout(self, caps: tuple[int, ...]) -> None:
-        lay = grid_layout(caps, self._aspect())
+        lay = grid_layout(caps, self._aspect(), self._label_share())
         self._layout = lay
         self._cells.relayout(lay)
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
@@ -268,8 +274,8 @@ class BlockMap(QWidget):
         super().resizeEvent(ev)
         if self._snap is None or self._layout is None:
             return
-        want = grid_layout(self._layout.capacities, self._aspect()).cols
-        if abs(want - self._layout.cols) > 0.15 * self._layout.cols:
+        want = grid_layout(self._layout.capacities, self._aspect(), self._label_share())
+        if abs(want.cols - self._layout.cols) > 0.15 * self._layout.cols or want.gap != self._layout.gap:
             self._relayout(self._layout.capacities)
             self._redraw()
             self._update_labels()

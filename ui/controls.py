@@ -7,22 +7,61 @@ precision asks first, since it is lossy.
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import tomllib
 
+import numpy as np
 from PySide6 import QtCore, QtWidgets
 
 from engine.config import KNOBS, CacheConfig, ConfigError, Knob
 from engine.errors import RequestError
 
-# Slider resolution for float knobs: sliders are int, these map position <-> value.
-LOG_KNOBS = {"device_budget_mb", "host_budget_mb", "demote_after_s"}
-STEPS = 1000
+# The values a slider snaps to (a typed value may lie between two). Knobs not named here take powers of two
+# (sizes and counts) or, for budgets in MB, powers of two from 1 MB to 128 GB (a log scale); each list is
+# cut to the knob's range (engine.config.KNOBS).
+STOPS = {
+    "decay": (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0),
+    "demote_after_s": (0, 0.25, 0.5, 1, 2, 3, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600),
+    "prefetch_depth": (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+}
+# Row labels: the knob's name without its unit, which the value box shows.
+LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", "demote_after_s": "demote after",
+          "kv_dtype": "KV dtype"}
+SPIN_TEXT = "131072.00 MB"  # the widest value a box shows for a slider stop
+SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
+
+
+def slider_stops(knob: Knob) -> tuple[float, ...]:
+    """The values the knob's slider snaps to, in order, within the knob's range."""
+    if knob.name in STOPS:
+        stops = STOPS[knob.name]
+    elif knob.unit == "MB":
+        stops = (0.0,) + tuple(2.0**e for e in range(0, 18))
+    else:
+        stops = (0,) + tuple(2**e for e in range(0, 31))
+    return tuple(knob.kind(v) for v in stops if knob.lo <= v <= knob.hi)
+
+
+def _label(value) -> str:
+    """A knob value as a user reads it (a dtype by its name, not its enum number)."""
+    return value.label if hasattr(value, "label") else f"{value:g}" if isinstance(value, float) else str(value)
+
+
+class StopSlider(QtWidgets.QSlider):
+    """A slider over a knob's stops whose wheel moves one stop a notch (Qt's default is three, a factor of 8
+    on a power-of-two scale)."""
+
+    def wheelEvent(self, event) -> None:
+        notches = event.angleDelta().y() // 120 or (1 if event.angleDelta().y() > 0 else -1)
+        self.setValue(self.value() + notches)
+        event.accept()
 
 
 class KnobControl(QtWidgets.QWidget):
-    """One knob: a slider (or combo) plus an exact-value editor; emits `changed(name, value)` when settled."""
+    """One knob: a slider (or combo) plus an exact-value editor; emits `changed(name, value)` when settled.
+
+    The slider snaps to `slider_stops` (arrow keys and the wheel step one stop, Page Up/Down two); the editor
+    takes any value in the knob's range. A drag applies on release, a key or wheel step once the steps settle.
+    """
 
     changed = QtCore.Signal(str, object)
 
@@ -40,60 +79,79 @@ class KnobControl(QtWidgets.QWidget):
             self.combo.activated.connect(lambda _i: self.changed.emit(knob.name, self.combo.currentText()))
             lay.addWidget(self.combo, 1)
         else:
-            self.slider = QtWidgets.QSlider(QtCore.Qt.Horizontal)
-            self.slider.setRange(0, STEPS)
+            self.stops = slider_stops(knob)
+            self.slider = StopSlider(QtCore.Qt.Horizontal)
+            self.slider.setRange(0, len(self.stops) - 1)
+            self.slider.setSingleStep(1)
+            self.slider.setPageStep(2)
+            self.slider.setFocusPolicy(QtCore.Qt.StrongFocus)
+            self.slider.setToolTip(f"{knob.help}; snaps to {_label(self.stops[0])} … {_label(self.stops[-1])} "
+                                   f"{knob.unit} (arrow keys: one step); type any value in the box")
             self.spin = QtWidgets.QDoubleSpinBox() if knob.kind is float else QtWidgets.QSpinBox()
             if knob.kind is float:
                 self.spin.setDecimals(2)
+                self.spin.setStepType(QtWidgets.QAbstractSpinBox.AdaptiveDecimalStepType)
             self.spin.setRange(knob.lo, knob.hi)
             self.spin.setKeyboardTracking(False)
-            self.spin.setMinimumWidth(84)
+            # One width for every knob, room for the largest slider stop of any (sized by the largest value in
+            # its range, the box would leave the slider a few pixels per stop); a larger typed value scrolls.
+            self.spin.setFixedWidth(self.spin.fontMetrics().horizontalAdvance(SPIN_TEXT) + 26)
             self.spin.setSuffix(f" {knob.unit}" if knob.unit else "")
-            self.slider.sliderMoved.connect(lambda pos: self.spin.blockSignals(True) or self.spin.setValue(
-                self._from_pos(pos)) or self.spin.blockSignals(False))
-            self.slider.sliderReleased.connect(lambda: self.changed.emit(knob.name, self.spin.value()))
+            self._settle = QtCore.QTimer(self, singleShot=True, interval=SETTLE_MS)
+            self._settle.timeout.connect(self._emit_slider)
+            self.slider.sliderMoved.connect(self._preview)
+            self.slider.sliderReleased.connect(self._emit_slider)
+            self.slider.valueChanged.connect(self._stepped)
             self.spin.valueChanged.connect(lambda v: self.changed.emit(knob.name, v))
             lay.addWidget(self.slider, 1)
             lay.addWidget(self.spin)
+        self._live = None
         self.setToolTip(knob.help)
 
-    def _to_pos(self, v: float) -> int:
-        lo, hi = self.knob.lo, self.knob.hi
-        if self.knob.name in LOG_KNOBS:
-            lo = max(lo, 0.01)
-            return round(STEPS * (math.log(max(v, lo)) - math.log(lo)) / (math.log(hi) - math.log(lo)))
-        if self.knob.name == "block_size":  # most useful sizes are small
-            return round(STEPS * math.sqrt((v - lo) / (hi - lo)))
-        return round(STEPS * (v - lo) / (hi - lo))
+    def pos_of(self, value: float) -> int:
+        """The slider position nearest to value (between two stops, the nearer one)."""
+        x = float(np.interp(float(value), self.stops, np.arange(len(self.stops))))
+        return int(x + 0.5)
 
-    def _from_pos(self, pos: int):
-        lo, hi = self.knob.lo, self.knob.hi
-        f = pos / STEPS
-        if self.knob.name in LOG_KNOBS:
-            lo2 = max(lo, 0.01)
-            v = math.exp(math.log(lo2) + f * (math.log(hi) - math.log(lo2)))
-        elif self.knob.name == "block_size":
-            v = lo + f * f * (hi - lo)
-        else:
-            v = lo + f * (hi - lo)
-        return round(v) if self.knob.kind is int else round(v, 2)
+    def _preview(self, pos: int) -> None:
+        self.spin.blockSignals(True)
+        self.spin.setValue(self.stops[pos])
+        self.spin.blockSignals(False)
+
+    def _stepped(self, pos: int) -> None:
+        """A key, wheel or page step (a drag applies on release instead)."""
+        self._preview(pos)
+        if not self.slider.isSliderDown():
+            self._settle.start()
+
+    def _emit_slider(self) -> None:
+        self._settle.stop()
+        value = self.stops[self.slider.value()]
+        if value != self._live:
+            self.changed.emit(self.knob.name, value)
 
     def show_value(self, value) -> None:
         """Reflect the live value without emitting."""
+        self._live = value
         for w in (self.slider, self.combo, self.spin):
             if w is not None:
                 w.blockSignals(True)
         if self.combo is not None:
-            self.combo.setCurrentText(value.label if hasattr(value, "label") else str(value))
+            self.combo.setCurrentText(_label(value))
         else:
+            self._settle.stop()
             self.spin.setValue(value)
-            self.slider.setValue(self._to_pos(value))
+            self.slider.setValue(self.pos_of(value))
         for w in (self.slider, self.combo, self.spin):
             if w is not None:
                 w.blockSignals(False)
 
 
 class ControlsPanel(QtWidgets.QWidget):
+    # (kind, text) of a refusal the engine never saw (a preset file that cannot be read), for the event feed;
+    # the engine reports its own refusals there itself.
+    refused = QtCore.Signal(str, str)
+
     def __init__(self, controller, confirm_lossy=None):
         super().__init__()
         self.controller = controller
@@ -102,16 +160,20 @@ class ControlsPanel(QtWidgets.QWidget):
         lay.setContentsMargins(4, 4, 4, 4)
         form = QtWidgets.QFormLayout()
         form.setLabelAlignment(QtCore.Qt.AlignRight)
+        form.setVerticalSpacing(3)
         self.controls: dict[str, KnobControl] = {}
         for name, knob in KNOBS.items():
             c = KnobControl(knob)
             c.changed.connect(self.apply)
             self.controls[name] = c
-            form.addRow(name.replace("_", " "), c)
+            form.addRow(LABELS.get(name, name.replace("_", " ")), c)
         lay.addLayout(form)
         self.message = QtWidgets.QLabel(" ")
         self.message.setWordWrap(True)
-        self.message.setMinimumHeight(34)
+        # Two lines at most, at a fixed height (a longer message ends in "…", whole in its tooltip and in
+        # Events): a message that grew the panel would push the buttons below out of sight.
+        self.message.setFixedHeight(2 * self.message.fontMetrics().lineSpacing() + 4)
+        self.message.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
         lay.addWidget(self.message)
         row = QtWidgets.QHBoxLayout()
         self.reset = QtWidgets.QPushButton("Reset defaults")
@@ -125,6 +187,8 @@ class ControlsPanel(QtWidgets.QWidget):
         self.load.clicked.connect(lambda: self._pick_and(self.load_preset, save=False))
         eng = QtWidgets.QGroupBox("engine and workload")
         g = QtWidgets.QGridLayout(eng)
+        g.setContentsMargins(6, 4, 6, 6)
+        g.setVerticalSpacing(4)
         self.pause = QtWidgets.QPushButton("Pause engine")
         self.pause.setCheckable(True)
         self.step = QtWidgets.QPushButton("Single step")
@@ -148,10 +212,10 @@ class ControlsPanel(QtWidgets.QWidget):
         g.addWidget(self.step, 0, 1)
         g.addWidget(self.wl_pause, 1, 0)
         g.addWidget(self.intensity, 1, 1)
-        g.addWidget(self.workload_label, 2, 0, 1, 2)
+        g.addWidget(self.workload_label, 2, 0)
+        g.addWidget(self.record, 2, 1)
         g.addWidget(self.replay, 3, 0)
         g.addWidget(self.demo, 3, 1)
-        g.addWidget(self.record, 4, 0, 1, 2)
         lay.addWidget(eng)
         lay.addStretch(1)
         self.pause.toggled.connect(lambda on: (controller.pause_engine(on),
@@ -184,34 +248,51 @@ class ControlsPanel(QtWidgets.QWidget):
         return self.apply_many({name: value})
 
     def apply_many(self, changes: dict) -> bool:
+        text = ", ".join(f"{k}={_label(v)}" for k, v in changes.items())
         lossy = self.controller.is_lossy(changes)
         if lossy:
-            if not self.confirm_lossy(", ".join(f"{k}={v}" for k, v in changes.items())):
+            if not self.confirm_lossy(text):
+                self.show_note(f"not applied: {text} (declined: it would re-encode K/V with less precision)")
                 self.sync()
                 return False
         try:
             new = self.controller.reconfigure(**changes)
         except ConfigError as e:
-            self.show_error(str(e))
+            self.show_error(f"{text}: {e}")  # what was refused, then the engine's reason
             self.sync()
             return False
         lossy = " (lossy: K/V are re-encoded with less precision)" if lossy else ""
-        self.show_ok(f"applied {', '.join(f'{k}={v}' for k, v in changes.items())}{lossy}")
+        self.show_ok(f"applied {text}{lossy}")
         for name in changes:
-            self.controls[name].show_value(getattr(new, name))
+            if name in self.controls:
+                self.controls[name].show_value(getattr(new, name))
         return True
 
     def show_error(self, text: str) -> None:
-        self.message.setStyleSheet("color: #ff8a80;")
-        self.message.setText(f"refused: {text}")
+        self._say(f"refused: {text}", "#ff8a80")
 
     def show_ok(self, text: str) -> None:
-        self.message.setStyleSheet("color: #a5d6a7;")
-        self.message.setText(text)
+        self._say(text, "#a5d6a7")
 
-    def reset_defaults(self) -> None:
-        d = CacheConfig()
-        self.apply_many({f.name: getattr(d, f.name) for f in dataclasses.fields(d)})
+    def show_note(self, text: str) -> None:
+        self._say(text, "#ffcc80")
+
+    def _say(self, text: str, colour: str) -> None:
+        self.message.setStyleSheet(f"color: {colour};")
+        self.message.setToolTip(text)
+        # What fits in two lines of the label (a little less, for the words' wrapping).
+        room = max(2 * self.message.width() - 3 * self.message.fontMetrics().averageCharWidth() * 4, 120)
+        self.message.setText(self.message.fontMetrics().elidedText(text, QtCore.Qt.ElideRight, room))
+
+    def reset_defaults(self) -> bool:
+        """Every knob back to its default; the message names the ones that changed."""
+        live = self.live().as_dict()
+        # Values as a user (or a preset file) writes them: the dtype by name, not its enum number.
+        changes = {k: v for k, v in CacheConfig().as_dict().items() if live.get(k) != v}
+        if not changes:
+            self.show_ok("every knob is at its default")
+            return True
+        return self.apply_many(changes)
 
     def save_preset(self, path: str) -> None:
         cfg = self.live().as_dict()
@@ -226,8 +307,9 @@ class ControlsPanel(QtWidgets.QWidget):
         try:
             with open(path, "rb") as f:
                 data = tomllib.load(f)
-        except (OSError, tomllib.TOMLDecodeError) as e:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             self.show_error(f"{path}: {e}")
+            self.refused.emit("config_error", f"preset {path} not loaded: {e}")
             return False
         return self.apply_many(data)
 
@@ -275,7 +357,10 @@ class ControlsPanel(QtWidgets.QWidget):
         self._show_workload()
 
     def _show_workload(self) -> None:
-        self.workload_label.setText(f"workload: {self.controller.workload_name()}")
+        text = f"workload: {self.controller.workload_name()}"
+        self.workload_label.setToolTip(text)
+        # A long trace name is shortened ("…"), not allowed to widen the panel.
+        self.workload_label.setText(self.workload_label.fontMetrics().elidedText(text, QtCore.Qt.ElideMiddle, 170))
 
     def workload_path(self) -> str:
         """Which trace to replay (a file dialog; tests replace this)."""

@@ -38,7 +38,12 @@ class SequencesPanel(QtWidgets.QTableWidget):
             "running, paused, preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
             "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
             "time to first token, ms", "prompt tokens reused from the prefix cache")
-    WIDTHS = (38, 76, 58, 46, 32, 32, 36, 38, 40, 46)
+    # The widest text each column must show whole (besides its header): 5-digit ids and counts, a
+    # workload label, the longest state, a rate, a time in ms.
+    SAMPLES = ("99999", "long-chat-99", "preempted", "99999", "9999", "9999", "9999", "999.9", "99999", "99999")
+    SWATCH = 12  # the id column's colour swatch
+    PAD = 3  # text inset, each side of a cell
+    LABEL = 1  # the column that gives way (elided) when the table is narrower than its contents
     NUMERIC = frozenset(range(3, 10))
     STATE_COLOURS = {"running": "#81c784", "paused": "#ffb74d", "preempted": "#e57373", "waiting": "#aab0b8",
                      "finished": "#737a84"}
@@ -54,18 +59,57 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self.setSelectionMode(QtWidgets.QAbstractItemView.SingleSelection)
         self.setEditTriggers(QtWidgets.QAbstractItemView.NoEditTriggers)
         self.setShowGrid(False)
-        # Fixed widths: ResizeToContents re-measures every row on each setText, a frame-time spike.
-        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
-        self.horizontalHeader().setStretchLastSection(True)
-        for c, w in enumerate(self.WIDTHS):
-            self.setColumnWidth(c, w)
-        self.verticalHeader().setDefaultSectionSize(18)
+        # Fixed widths, measured once from the fonts: ResizeToContents re-measures every row on each setText,
+        # a frame-time spike.
+        header = self.horizontalHeader()
+        header.setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
+        header.setSectionResizeMode(self.LABEL, QtWidgets.QHeaderView.Stretch)
+        header.setStretchLastSection(False)
+        header.setMinimumSectionSize(8)
         self.setFont(_small_font(8))  # a font, not a style sheet: style-sheeted item views paint slower
+        header.setFont(_small_font(8))
+        self.verticalHeader().setDefaultSectionSize(QtGui.QFontMetrics(self.font()).height() + 5)
+        self.fit_columns()
         self.itemSelectionChanged.connect(self._selected)
         self._ids: list[int] = []
         self._rows: list[tuple[str, ...]] = []  # texts on screen, per row
         self._updating = False
         self.selected_id = -1
+
+    def header_widths(self) -> list[int]:
+        """The width each header needs (its text, the section's padding of 4 a side, a border)."""
+        head = self.horizontalHeader().fontMetrics()
+        return [head.horizontalAdvance(name) + 10 for name in self.COLS]
+
+    def column_widths(self) -> list[int]:
+        """Each column's width: its header or its widest sample text, whichever is wider."""
+        cell = QtGui.QFontMetrics(self.font())
+        return [max(cell.horizontalAdvance(sample) + 2 * self.PAD + (self.SWATCH if c == 0 else 0) + 1, head)
+                for c, (sample, head) in enumerate(zip(self.SAMPLES, self.header_widths()))]
+
+    def _chrome(self) -> int:
+        return self.verticalScrollBar().sizeHint().width() + 2 * self.frameWidth() + 2
+
+    def natural_width(self) -> int:
+        """The width that shows every column whole, with the vertical scroll bar."""
+        return sum(self.column_widths()) + self._chrome()
+
+    def least_width(self) -> int:
+        """The narrowest that still shows every column but the label whole (labels are then elided)."""
+        widths = self.column_widths()
+        widths[self.LABEL] = self.header_widths()[self.LABEL]
+        return sum(widths) + self._chrome()
+
+    def fit_columns(self) -> None:
+        for c, w in enumerate(self.column_widths()):
+            if c != self.LABEL:
+                self.setColumnWidth(c, w)
+        self.setMinimumWidth(self.least_width())
+
+    def changeEvent(self, event) -> None:
+        super().changeEvent(event)
+        if event.type() in (QtCore.QEvent.FontChange, QtCore.QEvent.StyleChange):
+            self.fit_columns()
 
     def update_snapshot(self, snap: Snapshot) -> None:
         s = snap.seqs
@@ -95,13 +139,28 @@ class SequencesPanel(QtWidgets.QTableWidget):
                     item = QtWidgets.QTableWidgetItem()
                     self.setItem(r, c, item)
                 item.setText(text)
+                if c == self.LABEL:
+                    item.setToolTip(text)  # the whole label, where the column is too narrow for it
             if r < len(self._rows):
                 self._rows[r] = vals
             else:
                 self._rows.append(vals)
-        if self.selected_id in self._ids:
-            self.selectRow(self._ids.index(self.selected_id))
+        self._mark_selected()
         self._updating = False
+
+    def _mark_selected(self) -> None:
+        """Highlight the selected sequence's row, wherever it is now, without scrolling (the user may be
+        reading another part of the list); no row when it left the list."""
+        model = self.selectionModel()
+        rows = model.selectedRows()
+        want = self._ids.index(self.selected_id) if self.selected_id in self._ids else -1
+        if want < 0:
+            if rows:
+                model.clearSelection()
+            return
+        if [r.row() for r in rows] != [want]:
+            model.select(self.model().index(want, 0),
+                         QtCore.QItemSelectionModel.ClearAndSelect | QtCore.QItemSelectionModel.Rows)
 
     def paintEvent(self, event) -> None:
         p = QtGui.QPainter(self.viewport())
@@ -132,16 +191,15 @@ class SequencesPanel(QtWidgets.QTableWidget):
                     p.setPen(states.get(vals[2], text))
                 else:
                     p.setPen(dim if finished and r != sel_row else text)
-                p.drawText(x + 4, y, w - 8, h, right if c in self.NUMERIC else left, vals[c])
+                cell = vals[c] if c != self.LABEL else p.fontMetrics().elidedText(vals[c], QtCore.Qt.ElideRight,
+                                                                                    w - 2 * self.PAD)
+                p.drawText(x + self.PAD, y, w - 2 * self.PAD, h, right if c in self.NUMERIC else left, cell)
         p.end()
 
     def select_id(self, sid: int) -> None:
         self.selected_id = sid
         self._updating = True
-        if sid in self._ids:
-            self.selectRow(self._ids.index(sid))
-        else:
-            self.clearSelection()
+        self._mark_selected()
         self._updating = False
 
     def _selected(self) -> None:
@@ -187,7 +245,8 @@ class EventsPanel(QtWidgets.QWidget):
             return
         new = []
         for e in events:
-            fields = " ".join(f"{k}={_short(v)}" for k, v in e.fields.items() if k != "trace")
+            fields = " ".join(f"{k}={_bytes(v) if k.endswith('bytes') else _short(v)}" for k, v in e.fields.items()
+                              if k != "trace")
             new.append((e.t, e.kind, fields))
         self._append(new)
 
@@ -208,9 +267,15 @@ class EventsPanel(QtWidgets.QWidget):
         while self.list.count() > self.SHOWN:
             self.list.takeItem(self.list.count() - 1)
 
+    def add_local(self, kind: str, text: str) -> None:
+        """An event the window itself saw (a refusal that never reached the engine)."""
+        self._append([(time.time(), kind, text)])
+
     def _passes(self, e) -> bool:
         kind, needle = self.kind.currentText(), self.text.text().lower()
-        return (kind == "all" or e[1] == kind) and (not needle or needle in e[2].lower() or needle in e[1])
+        # "config" lists refused changes (config_error) too: both are what happened to a change.
+        return (kind == "all" or e[1] == kind or e[1].startswith(kind + "_")) and (
+            not needle or needle in e[2].lower() or needle in e[1])
 
     @staticmethod
     def _line(e) -> str:
@@ -255,6 +320,17 @@ def _small_font(points: int, mono: bool = False) -> QtGui.QFont:
     f = QtGui.QFontDatabase.systemFont(QtGui.QFontDatabase.FixedFont) if mono else QtGui.QFont()
     f.setPointSize(points)
     return f
+
+
+def _bytes(v) -> str:
+    """A byte count as people read it: 512 B, 3.0 KiB, 5.6 MiB, 1.20 GiB."""
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return _short(v)
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= size:
+            q = v / size
+            return f"{q:.2f} {unit}" if unit == "GiB" else f"{q:.1f} {unit}"
+    return f"{v:g} B"
 
 
 def _short(v) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import time
 
@@ -12,14 +13,17 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from engine import snapshot_io
 from engine.errors import ConfigError, RequestError
 from engine.snapshot import Snapshot
+from ui import dock_layout
 from ui.block_map import BlockMap
 from ui.controls import ControlsPanel
 from ui.list_panels import EventsPanel, SequencesPanel
 from ui.panels import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.prompt_panel import PromptPanel
+from ui.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
+STATE_VERSION = 2  # dock layouts saved by older versions (another arrangement) are not restored
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -44,52 +48,52 @@ class MainWindow(QtWidgets.QMainWindow):
         self.reset_view = QtWidgets.QPushButton("Reset view")
         bar.addWidget(self.reset_view)
         bar.addStretch(1)
-        self.selection = QtWidgets.QLabel("click a block or a sequence row to select its sequence")
-        self.selection.setMinimumWidth(360)
+        self.selection = QtWidgets.QLabel("click a block or a row to select a sequence")
         bar.addWidget(self.selection)
         cl.addLayout(bar)
         self.block_map = BlockMap()
         cl.addWidget(self.block_map, 1)
         self.setCentralWidget(central)
 
+        self.rates = RateHistory()  # the charts' and the status bar's rates, from every snapshot
         self.controls = ControlsPanel(controller, confirm_lossy)
-        self.hit = HitRatePanel()
+        self.hit = HitRatePanel(self.rates)
         self.memory = MemoryPanel()
         self.heat = HeatPanel()
         self.residency = ResidencyPanel()
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
+        # The controls scroll when the window is too short for all of them, instead of painting over the
+        # prompt below.
+        scroll = QtWidgets.QScrollArea()
+        scroll.setWidget(self.controls)
+        scroll.setWidgetResizable(True)
+        scroll.setFrameShape(QtWidgets.QFrame.NoFrame)
+        scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarAlwaysOff)
+        scroll.setMinimumWidth(self.controls.minimumSizeHint().width() + 12)  # room for the scroll bar
+        widgets = {"Controls": scroll, "Prompt": self.prompt, "Sequences": self.seqs, "Events": self.events,
+                   "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency}
         self.docks = {}
-        for name, w, area in (("Controls", self.controls, QtCore.Qt.RightDockWidgetArea),
-                              ("Prompt", self.prompt, QtCore.Qt.RightDockWidgetArea),
-                              ("Sequences", self.seqs, QtCore.Qt.LeftDockWidgetArea),
-                              ("Events", self.events, QtCore.Qt.LeftDockWidgetArea),
-                              ("Hit rate", self.hit, QtCore.Qt.BottomDockWidgetArea),
-                              ("Memory", self.memory, QtCore.Qt.BottomDockWidgetArea),
-                              ("Heat", self.heat, QtCore.Qt.BottomDockWidgetArea),
-                              ("Residency", self.residency, QtCore.Qt.BottomDockWidgetArea)):
+        for name, _ in dock_layout.DOCK_AREAS:
             d = QtWidgets.QDockWidget(name, self)
             d.setObjectName(f"dock-{name}")
-            d.setWidget(w)
-            self.addDockWidget(area, d)
+            d.setWidget(widgets[name])
             self.docks[name] = d
-        self.splitDockWidget(self.docks["Hit rate"], self.docks["Memory"], QtCore.Qt.Horizontal)
-        self.splitDockWidget(self.docks["Memory"], self.docks["Heat"], QtCore.Qt.Horizontal)
-        self.tabifyDockWidget(self.docks["Heat"], self.docks["Residency"])
-        self.docks["Heat"].raise_()
+        self.resize(dock_layout.DEFAULT_SIZE)
+        self.reset_layout()
         # Hidden tabs are not refreshed; one brought to the front is filled at once.
         for name, panel in (("Heat", self.heat), ("Residency", self.residency)):
             self.docks[name].visibilityChanged.connect(
                 lambda shown, panel=panel: shown and self.snapshot is not None and panel.update_snapshot(self.snapshot))
-        self.resize(1600, 1050)
-        self.resizeDocks([self.docks["Controls"], self.docks["Sequences"]], [370, 470], QtCore.Qt.Horizontal)
-        self.resizeDocks([self.docks["Hit rate"]], [420], QtCore.Qt.Vertical)
-        self.resizeDocks([self.docks["Controls"], self.docks["Prompt"]], [430, 250], QtCore.Qt.Vertical)
 
         self._menus()
         self.status = QtWidgets.QLabel()
         self.status.setSizePolicy(QtWidgets.QSizePolicy.Ignored, QtWidgets.QSizePolicy.Fixed)
+        self.status.setToolTip(
+            "tok/s: tokens generated per second over the last 5 s, all sequences; device hit: block reads "
+            "served from the device tier / all block reads; prefix hit: prompt tokens reused from the prefix "
+            "cache / all prompt tokens (both since the engine started; — before there are any)")
         self.statusBar().addWidget(self.status, 1)
         self.reset_view.clicked.connect(self.block_map.reset_view)
         self.block_map.sequenceSelected.connect(self.select_sequence)
@@ -97,12 +101,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self.prompt.submitted.connect(self.submit_prompt)
         if controller.read_only:
             self.prompt.setEnabled(False)
+        self._restored = False  # a saved geometry and dock layout were restored
         if settings is not None:
             geo, state = settings.value("geometry"), settings.value("state")
-            if geo is not None:
-                self.restoreGeometry(geo)
-            if state is not None:
-                self.restoreState(state)
+            if geo is not None and state is not None:
+                self._restored = self.restoreGeometry(geo) and self.restoreState(state, STATE_VERSION)
+        self.controls.refused.connect(self.events.add_local)
         self.timer = QtCore.QTimer(self)
         self.timer.timeout.connect(self.refresh)
         self.timer.start(REFRESH_MS)
@@ -115,11 +119,43 @@ class MainWindow(QtWidgets.QMainWindow):
         act.triggered.connect(self._save_dialog)
         file.addAction(act)
         file.addAction("Open snapshot…", self._open_dialog)
+        from ui.attach_dialog import open_attach_window  # File > Attach…: vLLM / SGLang servers, read-only
+
+        file.addAction("&Attach to vLLM / SGLang…", lambda: open_attach_window(self))
         file.addSeparator()
-        file.addAction("Quit", self.close)
+        quit_ = QtGui.QAction("&Quit", self)
+        quit_.setShortcut(QtGui.QKeySequence("Ctrl+Q"))
+        quit_.triggered.connect(self.close)
+        file.addAction(quit_)
         view = self.menuBar().addMenu("&View")
         for d in self.docks.values():
             view.addAction(d.toggleViewAction())
+        view.addSeparator()
+        view.addAction("&Reset layout", self.reset_layout)
+
+    # -- layout ---------------------------------------------------------------------------------
+    def reset_layout(self) -> None:
+        """Every dock back in its place, shown and docked, sized for the window's present size."""
+        dock_layout.arrange(self)
+
+    def size_docks(self) -> None:
+        dock_layout.share(self)
+
+    def show_fitted(self) -> None:
+        """Show the window on its screen: where it was last time if that still fits the screen, else fitted
+        to the screen's free area (maximized when the default size does not fit)."""
+        screen = self.screen() or QtGui.QGuiApplication.primaryScreen()
+        avail = screen.availableGeometry()
+        if self._restored and avail.contains(self.geometry()):
+            self.show()
+            return
+        rect, maximize = dock_layout.fitted_geometry(avail)
+        self.setGeometry(rect)
+        self.size_docks()  # sizes saved for another screen (or none) are shared out afresh
+        if maximize:
+            self.showMaximized()
+        else:
+            self.show()
 
     # -- refresh ------------------------------------------------------------------------------
     def refresh_all(self) -> None:
@@ -130,6 +166,8 @@ class MainWindow(QtWidgets.QMainWindow):
         tables = {self.selected} if self.selected >= 0 else set()
         snap = self.controller.snapshot(tables, wait=every_panel or self.snapshot is None)
         self.snapshot = snap
+        if not self.controller.read_only:
+            self.rates.observe(snap.t, snap.counters)
         self.block_map.set_snapshot(snap)
         # The other panels take turns, so a frame repaints the map and one or two panels, not all.
         slot = self.frames % SLOW_EVERY
@@ -168,16 +206,21 @@ class MainWindow(QtWidgets.QMainWindow):
         return not self.isVisible() or not panel.visibleRegion().isEmpty()
 
     def _status(self, snap: Snapshot) -> None:
-        c, w = snap.counters, snap.windowed
+        c = snap.counters
         cfg = snap.config
         state = "read-only snapshot" if self.controller.read_only else (
             "engine paused" if self.controller.engine_paused else "running")
+        # Live: the window's own 5 s rate, which falls to 0 while nothing is generated (the engine's is only
+        # updated when it steps). A saved snapshot: the engine's, as saved.
+        tps = snap.windowed.get("tokens_per_s", math.nan) if self.controller.read_only else \
+            self.rates.latest()["tokens_per_s"]
+        dev = 1 - c["read_tokens_missed"] / c["read_tokens"] if c.get("read_tokens") else math.nan
+        pre = c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else math.nan
         self.status.setText(
             f"{snap.model['name']} on {snap.model['device']} | bs={cfg['block_size']} {cfg['kv_dtype']} "
             f"dev {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB {cfg['policy']} "
-            f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {w['tokens_per_s']:.1f} tok/s | "
-            f"device hit {c['device_hit_rate']:.3f} prefix hit {c['prefix_hit_rate']:.3f} | UI {self.fps:.0f} fps | "
-            f"{state}")
+            f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {_num(tps, '.1f')} tok/s | "
+            f"device hit {_num(dev, '.3f')} prefix hit {_num(pre, '.3f')} | UI {self.fps:.0f} fps | {state}")
 
     def caption(self) -> str:
         snap = self.snapshot
@@ -251,7 +294,7 @@ class MainWindow(QtWidgets.QMainWindow):
     def closeEvent(self, event) -> None:
         if self.settings is not None:
             self.settings.setValue("geometry", self.saveGeometry())
-            self.settings.setValue("state", self.saveState())
+            self.settings.setValue("state", self.saveState(STATE_VERSION))
         self.timer.stop()
         super().closeEvent(event)
 
@@ -319,6 +362,11 @@ def open_snapshot_window(path: str) -> MainWindow:
     if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
         win.select_sequence(extra["selected"])
     return win
+
+
+def _num(v: float, fmt: str) -> str:
+    """A number, or "—" where there is none (NaN)."""
+    return "—" if v is None or math.isnan(v) else format(v, fmt)
 
 
 def selected_cells(snap: Snapshot, sid: int) -> list[np.ndarray]:

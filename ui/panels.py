@@ -6,6 +6,7 @@ The panels that list things (sequences, events) are in ui/list_panels.py, the pr
 
 from __future__ import annotations
 
+import html
 import time
 
 import numpy as np
@@ -13,7 +14,8 @@ import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
 
 from engine.snapshot import Snapshot
-from engine.telemetry import SERIES_LEN, SERIES_PERIOD_S
+from engine.telemetry import SERIES_LEN, SERIES_PERIOD_S, WINDOW_S
+from ui.rates import MEANING, RateHistory
 from ui.strip_chart import StripChart
 
 MB = 2**20
@@ -22,19 +24,27 @@ SPAN_S = SERIES_LEN * SERIES_PERIOD_S  # the time-series charts show everything 
 pg.setConfigOptions(antialias=False, background="#15181d", foreground="#c8ccd4")
 
 
-def _plot(title: str, y_label: str, legend_cols: int = 2) -> pg.PlotWidget:
+def _plot(y_label: str) -> pg.PlotWidget:
     w = pg.PlotWidget()
-    w.setTitle(title, size="9pt")
     w.setLabel("left", y_label)
     w.setLabel("bottom", "seconds ago")
     # No grid: pyqtgraph's grid lines cost ~3.5 ms per plot per frame, more than the curves themselves.
     w.setMouseEnabled(x=False, y=False)
     w.setMenuEnabled(False)
     w.getPlotItem().setContentsMargins(2, 2, 6, 2)
-    legend = w.addLegend(offset=(4, 2), labelTextSize="7pt", brush=pg.mkBrush(21, 24, 29, 210),
-                         verSpacing=-6, horSpacing=12, colCount=legend_cols)
-    legend.setLabelTextColor("#c8ccd4")
     return w
+
+
+def _key(title: str, names: tuple[tuple[str, str], ...]) -> QtWidgets.QLabel:
+    """A plot's title and its series' names in their colours, in a line above it (names: (label, colour)):
+    a legend box inside the view would cover the data."""
+    key = "&nbsp;&nbsp; ".join(f"<span style='color:{c}'>&#9632;</span>&nbsp;{html.escape(n)}" for n, c in names)
+    label = QtWidgets.QLabel(f"<b>{html.escape(title)}</b>&nbsp;&nbsp;&nbsp; {key}")
+    label.setTextFormat(QtCore.Qt.RichText)
+    label.setWordWrap(True)
+    label.setStyleSheet("font-size: 8pt; color: #c8ccd4;")
+    label.setContentsMargins(6, 0, 0, 0)
+    return label
 
 
 def _marks(snap: Snapshot) -> list[tuple[float, str, str]]:
@@ -48,33 +58,40 @@ def _ago(series: dict, snap_t: float) -> np.ndarray:
 
 
 class HitRatePanel(QtWidgets.QWidget):
-    """Device and prefix hit rate (windowed and cumulative), and evictions/migrations per second beneath."""
+    """Device and prefix hit rate (windowed and cumulative), and evictions/migrations per second beneath.
 
-    def __init__(self):
+    The values come from a RateHistory (ui/rates.py) the window feeds from every snapshot: "no data" is a
+    gap in a line, never a 0."""
+
+    def __init__(self, rates: RateHistory | None = None):
         super().__init__()
+        self.history = rates if rates is not None else RateHistory()
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
         self.rates = StripChart("Hit rate", "rate", span_s=SPAN_S, y_range=(0.0, 1.0),
                                 y_ticks=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0))
-        self.rates.add_series("device_hit_rate_w", "device (5 s)", "#4fc3f7", width=2)
-        self.rates.add_series("device_hit_rate", "device (all)", "#4fc3f7", dashed=True)
-        self.rates.add_series("prefix_hit_rate_w", "prefix (5 s)", "#ffb74d", width=2)
-        self.rates.add_series("prefix_hit_rate", "prefix (all)", "#ffb74d", dashed=True)
+        w = f"{WINDOW_S:g} s"
+        for key, label, colour, width, dashed in (("device_hit_rate_w", f"device ({w})", "#4fc3f7", 2, False),
+                                                  ("device_hit_rate", "device (all)", "#4fc3f7", 1, True),
+                                                  ("prefix_hit_rate_w", f"prefix ({w})", "#ffb74d", 2, False),
+                                                  ("prefix_hit_rate", "prefix (all)", "#ffb74d", 1, True)):
+            self.rates.add_series(key, label, colour, width=width, dashed=dashed, tip=MEANING[key])
         self.flow = StripChart("Evictions and migrations", "blocks / s", span_s=SPAN_S)
-        self.flow.add_series("evictions_per_s", "evictions", "#e57373", width=2)
-        self.flow.add_series("promotions_per_s", "promotions", "#81c784", width=2)
-        self.flow.add_series("demotions_per_s", "demotions", "#ba68c8", width=2)
+        self.flow.add_series("evictions_per_s", "evictions", "#e57373", width=2, tip=MEANING["evictions_per_s"])
+        self.flow.add_series("promotions_per_s", "promotions", "#81c784", width=2, tip=MEANING["promotions_per_s"])
+        self.flow.add_series("demotions_per_s", "demotions", "#ba68c8", width=2, tip=MEANING["demotions_per_s"])
         lay.addWidget(self.rates, 3)
         lay.addWidget(self.flow, 2)
 
     def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
         """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one chart)."""
-        x = _ago(snap.series, snap.t)
+        series = self.history.series(snap.series)
+        x = series["t"] - snap.t
         marks = _marks(snap)
         for chart in (self.rates, self.flow):
             if part == "all" or (chart is self.flow) == (part == "flow"):
                 chart.set_marks(marks)
-                chart.set_data(x, {k: snap.series[k] for k in chart.series if k in snap.series})
+                chart.set_data(x, {k: series[k] for k in chart.series})
 
 
 class MemoryPanel(QtWidgets.QWidget):
@@ -89,14 +106,8 @@ class MemoryPanel(QtWidgets.QWidget):
         self.plot.add_series("host_used_bytes", "host tier", "#ba68c8", width=2)
         self.proc = StripChart("Process and GPU", "MiB", span_s=SPAN_S)
         self.proc.add_series("rss_bytes", "process RSS", "#9e9e9e", width=2)
-        self.text = QtWidgets.QLabel()
+        self.text = FitLabel("font-size: 8pt;")
         self.text.setTextFormat(QtCore.Qt.RichText)
-        self.text.setWordWrap(True)
-        self.text.setStyleSheet("font-size: 8pt;")
-        # A fixed height: a label whose size hint changes with its text re-lays out (and repaints) the
-        # whole window each time.
-        self.text.setFixedHeight(92)
-        self.text.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
         self._text_at = 0.0
         lay.addWidget(self.plot, 5)
         lay.addWidget(self.proc, 4)
@@ -130,24 +141,30 @@ class MemoryPanel(QtWidgets.QWidget):
                 f"<tr><td><b>{name}</b></td><td>{t['used_blocks']:,}/{t['capacity_blocks']:,}</td>"
                 f"<td>{t['k_bytes'] / MB:.1f}</td><td>{t['v_bytes'] / MB:.1f}</td><td>{t['scale_bytes'] / MB:.2f}</td>"
                 f"<td>{t['metadata_bytes'] / MB:.2f}</td><td>{t['device']}{' pinned' if t.get('pinned') else ''}</td></tr>")
+        rss = (f"process RSS {snap.memory['rss_bytes'] / MB:,.0f} MiB; system "
+               f"{snap.memory['system_used_bytes'] / 2**30:.1f}/{snap.memory['system_total_bytes'] / 2**30:.1f} GiB")
         if gpu.get("available"):
             gline = (f"GPU {gpu.get('name', '')}: NVML {gpu.get('nvml_used_bytes', 0) / 2**30:.2f}/"
                      f"{gpu.get('nvml_total_bytes', 0) / 2**30:.1f} GiB; torch allocated "
                      f"{gpu['torch_allocated_bytes'] / MB:.0f} MiB, reserved {gpu['torch_reserved_bytes'] / MB:.0f} MiB"
-                     + (f" ({gpu['nvml_error']})" if gpu.get("nvml_error") else ""))
-        else:
-            gline = f"<b>{gpu.get('reason', 'no GPU')}</b>"
+                     + (f" ({gpu['nvml_error']})" if gpu.get("nvml_error") else "") + f"; {rss}")
+        else:  # the chart above says "no GPU"; the reason is the tooltip
+            gline = rss
+        self.text.setToolTip(
+            "tiers: blocks in use / capacity, and the bytes of their K, V, scales and metadata\n"
+            + ("" if gpu.get("available") else f"{gpu.get('reason', 'no GPU')}\n")
+            + "sizing: the KV of a batch of 8 sequences at the context limit, in the live block format "
+              "(B = bytes per K or V value, scales included)")
         m = snap.model
         cfg = snap.config
         dsize = snap.memory["block_bytes"] / (cfg["block_size"] * m["layers"] * m["kv_heads"] * m["head_dim"] * 2)
         ctx = m.get("context_limit", 2048)
         total = 8 * ctx * m["layers"] * m["kv_heads"] * m["head_dim"] * 2 * dsize
         self.text.setText(
-            "<table cellspacing=4><tr><th></th><th>blocks used</th><th>K MiB</th><th>V MiB</th><th>scales</th>"
+            "<table cellspacing=2><tr><th></th><th>blocks used</th><th>K MiB</th><th>V MiB</th><th>scales</th>"
             "<th>meta</th><th>on</th></tr>" + "".join(rows) + "</table>"
-            f"{gline}; RSS {snap.memory['rss_bytes'] / MB:.0f} MiB; system "
-            f"{snap.memory['system_used_bytes'] / 2**30:.1f}/{snap.memory['system_total_bytes'] / 2**30:.1f} GiB<br>"
-            f"batch × context × layers × kv_heads × head_dim × 2 × dtype = 8 × {ctx} × {m['layers']} × "
+            f"{gline}<br>"
+            f"KV = batch × context × layers × kv_heads × head_dim × 2 × B = 8 × {ctx} × {m['layers']} × "
             f"{m['kv_heads']} × {m['head_dim']} × 2 × {dsize:.3g} B = {total / MB:,.0f} MiB")
 
 
@@ -160,7 +177,8 @@ class HeatPanel(QtWidgets.QWidget):
         super().__init__()
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
-        self.plot = _plot("Heat distribution (live blocks)", "blocks")
+        self.plot = _plot("blocks")
+        self.key = _key("Heat distribution (live blocks)", (("device", "#4fc3f7"), ("host", "#ba68c8")))
         self.plot.setLabel("bottom", "heat (log bins)")
         self.plot.setLogMode(x=True, y=False)
         self.bars = {}
@@ -168,7 +186,8 @@ class HeatPanel(QtWidgets.QWidget):
             item = pg.BarGraphItem(x0=[], x1=[], height=[], brush=pg.mkBrush(colour), pen=None, name=name)
             self.plot.addItem(item)
             self.bars[name] = item
-        self.table = _text_block(62)
+        self.table = FitLabel(MONO)
+        lay.addWidget(self.key)
         lay.addWidget(self.plot, 3)
         lay.addWidget(self.table, 1)
 
@@ -195,6 +214,10 @@ class HeatPanel(QtWidgets.QWidget):
                 lines.append(f"{t.name:<6} hottest {hot}\n{'':<6} coldest {cold}")
             else:
                 lines.append(f"{t.name:<6} no live blocks")
+        # Counts from 0 up (pyqtgraph's auto range centres an empty plot on 0, with negative counts).
+        peak = max((int(item.opts["height"].max()) for item in self.bars.values() if len(item.opts["height"])),
+                   default=0)
+        self.plot.setYRange(0, max(peak, 1) * 1.05, padding=0)
         self.table.setText("\n".join(lines))
 
 
@@ -210,12 +233,14 @@ class ResidencyPanel(QtWidgets.QWidget):
         super().__init__()
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
-        self.plot = _plot("Residency (newest samples)", "share of samples")
+        self.plot = _plot("share of samples")
+        self.key = _key("Residency (newest samples)", tuple((label, c) for _, label, c in self.SERIES))
         self.plot.setLabel("bottom", "seconds (log)")
         self.plot.setLogMode(x=True, y=False)
         self.curves = {k: self.plot.plot(stepMode="center", pen=pg.mkPen(c, width=2), name=label)
                        for k, label, c in self.SERIES}
-        self.summary = _text_block(62)
+        self.summary = FitLabel(MONO)
+        lay.addWidget(self.key)
         lay.addWidget(self.plot, 1)
         lay.addWidget(self.summary)
 
@@ -233,14 +258,33 @@ class ResidencyPanel(QtWidgets.QWidget):
         self.summary.setText("\n".join(lines))
 
 
-def _text_block(height: int) -> QtWidgets.QLabel:
-    """A few lines of small monospace text under a plot, at a fixed height (a label whose size hint follows
-    its text re-lays out the window on every change)."""
-    label = QtWidgets.QLabel()
-    label.setStyleSheet("font-size: 8pt; font-family: monospace;")
-    label.setFixedHeight(height)
-    label.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
-    return label
+MONO = "font-size: 8pt; font-family: monospace;"
+
+
+class FitLabel(QtWidgets.QLabel):
+    """Wrapped text at a fixed height that is set to what the text needs at the label's width, only when
+    that changes (a resize, a line that now wraps): no line is cut off, and a new text of the same shape
+    does not re-lay out the window (a label whose size hint follows its text would, on every change)."""
+
+    def __init__(self, style: str):
+        super().__init__()
+        self.setStyleSheet(style)
+        self.setWordWrap(True)
+        self.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
+        self.setFixedHeight(self.fontMetrics().lineSpacing() + 4)
+
+    def setText(self, text: str) -> None:
+        super().setText(text)
+        self.fit()
+
+    def fit(self) -> None:
+        need = self.heightForWidth(self.width())
+        if need > 0 and need != self.height():
+            self.setFixedHeight(need)
+
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        self.fit()
 
 
 def _extremes(h: np.ndarray, k: int) -> tuple[list[int], list[int]]:

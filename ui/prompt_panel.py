@@ -9,6 +9,13 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 class PromptPanel(QtWidgets.QWidget):
     submitted = QtCore.Signal(str, bool, int)
+    TRANSCRIPT_LINES = 6  # the reply shows at least this many lines
+
+    @staticmethod
+    def lines_tall(edit: QtWidgets.QAbstractScrollArea, lines: int) -> int:
+        """The height that shows `lines` lines of the edit's text, with its frame and margins."""
+        fm = edit.fontMetrics()
+        return lines * fm.lineSpacing() + 2 * edit.frameWidth() + 10
 
     def __init__(self):
         super().__init__()
@@ -16,9 +23,11 @@ class PromptPanel(QtWidgets.QWidget):
         lay.setContentsMargins(2, 2, 2, 2)
         self.transcript = QtWidgets.QTextBrowser()
         self.transcript.setStyleSheet("font-size: 9pt;")
+        self.transcript.setMinimumHeight(self.lines_tall(self.transcript, self.TRANSCRIPT_LINES))
         self.input = QtWidgets.QPlainTextEdit()
         self.input.setPlaceholderText("Type a prompt and press Send (Ctrl+Enter)")
-        self.input.setMaximumHeight(70)
+        self.input.setMinimumHeight(self.lines_tall(self.input, 2))
+        self.input.setMaximumHeight(self.lines_tall(self.input, 4))
         row = QtWidgets.QHBoxLayout()
         self.chat = QtWidgets.QCheckBox("chat")
         self.chat.setChecked(True)

@@ -20,6 +20,9 @@ import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 from pyqtgraph.functions import create_qpolygonf, ndarray_from_qpolygonf
 
+from ui import mark_labels
+from ui.chart_scale import nice_ceiling, tick_label, tick_step  # noqa: F401  (nice_ceiling: for tests)
+
 BG = QtGui.QColor("#15181d")
 AXIS = QtGui.QColor("#5c626b")
 TICK_TEXT = QtGui.QColor("#aab0b8")
@@ -38,29 +41,7 @@ class _Series:
     pen: QtGui.QPen
     x: np.ndarray
     y: np.ndarray
-
-
-def nice_ceiling(v: float, steps: tuple[float, ...] = (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10)) -> float:
-    """The smallest of `steps` × 10^k at or above v (v > 0); 1 for anything else."""
-    if not v > 0 or not math.isfinite(v):
-        return 1.0
-    e = 10.0 ** math.floor(math.log10(v))
-    for m in steps:
-        if m * e >= v * (1 - 1e-9):
-            return m * e
-    return 10.0 * e
-
-
-def _tick_step(top: float) -> float:
-    """The smallest 1-2-5 step that divides [0, top] into at most 5 intervals."""
-    return nice_ceiling(top / 5.0, (1, 2, 5, 10))
-
-
-def _fmt(v: float, step: float) -> str:
-    if step >= 1:
-        return f"{v:,.0f}"
-    digits = max(0, -math.floor(math.log10(step) + 1e-9))
-    return f"{v:.{digits}f}"
+    tip: str = ""
 
 
 class StripChart(QtWidgets.QWidget):
@@ -77,7 +58,7 @@ class StripChart(QtWidgets.QWidget):
         super().__init__()
         self.setAttribute(QtCore.Qt.WA_OpaquePaintEvent)  # the frame pixmap covers every pixel
         self.setMouseTracking(True)
-        self.setMinimumSize(220, 110)
+        self.setMinimumSize(200, 80)
         self.title, self.note, self.unit = title, "", unit
         self.max_span = float(span_s)
         self.span = min(self.SPANS[0], self.max_span)
@@ -109,12 +90,14 @@ class StripChart(QtWidgets.QWidget):
         return QtCore.QSize(520, 200)
 
     # -- data -----------------------------------------------------------------------------------
-    def add_series(self, key: str, label: str, colour: str, width: float = 1.0, dashed: bool = False) -> None:
+    def add_series(self, key: str, label: str, colour: str, width: float = 1.0, dashed: bool = False,
+                   tip: str = "") -> None:
+        """tip: what the series counts, shown as the tooltip of its legend entry."""
         pen = QtGui.QPen(QtGui.QColor(colour), width)
         pen.setCosmetic(True)
         if dashed:
             pen.setStyle(QtCore.Qt.DashLine)
-        self.series[key] = _Series(key, label, pen, np.zeros(0), np.zeros(0))
+        self.series[key] = _Series(key, label, pen, np.zeros(0), np.zeros(0), tip)
         self._frame = None
 
     def set_level(self, key: str, value: float, colour: str) -> None:
@@ -171,7 +154,7 @@ class StripChart(QtWidgets.QWidget):
     # -- geometry -------------------------------------------------------------------------------
     def _plot_rect(self) -> QtCore.QRectF:
         fm = QtGui.QFontMetrics(self._font)
-        left = fm.horizontalAdvance(_fmt(self.top, _tick_step(self.top)) + "0") + 8
+        left = fm.horizontalAdvance(tick_label(self.top, tick_step(self.top)) + "0") + 8
         top = self._line_h * (1 + self._legend_rows()) + 6
         bottom = self._line_h + 6
         return QtCore.QRectF(left, top, max(10.0, self.width() - left - 8), max(10.0, self.height() - top - bottom))
@@ -188,13 +171,39 @@ class StripChart(QtWidgets.QWidget):
             x += w
         return out
 
+    def _unit_row(self) -> int:
+        """The legend row whose right end holds the unit text: the last, or a row of its own below it when
+        the last row's entries would reach into it."""
+        fm = QtGui.QFontMetrics(self._font)
+        layout = self._legend_layout()
+        if not layout:
+            return 1
+        s, x, row = layout[-1]
+        end = x + fm.horizontalAdvance(s.label) + 22
+        return row if end + 12 + fm.horizontalAdvance(self._unit_text()) <= self.width() - 8 else row + 1
+
+    def _unit_text(self) -> str:
+        return f"{self.unit}  ·  seconds ago"
+
+    def unit_rect(self) -> QtCore.QRectF:
+        """Where the unit text is drawn."""
+        fm = QtGui.QFontMetrics(self._font)
+        w = fm.horizontalAdvance(self._unit_text())
+        return QtCore.QRectF(self.width() - 8 - w, self._line_h * self._unit_row() + 2, w, self._line_h)
+
+    def legend_rects(self) -> list[QtCore.QRectF]:
+        """Where each legend entry (swatch and label) is drawn."""
+        fm = QtGui.QFontMetrics(self._font)
+        return [QtCore.QRectF(x, self._line_h * row + 2, 22 + fm.horizontalAdvance(s.label), self._line_h)
+                for s, x, row in self._legend_layout()]
+
     def _legend_rows(self) -> int:
-        return max((row for _, _, row in self._legend_layout()), default=1)
+        return max(max((row for _, _, row in self._legend_layout()), default=1), self._unit_row())
 
     def _ticks(self) -> list[float]:
         if self.fixed_ticks:
             return list(self.fixed_ticks)
-        step = _tick_step(self.top)
+        step = tick_step(self.top)
         lo = self.fixed[0] if self.fixed else 0.0
         return [lo + i * step for i in range(int(round((self.top - lo) / step)) + 1)]
 
@@ -230,14 +239,14 @@ class StripChart(QtWidgets.QWidget):
         p.setPen(QtGui.QPen(AXIS, 1))
         p.drawLine(r.bottomLeft(), r.bottomRight())
         p.drawLine(r.bottomLeft(), r.topLeft())
-        step = _tick_step(self.top) if not self.fixed_ticks else 1.0
+        step = tick_step(self.top) if not self.fixed_ticks else 1.0
         grid = QtGui.QPen(QtGui.QColor(255, 255, 255, 18), 1)
         for v in self._ticks():
             py = self._y_to_px(r, v)
             p.setPen(grid)
             p.drawLine(QtCore.QPointF(r.left() + 1, py), QtCore.QPointF(r.right(), py))
             p.setPen(TICK_TEXT)
-            label = _fmt(v, step if not self.fixed_ticks else 0.1)
+            label = tick_label(v, step if not self.fixed_ticks else 0.1)
             p.drawText(QtCore.QRectF(0, py - self._line_h / 2, r.left() - 4, self._line_h),
                        QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter, label)
         for i in range(7):
@@ -251,8 +260,7 @@ class StripChart(QtWidgets.QWidget):
             p.drawText(QtCore.QPointF(min(max(px - tw / 2, r.left()), self.width() - tw - 2), r.bottom() + 3 + fm.ascent()),
                        text)
         p.setPen(TICK_TEXT)
-        unit = f"{self.unit}  ·  seconds ago"
-        p.drawText(QtCore.QPointF(r.right() - fm.horizontalAdvance(unit), r.top() - 3), unit)
+        p.drawText(QtCore.QPointF(self.unit_rect().left(), self._line_h * (self._unit_row() + 1)), self._unit_text())
         p.end()
         return pm
 
@@ -295,26 +303,31 @@ class StripChart(QtWidgets.QWidget):
     def _paint_marks(self, p: QtGui.QPainter, r: QtCore.QRectF) -> None:
         if not self.marks:
             return
-        p.setFont(self._font)
-        fm = QtGui.QFontMetrics(self._font)
-        taken: list[list[tuple[float, float]]] = [[], [], []]  # label extents per text row
-        for ago, kind, label in self.marks:
+        for ago, kind, _ in self.marks:
             if not -self.span <= ago <= 0:
                 continue
             x = self._mark_x(r, ago)
             p.setPen(self._mark_pens[kind])
             if MARK_STYLE[kind][1]:
                 p.drawLine(QtCore.QPointF(x, r.top()), QtCore.QPointF(x, r.bottom()))
-                text = fm.elidedText(label, QtCore.Qt.ElideRight, 140)
-                w = fm.horizontalAdvance(text)
-                tx = x + 3 if x + 3 + w < r.right() else x - 3 - w
-                # The first row where the label overlaps no other; past three rows, labels are left to hover.
-                row = next((i for i, spans in enumerate(taken) if all(tx + w < a or tx > b for a, b in spans)), None)
-                if row is not None:
-                    taken[row].append((tx - 4, tx + w + 4))
-                    p.drawText(QtCore.QPointF(tx, r.top() + fm.ascent() + 1 + row * self._line_h), text)
             else:
                 p.drawLine(QtCore.QPointF(x, r.bottom() - 7), QtCore.QPointF(x, r.bottom()))
+        # Labels after every line, each on a box of the background, so no line or curve runs through a text.
+        p.setFont(self._font)
+        fm = QtGui.QFontMetrics(self._font)
+        box = QtGui.QColor(BG)
+        box.setAlpha(235)
+        for rect, text, kind in self.mark_labels(r):
+            p.fillRect(rect, box)
+            p.setPen(QtGui.QColor(MARK_STYLE[kind][0]))
+            p.drawText(QtCore.QPointF(rect.left() + 2, rect.top() + fm.ascent()), text)
+
+    def mark_labels(self, r: QtCore.QRectF | None = None) -> list[tuple[QtCore.QRectF, str, str]]:
+        """(box, text, kind) of each label drawn for the labelled marks (ui/mark_labels.py)."""
+        r = self._rect if r is None else r
+        shown = [(self._mark_x(r, ago), kind, label) for ago, kind, label in self.marks
+                 if -self.span <= ago <= 0 and MARK_STYLE[kind][1]]
+        return mark_labels.place(shown, r, QtGui.QFontMetrics(self._font), self._line_h)
 
     def marks_near(self, x: float, px: float = 4.0) -> list[str]:
         """Labels of the marks within px pixels of x (widget coordinates)."""
@@ -338,7 +351,7 @@ class StripChart(QtWidgets.QWidget):
         lines = [f"{-ago:.1f} s ago"]
         for s in self.series.values():
             v = self.value_at(s.key, ago)
-            lines.append(f"{s.label}: " + ("—" if math.isnan(v) else _fmt(v, 0.001 if abs(v) < 10 else 1)))
+            lines.append(f"{s.label}: " + ("no data" if math.isnan(v) else tick_label(v, 0.001 if abs(v) < 10 else 1)))
         lines += [f"▲ {label}" for label in self.marks_near(hx)]
         p.setClipping(False)
         p.setFont(self._font)
@@ -351,6 +364,25 @@ class StripChart(QtWidgets.QWidget):
         p.setPen(TICK_TEXT)
         for i, t in enumerate(lines):
             p.drawText(QtCore.QPointF(x + 5, r.top() + 2 + fm.ascent() + 3 + i * self._line_h), t)
+
+    def event(self, event) -> bool:
+        # A legend entry's tooltip says what its series counts.
+        if event.type() == QtCore.QEvent.ToolTip:
+            tip = self.legend_tip(event.position() if hasattr(event, "position") else QtCore.QPointF(event.pos()))
+            if tip:
+                QtWidgets.QToolTip.showText(event.globalPos(), tip, self)
+            else:
+                QtWidgets.QToolTip.hideText()
+                event.ignore()
+            return True
+        return super().event(event)
+
+    def legend_tip(self, pos: QtCore.QPointF) -> str:
+        """The tooltip of the legend entry under pos (widget coordinates), or ""."""
+        for s, rect in zip(self.series.values(), self.legend_rects()):
+            if rect.contains(pos):
+                return f"{s.label}: {s.tip}" if s.tip else ""
+        return ""
 
     def mouseMoveEvent(self, event) -> None:
         self._hover_x = event.position().x()

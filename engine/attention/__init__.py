@@ -64,6 +64,7 @@ class PagedKV:
     k: Parts  # data [L, N, Hkv, bs, D]; scale / anchor as the format has them
     v: Parts
     dtype: KVDtype
+    host: "PagedKV | None" = None  # the host tier, for tables with entries there (PagedBatch.on_host)
 
     @property
     def block_size(self) -> int:
@@ -82,6 +83,10 @@ class PagedBatch:
     context_lens: torch.Tensor  # [B] int: row b's keys are the first context_lens[b] of its table
     q_pos: torch.Tensor  # [B, Q] int64 positions of the queries ([B] accepted for decode)
     key_pos: torch.Tensor | None = None  # [B, NB*bs] int64 position of each key; None: key i sits at i
+    # Blocks read from the host tier where they are (host_reads="stream"): on_host [B, NB] bool marks them, and
+    # host_table [B, NB] holds their slots in kv.host (any valid slot elsewhere). None: every block on the device.
+    on_host: torch.Tensor | None = None
+    host_table: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -119,6 +124,27 @@ def make_backend(name: str, **options) -> AttentionBackend:
 
         return TritonPagedBackend(**options)
     raise ValueError(f"attention backend {name!r}: choose reference, cpu or triton")
+
+
+def read_blocks(kv: PagedKV, side: str, batch: PagedBatch, cols: slice, fetch, head_major: bool) -> torch.Tensor:
+    """fetch(parts, slots [B, c]) of block columns `cols` of the table, from the tier each block is in; the
+    result is [B, Hkv, c, ...] when `head_major`, else [B, c, ...].
+
+    Host blocks are fetched from the host tier's parts (pinned memory on CUDA) and copied to the compute
+    device: one layer's blocks at a time, the per-layer streaming of an offloaded cache.
+    """
+    dev_parts = kv.k if side == "k" else kv.v
+    out = fetch(dev_parts, batch.block_table[:, cols].long())
+    if batch.on_host is None:
+        return out
+    mask = batch.on_host[:, cols]
+    if not bool(mask.any()):
+        return out
+    host_parts = kv.host.k if side == "k" else kv.host.v
+    from_host = fetch(host_parts, batch.host_table[:, cols].long().cpu()).to(out.device, non_blocking=True)
+    mask = mask[:, None] if head_major else mask  # [B, 1, c] or [B, c]
+    mask = mask.reshape(mask.shape + (1,) * (out.dim() - mask.dim()))
+    return torch.where(mask.to(out.device), from_host, out)
 
 
 def query_positions(batch: PagedBatch, B: int, Q: int) -> torch.Tensor:

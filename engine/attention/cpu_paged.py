@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, visibility
+from engine.attention import (DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, read_blocks,
+                              visibility)
 from engine.codecs import Parts
 
 _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
@@ -81,8 +82,9 @@ class ChunkedPagedBackend(DecodeAsPrefill):
                 first = max(0, int(qpos.min()) - window + 1) // bs  # blocks wholly before every window
         if Q > 1 and self.dense_prefill and not q.is_cuda:
             n = (last - first) * bs
-            k = gather_head_major(kv.k, kfmt, layer, table[:, first:last]).view(B, Hkv, n, D)
-            v = gather_head_major(kv.v, vfmt, layer, table[:, first:last]).view(B, Hkv, n, D)
+            cols = slice(first, last)
+            k = read_blocks(kv, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
+            v = read_blocks(kv, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
             mask = ~hidden[:, 0, 0, :, first * bs : last * bs][:, None]  # [B, 1, Q, n]
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]
@@ -90,10 +92,10 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, G * Q)))
         m = l = acc = None
         for j in range(first, last, step):
-            slots = table[:, j : min(j + step, last)]  # [B, c]
-            n = slots.shape[1] * bs
-            k = gather_head_major(kv.k, kfmt, layer, slots).view(B, Hkv, n, D)
-            v = gather_head_major(kv.v, vfmt, layer, slots).view(B, Hkv, n, D)
+            cols = slice(j, min(j + step, last))  # [B, c] blocks
+            n = (cols.stop - cols.start) * bs
+            k = read_blocks(kv, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
+            v = read_blocks(kv, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
             s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G*Q, n]
             s = s.view(B, Hkv, G, Q, n).masked_fill_(hidden[..., j * bs : j * bs + n], float("-inf"))
             s = s.view(B, Hkv, G * Q, n)

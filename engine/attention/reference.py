@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DecodeAsPrefill, PagedBatch, PagedKV, visibility
+from engine.attention import DecodeAsPrefill, PagedBatch, PagedKV, read_blocks, visibility
 from engine.codecs import codecs_for
 
 
@@ -21,9 +21,9 @@ class ReferenceBackend(DecodeAsPrefill):
         B, Q, H, D = q.shape
         Hkv = kv.kv_heads
         kc, vc = codecs_for(kv.dtype)
-        table = batch.block_table.long()
-        kb = kc.decode(kv.k, layer, table)  # [B, NB, Hkv, bs, D] fp32
-        vb = vc.decode(kv.v, layer, table)
+        every = slice(None)
+        kb = read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D] fp32
+        vb = read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)
         S = kb.shape[1] * kb.shape[3]
         kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)  # [B, Hkv, S, D]
         vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)

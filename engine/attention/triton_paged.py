@@ -188,6 +188,8 @@ class TritonPagedBackend:
 
     def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None) -> torch.Tensor:
+        if batch.on_host is not None:  # blocks on the host tier: streamed per layer by the torch path
+            return self._prefill.decode(q, layer, kv, batch, scale=scale, window=window)
         B, H, D = q.shape
         Hkv, bs = kv.kv_heads, kv.block_size
         G = H // Hkv

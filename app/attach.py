@@ -1,0 +1,208 @@
+"""`kvscope attach`: the inspector on running vLLM / SGLang servers, read-only (KV events over ZMQ, /metrics
+over HTTP). Needs no torch: this module and everything it imports are Qt + numpy + pyzmq + msgpack +
+prometheus_client. `--soak` is the bench (app/attach_soak.py); `--demo` attaches to fake publishers started
+here, for trying the window without a server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from engine.attach.cluster import MODES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvscope attach",
+        description="Attach to running vLLM / SGLang servers (read-only) and draw their KV caches live. A server "
+                    "publishes events when started with --kv-events-config '{\"enable_kv_cache_events\":true,"
+                    "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\","
+                    "\"topic\":\"kv-events\"}'.")
+    ap.add_argument("--vllm", action="append", default=[], metavar="tcp://HOST:PORT[,opts]",
+                    help="a vLLM KV-event publisher; options after commas: replay=tcp://HOST:PORT (default: the port "
+                         "after the last rank's) or replay=none, topic=NAME, dp=N (ranks on PORT..PORT+N-1), "
+                         "name=LABEL, metrics=http://HOST:PORT/metrics (this server's /metrics)")
+    ap.add_argument("--sglang", action="append", default=[], metavar="tcp://HOST:PORT[,opts]",
+                    help="an SGLang KV-event publisher (same options)")
+    ap.add_argument("--metrics", action="append", default=[], metavar="http://HOST:PORT[/metrics]",
+                    help="a server's Prometheus endpoint (vLLM: the API port; SGLang: with --enable-metrics)")
+    ap.add_argument("--tokenizer", metavar="PATH", help="the served model's tokenizer.json (or its directory): "
+                                                        "tooltips show block text")
+    ap.add_argument("--mode", choices=MODES, default="age", help="initial colour mode of the block map")
+    ap.add_argument("--half-life", type=float, default=10.0, metavar="SECONDS", help="heat half-life (10)")
+    ap.add_argument("--scrape-interval", type=float, default=1.0, metavar="SECONDS")
+    ap.add_argument("--record", metavar="FILE.npz", help="record the event stream; at exit write a trace for "
+                                                         "`kvscope policy-lab FILE.npz`")
+    ap.add_argument("--headless", action="store_true", help="no window: run offscreen")
+    ap.add_argument("--screenshot", metavar="OUT.png", help="with --headless: write the window after --run-for")
+    ap.add_argument("--run-for", type=float, default=20.0, metavar="SECONDS", help="with --headless (20)")
+    ap.add_argument("--demo", action="store_true",
+                    help="start fake publishers on 127.0.0.1 (a vLLM with 2 ranks and a CPU tier, an SGLang) and "
+                         "attach to them")
+    ap.add_argument("--soak", action="store_true", help="the bench: fake publishers at a high rate, frame times "
+                                                        "and events sent vs received")
+    ap.add_argument("--soak-publishers", type=int, default=3)
+    ap.add_argument("--soak-rate", type=float, default=20_000.0, help="events/s per publisher (20000)")
+    ap.add_argument("--soak-seconds", type=float, default=60.0)
+    ap.add_argument("--in-process", action="store_true",
+                    help="decode events on threads of the window's process instead of an ingest process (debugging)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object (headless summary, soak)")
+    return ap
+
+
+def _specs(args) -> tuple[list, list[str]]:
+    from engine.attach.source import parse_metrics_url, parse_source
+
+    specs = [s for kind in ("vllm", "sglang") for text in getattr(args, kind) for s in parse_source(kind, text)]
+    return specs, [parse_metrics_url(u) for u in args.metrics]
+
+
+def _start_demo() -> tuple[list, list, list[str]]:
+    from engine.attach.fake_spawn import FakeProcess
+
+    # The vLLM one also withholds a few batches from its live stream (recovered from its replay socket) and
+    # sends a junk frame now and then, so the Sources panel has something to show.
+    fakes = [FakeProcess("--flavor", "vllm", "--encoding", "map", "--dp", "2", "--cpu-offload", "1500",
+                         "--rate", "1500", "--duration", "1e9", "--metrics-port", "0", "--kv-cache-metrics",
+                         "--capacity", "2500", "--seed", "1", "--gap", "150:5", "--malformed-every", "200"),
+             FakeProcess("--flavor", "sglang", "--encoding", "array", "--rate", "800", "--duration", "1e9",
+                         "--metrics-port", "0", "--capacity", "1800", "--seed", "2")]
+    return fakes, [f"{fakes[0].pub},dp=2,name=fake-vllm,metrics={fakes[0].metrics}",
+                   f"{fakes[1].pub},name=fake-sglang,metrics={fakes[1].metrics}"], []
+
+
+def _summary(session) -> dict:
+    act = session.cluster.activity()
+    return {"sources": [{**st.__dict__, "events": a.events, "stored_blocks": a.stored_blocks,
+                         "removed_blocks": a.removed_blocks, "bad_events": a.bad_events}
+                        for st, a in zip(session.statuses(), act)],
+            "caches": {session.cluster.group_label(k): len(g) for k, g in session.cluster.groups.items()}}
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    if args.soak:
+        from app.attach_soak import run_soak
+
+        res = run_soak(args.soak_publishers, args.soak_rate, args.soak_seconds,
+                       say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+        if args.json:
+            print(json.dumps(res))
+        return 0 if res["counts_match"] else 1
+    from engine.attach.session import AttachSession
+    from engine.attach.source import SourceError
+    from engine.attach.worker import AttachClient, WorkerError
+
+    fakes = []
+    try:
+        if args.headless and args.screenshot and not os.path.isdir(os.path.dirname(os.path.abspath(args.screenshot))):
+            raise SourceError(f"--screenshot {args.screenshot}: no such folder")
+        if args.record and not os.path.isdir(os.path.dirname(os.path.abspath(args.record))):
+            raise SourceError(f"--record {args.record}: no such folder")
+        if args.screenshot and not args.headless:
+            raise SourceError("--screenshot needs --headless (in the window: File > Save screenshot)")
+        if args.half_life <= 0 or args.scrape_interval <= 0:
+            raise SourceError("--half-life and --scrape-interval must be > 0")
+        tokens = None
+        if args.tokenizer:
+            from engine.attach.tokens import TokenText
+
+            tokens = TokenText(args.tokenizer)
+        if args.demo:
+            fakes, (vllm_src, sglang_src), demo_urls = _start_demo()
+            args.vllm.append(vllm_src)
+            args.sglang.append(sglang_src)
+            args.metrics.extend(demo_urls)
+        specs, urls = _specs(args)
+        if not specs and not urls:
+            raise SourceError("nothing to attach to: give --vllm / --sglang endpoints (and --metrics URLs), or --demo")
+        kw = dict(half_life_s=args.half_life, scrape_interval_s=args.scrape_interval, record=bool(args.record))
+        in_process = args.in_process or (args.headless and not args.screenshot)
+        session = AttachSession(specs, urls, **kw) if in_process else AttachClient(specs, urls, **kw)
+    except (SourceError, ValueError, OSError, RuntimeError, WorkerError) as e:
+        print(f"kvscope attach: error: {e}", file=sys.stderr)
+        for f in fakes:
+            f.stop()
+        return 2
+    rc = 0
+    try:
+        session.start()
+        if args.headless and not args.screenshot:  # no window at all: attach, wait, report
+            time.sleep(max(args.run_for, 0.0))
+            res = _summary(session)
+            print(json.dumps(res, default=str) if args.json else _summary_text(res))
+        else:
+            rc = _window(args, session, tokens)
+    except KeyboardInterrupt:
+        rc = 130
+    finally:
+        try:
+            if args.record:
+                meta = session.save_recording(args.record)
+                print(f"[kvscope] recorded {meta['events']:,} events ({meta['blocks']:,} blocks) -> {args.record}: "
+                      f"{meta['reads']:,} inferred reads in {meta['requests']:,} requests; replay it with "
+                      f"`kvscope policy-lab {args.record}`", file=sys.stderr)
+        except (OSError, ValueError) as e:
+            print(f"kvscope attach: error: --record {args.record}: {e}", file=sys.stderr)
+            rc = rc or 2
+        finally:
+            session.stop()
+            for f in fakes:
+                f.stop()
+    return rc
+
+
+def _summary_text(res: dict) -> str:
+    lines = []
+    for s in res["sources"]:
+        lines.append(f"{s['label']}: {s['events']:,} events in {s['batches']:,} batches "
+                     f"(stored {s['stored_blocks']:,} blocks, removed {s['removed_blocks']:,}); malformed "
+                     f"{s['malformed'] + s['bad_events']:,}; gaps {s['gaps']:,} ({s['recovered']:,} batches "
+                     f"recovered, {s['lost']:,} lost); history {s['history']:,} got, {s['history_missing']:,} gone")
+    for label, n in res["caches"].items():
+        lines.append(f"  {label}: {n:,} blocks resident")
+    return "\n".join(lines) if lines else "no events received"
+
+
+def _window(args, session, tokens) -> int:
+    from app.window import NO_DISPLAY, _style, has_display
+
+    if args.headless:
+        os.environ["QT_QPA_PLATFORM"] = "offscreen"
+    elif not has_display():
+        print(NO_DISPLAY.replace("kvscope --headless", "kvscope attach ... --headless"), file=sys.stderr)
+        return 2
+    from PySide6 import QtCore, QtWidgets
+
+    from ui.attach_window import AttachWindow
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
+    _style(app)
+    win = AttachWindow(session, tokens, mode=args.mode)
+    if args.demo:
+        win.setWindowTitle(win.windowTitle() + "  [demo: fake publishers on 127.0.0.1]")
+        note = QtWidgets.QLabel("demo: fake vLLM / SGLang publishers on 127.0.0.1 (engine/attach/fake_publisher.py)")
+        note.setStyleSheet("color: #e6c07b; padding-right: 6px")
+        win.statusBar().addPermanentWidget(note)
+    win.show()
+    if not args.headless:
+        return app.exec()
+    rc = {"rc": 0}
+
+    def finish() -> None:
+        try:
+            win.save_screenshot(args.screenshot)
+            print(f"[kvscope] wrote {args.screenshot}", file=sys.stderr)
+        except OSError as e:
+            print(f"kvscope attach: error: {e}", file=sys.stderr)
+            rc["rc"] = 2
+        finally:
+            win.close()
+            app.quit()
+
+    QtCore.QTimer.singleShot(int(max(args.run_for, 0.1) * 1000), finish)
+    app.exec()
+    return rc["rc"]

@@ -1,0 +1,155 @@
+"""`kvscope attach --soak`: the attach window under load, measured (offscreen, real sockets, real widgets).
+
+N fake publishers (separate processes on 127.0.0.1, vLLM- and SGLang-shaped, array and map encodings) each
+send R events/s for S seconds; one session attaches to all of them and the window redraws every 100 ms as it
+does live. Reported: the frame time (refresh + painting the map and every visible dock into images, as Qt paints
+dirty widgets into the backing store) p50 / p99 / max, the event loop's longest stall (a 5 ms probe timer),
+and per publisher the events it sent against the events the session applied. Counts must match: an event that
+was sent and not applied is a failure (exit status 1). Timing is reported, never asserted.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+SHAPES = (("vllm", "map"), ("sglang", "array"), ("vllm", "array"))
+
+
+def _stats(ms: list[float]) -> dict:
+    a = np.asarray(ms, dtype=np.float64)
+    if not len(a):
+        return {"frames": 0}
+    return {"frames": int(len(a)), "p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)),
+            "max_ms": float(a.max()), "over_16ms": int((a > 16.0).sum())}
+
+
+def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0, batch: int = 100,
+             say=print, drain_timeout_s: float = 60.0) -> dict:
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    from PySide6 import QtCore, QtGui, QtWidgets
+
+    from app.window import _style
+    from engine.attach.fake_spawn import FakeProcess
+    from engine.attach.worker import AttachClient
+    from engine.attach.source import parse_source
+    from ui.attach_window import AttachWindow
+
+    app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope-soak"])
+    _style(app)
+    say(f"[attach-soak] starting {publishers} fake publishers, {rate:,.0f} events/s each for {seconds:g} s…")
+    fakes = []
+    for i in range(publishers):
+        flavor, enc = SHAPES[i % len(SHAPES)]
+        fakes.append(FakeProcess("--flavor", flavor, "--encoding", enc, "--rate", str(rate), "--batch", str(batch),
+                                 "--duration", str(seconds), "--start-delay", "1.0", "--capacity", "20000",
+                                 "--pregenerate",
+                                 "--metrics-port", "0", "--buffer-steps", "100000", "--linger",
+                                 str(drain_timeout_s + 10), "--seed", str(i)))
+    specs = [s for i, f in enumerate(fakes) for s in parse_source(SHAPES[i % len(SHAPES)][0],
+                                                                    f"{f.pub},name=pub{i},metrics={f.metrics}")]
+    session = AttachClient(specs, [])
+    win = AttachWindow(session)
+    win.timer.stop()  # the soak drives the frames itself, to time the painting too
+    win.show()
+    app.processEvents()
+    panels = [win.map, win.metrics, win.sources, win.events, win.statusBar()]
+    images = {}
+    frames: list[float] = []
+    gaps: list[float] = []
+    last = [time.perf_counter()]
+
+    parts: dict[str, list[float]] = {"refresh": [], **{type(w).__name__: [] for w in panels}}
+
+    def frame() -> None:
+        t0 = time.perf_counter()
+        win.refresh()
+        t1 = time.perf_counter()
+        parts["refresh"].append(1e3 * (t1 - t0))
+        for w in panels:
+            if w.visibleRegion().isEmpty():
+                continue
+            img = images.get(id(w))
+            if img is None or img.size() != w.size():
+                img = images[id(w)] = QtGui.QImage(w.size(), QtGui.QImage.Format_ARGB32_Premultiplied)
+            t2 = time.perf_counter()
+            w.render(img)
+            parts[type(w).__name__].append(1e3 * (time.perf_counter() - t2))
+        frames.append(1e3 * (time.perf_counter() - t0))
+
+    def probe() -> None:
+        now = time.perf_counter()
+        gaps.append(1e3 * (now - last[0]))
+        last[0] = now
+
+    t_frame, t_probe = QtCore.QTimer(), QtCore.QTimer()
+    t_frame.timeout.connect(frame)
+    t_probe.setTimerType(QtCore.Qt.PreciseTimer)
+    t_probe.timeout.connect(probe)
+    t_frame.start(100)
+    t_probe.start(5)
+    summaries: list[dict] = []
+    drain_s = float("nan")
+    try:
+        say("[attach-soak] publishers pre-generating their streams (not timed)…")
+        while not all(f.started() for f in fakes):
+            app.processEvents(QtCore.QEventLoop.AllEvents, 50)
+            if any(f.proc.poll() is not None for f in fakes):
+                raise RuntimeError("a fake publisher ended before publishing")
+        frames.clear()  # time the frames while the events flow
+        gaps.clear()
+        for v in parts.values():
+            v.clear()
+        say(f"[attach-soak] publishing for {seconds:g} s…")
+        while not all(f.done() for f in fakes):
+            app.processEvents(QtCore.QEventLoop.AllEvents, 50)
+        summaries = [f.summary() for f in fakes]
+        expected = [s["events"] - s["lost_events"] for s in summaries]
+        n_during, n_gaps = len(frames), len(gaps)
+        t_drain = time.monotonic()
+        say(f"[attach-soak] publishers done: {sum(s['events'] for s in summaries):,} events sent; draining…")
+        while True:
+            app.processEvents(QtCore.QEventLoop.AllEvents, 50)
+            got = [a.events for a in session.frame(wait=True).snap.activity]
+            if got == expected or time.monotonic() - t_drain > drain_timeout_s:
+                break
+        drain_s = time.monotonic() - t_drain
+        del frames[n_during:], gaps[n_gaps:]
+    finally:
+        t_frame.stop()
+        t_probe.stop()
+        final = session.frame(slow=True, wait=True)
+        statuses, act = final.statuses, final.snap.activity
+        win.close()
+        session.stop()
+        for f in fakes:
+            f.stop()
+    per = []
+    for i, (s, st, a) in enumerate(zip(summaries, statuses, act)):
+        per.append({"publisher": f"pub{i} ({SHAPES[i % len(SHAPES)][0]}, {SHAPES[i % len(SHAPES)][1]})",
+                    "events_sent": s["events"], "events_per_s_sent": s["events_per_s"],
+                    "events_received": a.events, "batches_sent": s["batches"], "batches_received": st.batches,
+                    "malformed": st.malformed, "gaps": st.gaps, "recovered": st.recovered, "lost": st.lost,
+                    "history": st.history, "history_missing": st.history_missing})
+    g = np.asarray(gaps[20:]) - 5.0 if len(gaps) > 20 else np.zeros(1)
+    res = {"publishers": publishers, "rate_per_publisher": rate, "seconds": seconds, "batch": batch,
+           "frame": _stats(frames), "frame_parts_p50_ms": {k: float(np.median(v)) for k, v in parts.items() if v}, "max_stall_ms": float(g.max()), "p99_stall_ms": float(np.percentile(g, 99)),
+           "drain_s": drain_s, "per_publisher": per,
+           "events_sent": sum(p["events_sent"] for p in per), "events_received": sum(p["events_received"] for p in per)}
+    res["counts_match"] = all(p["events_sent"] == p["events_received"] for p in per)
+    f = res["frame"]
+    say(f"[attach-soak] frames: {f['frames']:,}, p50 {f['p50_ms']:.1f} ms, p99 {f['p99_ms']:.1f} ms, max "
+        f"{f['max_ms']:.1f} ms, {f['over_16ms']:,} over 16 ms (goal ≤ 16 ms); event loop: max stall "
+        f"{res['max_stall_ms']:.1f} ms, p99 "
+        f"{res['p99_stall_ms']:.1f} ms")
+    say("[attach-soak] frame p50 by part: " + ", ".join(f"{k} {v:.1f} ms" for k, v in res["frame_parts_p50_ms"].items()))
+    for p in per:
+        say(f"[attach-soak] {p['publisher']}: sent {p['events_sent']:,} events ({p['events_per_s_sent']:,.0f}/s), "
+            f"received {p['events_received']:,}; gaps {p['gaps']} ({p['recovered']} batches recovered, "
+            f"{p['lost']} lost); malformed {p['malformed']}")
+    say(f"[attach-soak] total: sent {res['events_sent']:,}, received {res['events_received']:,} -> "
+        f"{'counts match' if res['counts_match'] else 'COUNTS DIFFER'} (drained in {drain_s:.1f} s after the "
+        f"publishers stopped); load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    return res

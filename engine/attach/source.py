@@ -1,0 +1,93 @@
+"""Where to attach: the publisher endpoints of a vLLM or SGLang server, parsed from the command line.
+
+`--vllm tcp://HOST:5557` is a server started with
+`--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",
+"replay_endpoint":"tcp://*:5558","topic":"kv-events"}'` (SGLang takes the same flag). Options follow commas:
+`replay=tcp://HOST:5558` (default: the port after the last rank's, i.e. 5558 for one rank; `replay=none` for
+none), `topic=kv-events` (default: every topic), `dp=N` (data-parallel ranks: vLLM and SGLang publish rank r on
+port+r and replay on replay port+r), `name=LABEL`, `metrics=http://HOST:PORT/metrics` (this server's
+Prometheus endpoint: scraped, and its num_gpu_blocks frames the GPU maps).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KINDS = ("vllm", "sglang")
+_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
+
+
+class SourceError(ValueError):
+    """A source the attach command cannot use; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    kind: str  # "vllm" | "sglang"
+    endpoint: str  # the PUB socket to connect a SUB to
+    replay: str | None  # the ROUTER socket to ask for missed batches, if any
+    topic: str  # SUB prefix ("" receives every topic)
+    rank: int  # data-parallel rank this endpoint publishes (batches that carry their own rank win)
+    label: str
+    name: str = ""  # the server's label (label without the /dpN suffix)
+    metrics: str | None = None  # the server's /metrics URL, when given with the endpoint
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    m = _TCP.match(endpoint)
+    if not m:
+        raise SourceError(f"{endpoint!r}: expected tcp://HOST:PORT")
+    host, port = m.group("host"), int(m.group("port"))
+    if host in ("*", "0.0.0.0", "[::]"):
+        raise SourceError(f"{endpoint!r}: that is the server's bind address; attach connects, so give the "
+                          f"server's host name or IP, e.g. tcp://10.0.0.5:{port}")
+    if not 0 < port < 65536:
+        raise SourceError(f"{endpoint!r}: port {port} is not in 1..65535")
+    return host, port
+
+
+def parse_source(kind: str, text: str) -> list[SourceSpec]:
+    """One `--vllm` / `--sglang` value: a list of endpoints (one per data-parallel rank)."""
+    if kind not in KINDS:
+        raise SourceError(f"unknown server kind {kind!r}; one of {', '.join(KINDS)}")
+    head, *opts = [p.strip() for p in text.split(",")]
+    host, port = _split(head)
+    o: dict[str, str] = {}
+    for opt in opts:
+        k, eq, v = opt.partition("=")
+        if not eq or k not in ("replay", "topic", "dp", "name", "metrics"):
+            raise SourceError(f"--{kind} {text!r}: unknown option {opt!r} (replay=, topic=, dp=, name=, metrics=)")
+        o[k] = v
+    try:
+        dp = int(o.get("dp", "1"))
+    except ValueError:
+        raise SourceError(f"--{kind} {text!r}: dp must be a whole number, got {o['dp']!r}") from None
+    if not 1 <= dp <= 256:
+        raise SourceError(f"--{kind} {text!r}: dp must be 1..256, got {dp}")
+    replay = o.get("replay")
+    if replay is None:
+        rhost, rport = host, port + dp
+    elif replay.lower() == "none":
+        rhost = rport = None
+    else:
+        rhost, rport = _split(replay)
+    if rport is not None and rhost == host and port <= rport < port + dp:
+        raise SourceError(f"--{kind} {text!r}: the replay port {rport} collides with a rank's publisher port "
+                          f"({port}..{port + dp - 1})")
+    name = o.get("name") or f"{host}:{port}"
+    metrics = parse_metrics_url(o["metrics"]) if o.get("metrics") else None
+    out = []
+    for r in range(dp):
+        out.append(SourceSpec(kind, f"tcp://{host}:{port + r}",
+                              None if rport is None else f"tcp://{rhost}:{rport + r}",
+                              o.get("topic", ""), r, name if dp == 1 else f"{name}/dp{r}", name, metrics))
+    return out
+
+
+def parse_metrics_url(text: str) -> str:
+    """`--metrics` value: http(s)://HOST:PORT[/path] (path defaults to /metrics)."""
+    m = re.match(r"^(https?)://([^/\s]+)(/\S*)?$", text.strip())
+    if not m:
+        raise SourceError(f"--metrics {text!r}: expected http://HOST:PORT[/metrics]")
+    return f"{m.group(1)}://{m.group(2)}{m.group(3) or '/metrics'}"

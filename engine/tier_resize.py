@@ -1,0 +1,139 @@
+"""A budget change applied to the pool in place: tiers grow or shrink, every block keeps its id.
+
+Shrinking the device tier demotes its coldest blocks to the host tier (owned ones too: attention reads them
+there), dropping cached ones the host tier cannot take; shrinking the host tier evicts its coldest cached blocks
+and promotes owned ones the device tier has room for. Blocks left in slots past a tier's new capacity move down
+into free ones, then each part is reallocated at the new size and the kept slots copied over. Sequences, prefix
+hashes, heat and ages are untouched; only the eviction policy's per-slot state starts afresh.
+
+Refused (CacheFull, before anything moves) when the blocks sequences own cannot fit both tiers' new capacities.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.block_pool import RESERVED, BlockPool
+from engine.config import CacheConfig
+from engine.eviction import make_policy
+from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, copy_slots
+
+_FILL = {"lid": -1, "owner": -1}  # metadata defaults of an empty slot (the rest: 0)
+
+
+def capacities(pool: BlockPool, config: CacheConfig) -> tuple[int, int]:
+    per = pool.block_bytes
+    return (max(0, int(config.device_budget_mb * 2**20) // per - RESERVED), int(config.host_budget_mb * 2**20) // per)
+
+
+def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
+    dev_cap, host_cap = capacities(pool, config)
+    dev, host = pool.tiers
+    owned = sum(int(np.count_nonzero((t.lid >= 0) & (t.ref > 0))) for t in pool.tiers)
+    if owned > dev_cap + host_cap:
+        raise CacheFull(f"sequences own {owned} blocks but the new budgets hold {dev_cap} + {host_cap}")
+    pool.config = config
+    for t, cap in ((dev, dev_cap), (host, host_cap)):
+        if cap > t.capacity:  # growing tiers first: room for what the shrinking one hands over
+            _realloc(pool, t, cap)
+    # The device tier down to its new capacity: coldest blocks to the host tier (which makes room by evicting its
+    # own coldest cached blocks, but must keep room for the owned blocks it has to hold).
+    over = dev.used - dev_cap
+    if over > 0:
+        used = np.flatnonzero(dev.lid >= 0)
+        order = used[np.lexsort((dev.last[used], dev.ref[used] > 0))]  # cached first, then owned; coldest first
+        victims = dev.lid[order[:over]]
+        _host_room(pool, host_cap, len(victims), now)
+        moved = pool.move(victims, Tier.HOST, now, reason="resize") if host.capacity else 0
+        for lid in victims[moved:].tolist():  # cached blocks the host tier cannot take
+            pool._release(lid)
+    # The host tier down to its new capacity: cached blocks evicted, owned ones promoted while the device has room.
+    over = host.used - host_cap
+    if over > 0:
+        pool.evict(Tier.HOST, min(over, len(host.cached)), now)
+        over = host.used - host_cap
+        if over > 0:
+            room = dev_cap - dev.used
+            if room < over and len(dev.cached):  # cached device blocks give way to owned host ones
+                victims = dev.cached.view()[:over - room].copy()
+                for lid in dev.lid[victims].tolist():
+                    pool._release(lid)
+            owned_host = np.flatnonzero((host.lid >= 0) & (host.ref > 0))
+            pool.move(host.lid[owned_host[:min(over, dev_cap - dev.used)]], Tier.DEVICE, now, reason="resize")
+    for t, cap in ((dev, dev_cap), (host, host_cap)):
+        if t.used > cap:  # cannot happen after the check above; never leave a half-resized tier silently
+            raise AssertionError(f"{t.tier.name} tier still holds {t.used} blocks for {cap} slots")
+        _compact(pool, t, cap)
+        _realloc(pool, t, cap)
+    _grow_lids(pool, dev_cap + host_cap)
+    pool.policy = make_policy(config.policy, config.decay)
+    pool.moves += 1
+
+
+def _host_room(pool: BlockPool, host_cap: int, n: int, now: float) -> None:
+    """Evict cached host blocks so that n more fit under the host tier's new capacity."""
+    host = pool.tiers[Tier.HOST]
+    short = host.used + n - min(host_cap, host.capacity)
+    if short > 0 and len(host.cached):
+        pool.evict(Tier.HOST, min(short, len(host.cached)), now)
+
+
+def _compact(pool: BlockPool, t: TierPool, cap: int) -> None:
+    """Blocks in slots >= cap move into free slots below it (same tier: one copy per part)."""
+    high = np.flatnonzero(t.lid[cap:] >= 0) + cap
+    if len(high) == 0:
+        return
+    low = np.asarray(sorted(s for s in t.free_slots if s < cap)[:len(high)], dtype=np.int64)
+    copy_slots(t, high, t, low, pool.copy_stream, pool.device)
+    t.copy_meta(t, high, low)
+    for s_old, s_new in zip(high.tolist(), low.tolist()):
+        lid = int(t.lid[s_new])
+        pool.slot[lid] = s_new
+        if s_old in t.cached:
+            t.cached.discard(s_old)
+            t.cached.add(s_new)
+        t.lid[s_old] = -1
+        t.ref[s_old] = 0
+        t.hash[s_old] = NO_HASH
+    taken = set(low.tolist())
+    t.free_slots = [s for s in t.free_slots if s not in taken] + high.tolist()
+
+
+def _realloc(pool: BlockPool, t: TierPool, cap: int) -> None:
+    """Parts and per-slot metadata at the new capacity, the first min(old, new) slots kept."""
+    if cap == t.capacity:
+        return
+    keep = min(cap, t.capacity)
+    reserved = RESERVED if t.null_slot is not None else 0
+    device, pin = t.k["data"].device, t.k["data"].is_pinned() if t.k["data"].device.type == "cpu" else False
+    for parts, codec in ((t.k, pool.kcodec), (t.v, pool.vcodec)):
+        fresh = codec.alloc(pool.geom, cap + reserved, device, pin)
+        for name, old in parts.items():  # part by part: the old one is freed before the next is allocated
+            fresh[name][:, :keep] = old[:, :keep]
+            parts[name] = fresh[name]
+    for name in TierPool.META + ("hist", "tokens"):
+        old = getattr(t, name)
+        new = np.full((cap,) + old.shape[1:], _FILL.get(name, 0), dtype=old.dtype)
+        new[:keep] = old[:keep]
+        setattr(t, name, new)
+    t.capacity = cap
+    used = t.lid >= 0
+    t.free_slots = [int(s) for s in np.flatnonzero(~used)[::-1]]  # stack: lowest slot first
+    t.cached = IndexedSet(max(cap, 1))
+    for s in np.flatnonzero(used & (t.ref == 0) & (t.hash != NO_HASH)).tolist():
+        t.cached.add(s)
+    if t.null_slot is not None:
+        t.null_slot, t.sink_slot = cap, cap + 1
+    assert t.hist.shape[1] == HIST_K
+
+
+def _grow_lids(pool: BlockPool, n: int) -> None:
+    """Room for n logical blocks (ids are never renumbered; the id space only grows)."""
+    if n <= pool.n_lids:
+        return
+    extra = n - pool.n_lids
+    pool.tier = np.concatenate([pool.tier, np.full(extra, -1, dtype=pool.tier.dtype)])
+    pool.slot = np.concatenate([pool.slot, np.full(extra, -1, dtype=pool.slot.dtype)])
+    pool.serial = np.concatenate([pool.serial, np.full(extra, -1, dtype=pool.serial.dtype)])
+    pool.free_lids = list(range(n - 1, pool.n_lids - 1, -1)) + pool.free_lids
+    pool.n_lids = n

@@ -1,0 +1,152 @@
+"""Decoding vLLM / SGLang KV event batches: both encodings, fields added over versions, unknown kinds and fields,
+and frames that are not batches at all (DecodeError, never anything else)."""
+
+from __future__ import annotations
+
+import msgpack
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.attach.block_state import token_list
+from engine.attach.events import (KIND_CLEARED, KIND_REMOVED, KIND_STORED, AllBlocksCleared, BlockRemoved,
+                                  BlockStored, DecodeError, decode_batch, encode_batch, medium_of)
+
+
+# vLLM's own declarations (vllm/distributed/kv_events.py): array-like up to 0.10, maps with more fields since.
+class _VOldBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+
+
+class _VOldEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _VOldStored(_VOldEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _VOldRemoved(_VOldEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class _VNewBatch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list
+    data_parallel_rank: int | None = None
+
+
+class _VNewEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _VNewStored(_VNewEvent, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _VNewCleared(_VNewEvent, tag="AllBlocksCleared"):
+    pass
+
+
+def test_vllm_array_like_batch_as_vllm_encodes_it():
+    payload = msgspec.msgpack.encode(_VOldBatch(12.5, [
+        _VOldStored([11, 12], None, list(range(32)), 16, None, "GPU"),
+        _VOldRemoved([11], None)]))
+    b = decode_batch(payload)
+    assert b.ts == 12.5 and b.data_parallel_rank is None and b.bad_events == b.unknown_events == 0
+    s, r = b.events
+    assert s.KIND == KIND_STORED and s.block_hashes == [11, 12] and s.parent_block_hash is None
+    assert token_list(s.token_ids) == list(range(32)) and s.block_size == 16 and medium_of(s) == "GPU"
+    assert r.KIND == KIND_REMOVED and r.block_hashes == [11] and medium_of(r) == "GPU"  # None means GPU
+
+
+def test_vllm_map_batch_with_newer_fields_as_vllm_encodes_it():
+    h1, h2 = b"\x01" * 32, b"\x02" * 32
+    payload = msgspec.msgpack.encode(_VNewBatch(3.0, [
+        _VNewStored([h2], h1, [5] * 16, 16, None, "CPU", None, [None], 1, "full_attention", None),
+        _VNewCleared()], data_parallel_rank=3))
+    b = decode_batch(payload)
+    assert b.data_parallel_rank == 3 and len(b.events) == 2
+    s, c = b.events
+    assert s.block_hashes == [h2] and s.parent_block_hash == h1 and medium_of(s) == "CPU" and s.group_idx == 1
+    assert c.KIND == KIND_CLEARED
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+@pytest.mark.parametrize("flavor", ["vllm", "sglang"])
+def test_round_trip_with_a_field_no_decoder_knows(encoding, flavor):
+    events = [BlockStored([1, 2, 3], 99, list(range(48)), 16, 4, "GPU"), BlockRemoved([7, 8], "GPU"),
+              AllBlocksCleared()]
+    b = decode_batch(encode_batch(1.0, events, 2, encoding=encoding, flavor=flavor, extra_field=True))
+    assert [e.KIND for e in b.events] == [KIND_STORED, KIND_REMOVED, KIND_CLEARED]
+    assert b.events[0].block_hashes == [1, 2, 3] and b.events[0].parent_block_hash == 99
+    assert b.events[0].lora_id == 4 and token_list(b.events[0].token_ids) == list(range(48))
+    assert b.data_parallel_rank == 2 and b.bad_events == 0 and b.unknown_events == 0
+
+
+def test_unknown_kind_and_bad_event_are_counted_and_the_rest_kept():
+    payload = msgpack.packb([1.0, [["BlockStored", [1], None, [1, 2], 2, None, "GPU"],
+                                   ["BlockEvictedToMars", [1]],
+                                   ["BlockStored", "not a list", None, [], 2, None, None],
+                                   {"type": "BlockRemoved", "block_hashes": ["a-str-hash"], "medium": "gpu"}]])
+    b = decode_batch(payload)
+    assert b.unknown_events == 1 and b.bad_events == 1 and len(b.notes) == 1
+    assert [e.KIND for e in b.events] == [KIND_STORED, KIND_REMOVED]
+    assert b.events[1].block_hashes == ["a-str-hash"] and medium_of(b.events[1]) == "GPU"
+
+
+def test_missing_optional_fields_are_defaulted():
+    b = decode_batch(msgpack.packb({"ts": 2, "events": [{"type": "BlockStored", "block_hashes": [5]}],
+                                    "attn_dp_rank": 1}))
+    (s,) = b.events
+    assert s.parent_block_hash is None and s.block_size == 0 and s.lora_id is None and medium_of(s) == "GPU"
+    assert b.data_parallel_rank == 1 and b.ts == 2.0
+
+
+@pytest.mark.parametrize("payload", [b"", b"\xc1", b"\x00" * 8, msgpack.packb(7), msgpack.packb([1.0]),
+                                     msgpack.packb({"ts": "x", "events": []}), msgpack.packb([1.0, 5]),
+                                     msgpack.packb([True, []]), b"\x92\xcb"])
+def test_not_a_batch_raises_decode_error(payload):
+    with pytest.raises(DecodeError):
+        decode_batch(payload)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200))
+def test_any_bytes_decode_or_raise_decode_error(data):
+    try:
+        b = decode_batch(data)
+    except DecodeError:
+        return
+    for e in b.events:
+        assert e.KIND in (KIND_STORED, KIND_REMOVED, KIND_CLEARED)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=5)
+                    | st.binary(max_size=5),
+                    lambda ch: st.lists(ch, max_size=5) | st.dictionaries(st.text(max_size=5), ch, max_size=4),
+                    max_leaves=20))
+def test_any_msgpack_value_decodes_or_raises_decode_error(obj):
+    try:
+        decode_batch(msgpack.packb(obj, use_bin_type=True))
+    except DecodeError:
+        pass

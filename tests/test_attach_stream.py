@@ -1,0 +1,129 @@
+"""Real ZMQ sockets on 127.0.0.1: a fake publisher process (vLLM- and SGLang-shaped, both encodings) and an
+attach session. Sequence gaps are recovered from the replay socket or reported lost, malformed frames are
+counted and skipped, batches published before attaching are fetched as history, and every event the publisher
+sent arrives (counts match). Attach only connects: nothing in it binds a port."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from engine.attach.fake_spawn import FakeProcess
+from engine.attach.session import AttachSession
+from engine.attach.source import parse_source
+
+
+def _wait(pred, timeout=30.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _run(fake: FakeProcess, session: AttachSession, expected_per_source) -> None:
+    _wait(lambda: [a.events for a in session.cluster.activity()] == expected_per_source, 60,
+          f"events {expected_per_source} (have {[a.events for a in session.cluster.activity()]})")
+
+
+@pytest.fixture
+def no_bind(monkeypatch):
+    """Attach must only connect: any bind in this process fails the test."""
+    def refuse(self, addr):
+        raise AssertionError(f"attach bound {addr}")
+    monkeypatch.setattr(zmq.Socket, "bind", refuse)
+    monkeypatch.setattr(zmq.Socket, "bind_to_random_port", refuse)
+
+
+def test_vllm_map_two_ranks_gap_recovered_gap_lost_malformed_counted(no_bind):
+    fake = FakeProcess("--flavor", "vllm", "--encoding", "map", "--dp", "2", "--rate", "3000", "--batch", "20",
+                       "--max-batches", "150", "--duration", "60", "--gap", "40:6", "--lost", "90:4",
+                       "--malformed-every", "25", "--extra-field", "--start-delay", "0.5", "--linger", "20")
+    session = AttachSession(parse_source("vllm", f"{fake.pub},dp=2,name=v"), []).start()
+    try:
+        s = fake.summary()
+        expected = [r["events"] - r["lost_events"] for r in s["ranks"]]
+        _run(fake, session, expected)
+        time.sleep(0.3)  # junk frames after the last batch
+        st = session.statuses()
+        for r, status in zip(s["ranks"], st):
+            assert status.recovered == r["withheld_batches"] == 6
+            assert status.lost == r["lost_batches"] == 4
+            assert (90, 93) in status.lost_ranges
+            assert status.malformed == r["malformed_sent"] > 0
+            assert status.gaps == 2 and status.duplicates == 0
+        keys = set(session.cluster.groups)
+        assert {(0, 0, "GPU", 0), (1, 1, "GPU", 0)} <= keys  # the rank named in the batches
+        kinds = {k for _, k, _ in session.cluster.take_notes()}
+        assert {"replay", "gap", "malformed"} <= kinds
+    finally:
+        session.stop()
+        fake.stop()
+
+
+def test_sglang_array_without_replay_endpoint_reports_the_gap_lost(no_bind):
+    fake = FakeProcess("--flavor", "sglang", "--encoding", "array", "--rate", "3000", "--batch", "20",
+                       "--max-batches", "80", "--duration", "60", "--gap", "30:5", "--start-delay", "0.5",
+                       "--linger", "20")
+    session = AttachSession(parse_source("sglang", f"{fake.pub},replay=none"), []).start()
+    try:
+        s = fake.summary()
+        expected = s["events"] - s["ranks"][0]["withheld_events"]
+        _run(fake, session, [expected])
+        (status,) = session.statuses()
+        assert status.gaps == 1 and status.recovered == 0 and status.lost == 5
+        assert status.lost_ranges == ((30, 34),)
+        assert set(session.cluster.groups) == {(0, 0, "GPU", 0)}  # SGLang names no medium: GPU
+    finally:
+        session.stop()
+        fake.stop()
+
+
+def test_attaching_late_fetches_the_history_from_the_replay_buffer(no_bind):
+    fake = FakeProcess("--flavor", "vllm", "--encoding", "array", "--rate", "2000", "--batch", "20",
+                       "--duration", "1.5", "--linger", "20", "--cpu-offload", "500")
+    time.sleep(0.8)  # about half the stream is out before we connect
+    session = AttachSession(parse_source("vllm", fake.pub), []).start()
+    try:
+        s = fake.summary()
+        _run(fake, session, [s["events"]])
+        (status,) = session.statuses()
+        assert status.first_seq > 0 and status.history == status.first_seq and status.history_missing == 0
+        assert status.batches == s["batches"]
+        assert (0, 0, "CPU", 0) in session.cluster.groups
+    finally:
+        session.stop()
+        fake.stop()
+
+
+def test_short_soak_three_publishers_counts_match_through_the_ingest_process():
+    from engine.attach.worker import AttachClient
+
+    shapes = (("vllm", "map"), ("sglang", "array"), ("vllm", "array"))
+    fakes = [FakeProcess("--flavor", f, "--encoding", e, "--rate", "3000", "--batch", "50", "--duration", "3",
+                         "--start-delay", "0.5", "--linger", "30", "--seed", str(i)) for i, (f, e) in enumerate(shapes)]
+    specs = [s for (f, _), fk in zip(shapes, fakes) for s in parse_source(f, fk.pub)]
+    client = AttachClient(specs, [])
+    try:
+        expected = [fk.summary()["events"] for fk in fakes]
+        assert min(expected) > 5000
+        end = time.monotonic() + 60
+        while time.monotonic() < end:
+            got = [a.events for a in client.frame(wait=True).snap.activity]
+            if got == expected:
+                break
+            time.sleep(0.1)
+        assert got == expected
+        fr = client.frame(slow=True, wait=True)
+        assert all(s.malformed == 0 and s.lost == 0 for s in fr.statuses)
+        key = fr.snap.groups[0].key
+        cell = int((fr.snap.groups[0].codes != 253).argmax())
+        info = client.block_info(key, cell)
+        assert info is not None and info["cell"] == cell
+    finally:
+        client.stop()
+        for fk in fakes:
+            fk.stop()

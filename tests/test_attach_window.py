@@ -1,0 +1,148 @@
+"""The attach window, offscreen, on a fake publisher: one map per endpoint / rank / medium, what events cannot
+tell said plainly, "no data" where a metric is absent, malformed frames counted and never fatal, tooltips (with
+decoded text given a tokenizer), File → Attach…, and a screenshot."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from PySide6 import QtGui  # noqa: E402
+
+from engine.attach import codes  # noqa: E402
+from engine.attach.fake_spawn import FakeProcess  # noqa: E402
+from engine.attach.session import AttachSession  # noqa: E402
+from engine.attach.source import parse_source  # noqa: E402
+from ui.attach_window import AttachWindow  # noqa: E402
+
+
+@pytest.fixture
+def fake():
+    f = FakeProcess("--flavor", "vllm", "--encoding", "map", "--dp", "2", "--cpu-offload", "200", "--rate", "1500",
+                    "--batch", "20", "--duration", "4", "--capacity", "400", "--malformed-every", "5",
+                    "--metrics-port", "0", "--kv-cache-metrics", "--linger", "5")
+    yield f
+    f.stop()
+
+
+def _tokenizer(tmp_path) -> str:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import Whitespace
+
+    tok = Tokenizer(WordLevel({f"w{i}": i for i in range(32000)} | {"[UNK]": 32000}, unk_token="[UNK]"))
+    tok.pre_tokenizer = Whitespace()
+    path = str(tmp_path / "tokenizer.json")
+    tok.save(path)
+    return path
+
+
+def _until(qtbot, pred, timeout_ms=20000):
+    qtbot.waitUntil(pred, timeout=timeout_ms)
+
+
+def test_window_on_a_live_fake_publisher(qtbot, fake, tmp_path):
+    from engine.attach.tokens import TokenText
+
+    specs = parse_source("vllm", f"{fake.pub},dp=2,name=fake,metrics={fake.metrics}")
+    session = AttachSession(specs, []).start()
+    win = AttachWindow(session, TokenText(_tokenizer(tmp_path)), owns_session=True, refresh_ms=50)
+    qtbot.addWidget(win)
+    win.show()
+    try:
+        _until(qtbot, lambda: len(win.map.label_texts()) == 4 and win.frames > 30
+               and sum(s.malformed for s in win.last_frame.statuses) >= 4)
+        win.refresh_all()
+        labels = win.map.label_texts()
+        assert [lab.split("   ")[0] for lab in labels] == ["fake/dp0  rank 0  GPU", "fake/dp0  rank 0  CPU",
+                                                          "fake/dp1  rank 1  GPU", "fake/dp1  rank 1  CPU"]
+        assert "of 400 (num_gpu_blocks, /metrics)" in labels[0] and "capacity: not in the events" in labels[1]
+        banner = win.banner.text()
+        for phrase in ("not by physical slot", "in flight", "per-request block tables", "Cache hits are not published"):
+            assert phrase in banner
+        # malformed frames are counted in the sources table and said in the events panel; frames keep coming
+        assert int(win.sources.item(0, 4).text().replace(",", "")) >= 2
+        assert any(" malformed " in line for line in win.events.lines())
+        frames = win.frames
+        _until(qtbot, lambda: win.frames > frames + 5)
+        # tooltips: a resident block (decoded tokens) and an empty cell, once the stream has stopped
+        _until(qtbot, fake.done)
+        time.sleep(0.3)
+        win.refresh_all()
+        g = win.last_frame.snap.groups[0]
+        cell = int((g.codes != codes.EMPTY_CODE).argmax())
+        tip = win.map.tooltip_for(0, cell)
+        assert "stored" in tip and re.search(r"w\d+ w\d+ w\d+", tip) and "not in the events" in tip
+        empty = int((g.codes == codes.EMPTY_CODE).argmax())
+        assert "not a free slot" in win.map.tooltip_for(0, empty)
+        # every colour mode draws
+        for mode in ("idle", "heat", "reuse", "family", "depth", "age"):
+            win.map.set_mode(mode)
+            win.refresh_all()
+            assert win.last_frame.snap.mode == mode
+            assert (win.map.group_codes(0) != codes.EMPTY_CODE).sum() == g.resident or mode != "age"
+        win.map.set_mode("family")
+        win.refresh_all()
+        legend = win.map.legend.text()
+        assert re.search(r"w\d+ w\d+", legend) and "families (colour: id mod 32)" in legend  # roots' text
+        _until(qtbot, lambda: win.metrics.text_of(1, 0) not in ("", "no data"))
+        assert "/" in win.metrics.text_of(1, 0)  # vLLM's lifetime histogram: p50 / p90
+        png = str(tmp_path / "shot.png")
+        win.save_screenshot(png)
+        img = QtGui.QImage(png)
+        assert img.width() >= 1000 and img.height() >= 600 and os.path.getsize(png) > 20_000
+    finally:
+        win.close()
+    assert session._stopped
+
+
+def test_metrics_absent_say_no_data_not_zero(qtbot):
+    from engine.attach.metrics import parse_metrics
+    from ui.attach_panels import MetricsPanel
+
+    p = MetricsPanel(["sglang-a"])
+    qtbot.addWidget(p)
+    from engine.attach.metrics import rates
+
+    s = parse_metrics('sglang:token_usage{tp_rank="0"} 0.5\nsglang:cache_hit_rate{tp_rank="0"} 0.25\n', t=time.time())
+    p.update_metrics(time.time(), [[rates(None, s)]], [s], [None], {}, 1.0)
+    assert p.preempt.note.startswith("no data")  # SGLang exposes no preemption counter
+    assert p.hit.note == "" and p.usage.note == ""
+    assert [p.text_of(r, c) for r in (0, 1) for c in range(3)] == ["no data"] * 6
+
+
+def test_file_attach_dialog_parses_lines_and_opens_a_window(qtbot, fake):
+    from engine.attach.source import SourceError
+    from ui.attach_dialog import AttachDialog, open_attach_window, parse_lines
+
+    assert [s.label for s in parse_lines(f"# comment\nvllm {fake.pub},dp=2,name=x\n\nsglang tcp://h:1")] == \
+        ["x/dp0", "x/dp1", "h:1"]
+    with pytest.raises(SourceError, match="line 1"):
+        parse_lines("vllm tcp://*:5557")
+    dlg = AttachDialog()
+    qtbot.addWidget(dlg)
+    dlg.sources.setPlainText("vllm nonsense")
+    dlg.accept()
+    assert "line 1" in dlg.error.text() and dlg.result_value is None
+    dlg.sources.setPlainText(f"vllm {fake.pub},dp=2,name=dialog")
+    win = open_attach_window(None, in_process=True, dialog=dlg)
+    qtbot.addWidget(win)
+    try:
+        _until(qtbot, lambda: win.frames > 3 and len(win.map.label_texts()) >= 2)
+        assert win.map.label_texts()[0].startswith("dialog/dp0")
+    finally:
+        win.close()
+
+
+def test_main_window_file_menu_opens_the_attach_dialog():
+    import inspect
+
+    from ui import main_window
+
+    src = inspect.getsource(main_window.MainWindow._menus)
+    assert "Attach" in src and "open_attach_window(self)" in src

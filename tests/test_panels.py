@@ -1,0 +1,259 @@
+"""The window's panels one at a time, on made-up snapshots (no engine): sliders, the sequences table, the
+event feed, the rate charts, the heat plot. Each test is a defect a user met (issue 11)."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PySide6 import QtCore, QtGui, QtWidgets
+from PySide6.QtTest import QTest
+
+from engine.config import KNOBS
+from engine.snapshot import SeqTable
+
+
+@pytest.fixture
+def app_style(qapp):
+    """The app's own palette, font and style sheet (widths and heights depend on them), restored after."""
+    from app.window import _style
+
+    saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
+    _style(qapp)
+    yield qapp
+    qapp.setStyleSheet(saved[0])
+    qapp.setPalette(saved[1])
+    qapp.setFont(saved[2])
+
+
+# -- sliders ------------------------------------------------------------------------------------------
+
+
+def _knob(qtbot, name: str, value, width: int = 230):
+    """A knob control as wide as in the Controls dock (its label takes the rest), showing `value`."""
+    from ui.controls import KnobControl
+
+    c = KnobControl(KNOBS[name])
+    qtbot.addWidget(c)
+    c.resize(width, 26)
+    c.show()
+    qtbot.waitExposed(c)
+    c.show_value(value)
+    return c
+
+
+def _drag(slider: QtWidgets.QSlider, dx: int) -> None:
+    """Press on the slider's handle, move dx pixels, release: what a user's hand does."""
+    opt = QtWidgets.QStyleOptionSlider()
+    slider.initStyleOption(opt)
+    handle = slider.style().subControlRect(QtWidgets.QStyle.CC_Slider, opt, QtWidgets.QStyle.SC_SliderHandle, slider)
+    start = handle.center()
+    QTest.mousePress(slider, QtCore.Qt.LeftButton, QtCore.Qt.NoModifier, start)
+    for i in range(1, abs(dx) + 1):
+        QTest.mouseMove(slider, start + QtCore.QPoint(i if dx > 0 else -i, 0))
+    QTest.mouseRelease(slider, QtCore.Qt.LeftButton, QtCore.Qt.NoModifier, start + QtCore.QPoint(dx, 0))
+
+
+def test_a_small_drag_moves_the_block_size_one_power_of_two_at_most(qtbot, app_style):
+    c = _knob(qtbot, "block_size", 16)
+    got = []
+    c.changed.connect(lambda name, v: got.append(v))
+    _drag(c.slider, 5)  # before: 16 -> 41
+    assert got in ([], [32]), got
+    assert c.spin.value() in (16, 32)
+    c.show_value(16)
+    _drag(c.slider, 40)
+    assert got[-1] in (32, 64, 128, 256, 512, 1024) and got[-1] & (got[-1] - 1) == 0, got
+
+
+def test_a_budget_drag_moves_along_a_log_scale_of_round_sizes(qtbot, app_style):
+    c = _knob(qtbot, "device_budget_mb", 4.0)
+    got = []
+    c.changed.connect(lambda name, v: got.append(v))
+    _drag(c.slider, 19)  # before: 4 -> 328 MB
+    assert len(got) == 1 and got[0] > 4 and math.log2(got[0]).is_integer(), got  # a round size, in MB
+    # At the dock's width a stop is at least 5 px, so 19 px is at most 4 doublings.
+    opt = QtWidgets.QStyleOptionSlider()
+    c.slider.initStyleOption(opt)
+    handle = c.slider.style().subControlRect(QtWidgets.QStyle.CC_Slider, opt, QtWidgets.QStyle.SC_SliderHandle,
+                                             c.slider)
+    per_stop = (c.slider.width() - handle.width()) / (len(c.stops) - 1)
+    assert per_stop >= 5 and math.log2(got[0] / 4) <= math.ceil(19 / per_stop), (per_stop, got)
+    # The wheel moves one doubling a notch.
+    c.show_value(got[0])
+    event = QtGui.QWheelEvent(QtCore.QPointF(5, 5), QtCore.QPointF(5, 5), QtCore.QPoint(0, 0), QtCore.QPoint(0, 120),
+                              QtCore.Qt.NoButton, QtCore.Qt.NoModifier, QtCore.Qt.NoScrollPhase, False)
+    QtWidgets.QApplication.sendEvent(c.slider, event)
+    assert c.spin.value() == 2 * got[0]
+
+
+def test_arrow_keys_step_one_stop_and_a_typed_value_is_kept(qtbot, app_style):
+    c = _knob(qtbot, "block_size", 16)
+    c.slider.setFocus()
+    with qtbot.waitSignal(c.changed, timeout=3000) as sig:
+        QTest.keyClick(c.slider, QtCore.Qt.Key_Right)
+    assert sig.args == ["block_size", 32]
+    c.show_value(32)
+    with qtbot.waitSignal(c.changed, timeout=3000) as sig:
+        QTest.keyClick(c.slider, QtCore.Qt.Key_PageDown)  # Page Down/Up: two stops
+    assert sig.args == ["block_size", 8]
+    # Any value in range can be typed; the slider shows the nearest stop without emitting.
+    with qtbot.waitSignal(c.changed, timeout=3000) as sig:
+        c.spin.setValue(5)
+    assert sig.args == ["block_size", 5]
+    c.show_value(5)
+    assert c.stops[c.slider.value()] == 4 and c.spin.value() == 5
+    # Every stop is inside the knob's range, for every slider.
+    from ui.controls import slider_stops
+
+    for knob in KNOBS.values():
+        if not knob.choices:
+            stops = slider_stops(knob)
+            assert len(stops) >= 8 and list(stops) == sorted(set(stops))
+            assert all(knob.lo <= v <= knob.hi for v in stops)
+
+
+# -- sequences table ----------------------------------------------------------------------------------
+
+
+def _seqs(ids, states=None) -> SimpleNamespace:
+    n = len(ids)
+    states = states if states is not None else [1] * n
+    i32 = lambda v: np.asarray(v, np.int32)  # noqa: E731
+    table = SeqTable(id=i32(ids), state=np.asarray(states, np.int8), tokens=i32([350] * n), generated=i32([12] * n),
+                     blocks_device=i32([22] * n), blocks_host=i32([3] * n), tokens_per_s=np.full(n, 9.5, np.float32),
+                     ttft=np.full(n, 0.25, np.float32), prefix_reused=i32([128] * n),
+                     labels=tuple(f"chat-{i}" for i in ids), block_tier=(), block_slot=())
+    return SimpleNamespace(seqs=table)
+
+
+@pytest.fixture
+def seq_table(qtbot, app_style):
+    from ui.list_panels import SequencesPanel
+
+    t = SequencesPanel()
+    qtbot.addWidget(t)
+    t.resize(520, 200)  # about the Sequences dock's width at 1280 x 720
+    t.show()
+    qtbot.waitExposed(t)
+    return t
+
+
+def test_a_selected_row_does_not_pull_the_scroll_back(seq_table):
+    ids = list(range(100, 180))
+    seq_table.update_snapshot(_seqs(ids))
+    seq_table.select_id(170)  # newest first: row 9
+    bar = seq_table.verticalScrollBar()
+    bar.setValue(bar.maximum())  # the user scrolls away to read the oldest rows
+    for _ in range(3):  # three refreshes, a second of the window's time: new sequences arrive on top
+        ids.append(ids[-1] + 1)
+        seq_table.update_snapshot(_seqs(ids))
+        assert bar.value() == bar.maximum()
+    assert [r.row() for r in seq_table.selectionModel().selectedRows()] == [ids[::-1].index(170)]
+
+
+def test_the_highlight_leaves_with_the_selected_sequence(seq_table):
+    seq_table.update_snapshot(_seqs([100, 101, 102, 103]))
+    seq_table.select_id(102)
+    assert seq_table._ids[seq_table.selectionModel().selectedRows()[0].row()] == 102
+    seq_table.update_snapshot(_seqs([100, 101, 103, 104]))  # 102 is gone from the list
+    assert seq_table.selectionModel().selectedRows() == []
+    seq_table.update_snapshot(_seqs([99, 100, 101, 102, 103, 104]))  # back, at another row
+    rows = seq_table.selectionModel().selectedRows()
+    assert [seq_table._ids[r.row()] for r in rows] == [102]
+
+
+def test_ids_values_and_headers_fit_their_columns(seq_table):
+    ids = [9, 99, 999, 12345]
+    seq_table.update_snapshot(_seqs(ids, states=[3, 1, 2, 4]))
+    header = seq_table.horizontalHeader()
+    head_fm = header.fontMetrics()
+    cell_fm = QtGui.QFontMetrics(seq_table.font())
+    for c, name in enumerate(seq_table.COLS):
+        width = header.sectionSize(c)
+        assert head_fm.horizontalAdvance(name) + 8 <= width, (name, width)  # the header's 4 px padding a side
+        widest = max(cell_fm.horizontalAdvance(row[c]) for row in seq_table._rows)
+        inset = 2 * seq_table.PAD + (seq_table.SWATCH if c == 0 else 0)
+        assert widest + inset <= width, (name, widest, width)
+    # Live rows' values are drawn in the text colour (finished ones dimmed), every cell of every row.
+    vp = seq_table.viewport()
+    img = QtGui.QImage(vp.size(), QtGui.QImage.Format_ARGB32)
+    vp.render(img)
+    h = seq_table.verticalHeader().defaultSectionSize()
+    for r in range(2):  # the preempted and running rows
+        for c in (1, 3, 9):
+            x0, w = header.sectionViewportPosition(c), header.sectionSize(c)
+            y0 = seq_table.rowViewportPosition(r)
+            brightest = max(QtGui.QColor(img.pixel(x, y)).lightness() for x in range(x0, x0 + w)
+                            for y in range(y0, y0 + h))
+            assert brightest > 160, (r, seq_table.COLS[c], brightest)
+
+
+# -- events -------------------------------------------------------------------------------------------
+
+
+def test_events_show_byte_counts_in_binary_units_and_config_lists_refusals(qtbot):
+    from engine.telemetry import Event
+    from ui.list_panels import EventsPanel
+
+    p = EventsPanel()
+    qtbot.addWidget(p)
+    p.add([Event(1.0, "demote", {"n": 8, "reason": "evict", "nbytes": 5898240}),
+           Event(2.0, "promote", {"n": 1, "nbytes": 737280}),
+           Event(3.0, "config_error", {"changes": {"device_budget_mb": "0.01"}, "message": "too small"})])
+    lines = [p.list.item(i).text() for i in range(p.list.count())]
+    assert any("nbytes=5.6 MiB" in line for line in lines) and any("nbytes=720.0 KiB" in line for line in lines)
+    assert not any("5898240" in line for line in lines)
+    p.kind.setCurrentText("config")  # a refused change is what happened to a config change
+    assert [p.list.item(i).text().split()[1] for i in range(p.list.count())] == ["config_error"]
+
+
+# -- charts -------------------------------------------------------------------------------------------
+
+
+def _series_snapshot(t: np.ndarray, **cols) -> SimpleNamespace:
+    series = {"t": t} | {k: np.asarray(v, np.float64) for k, v in cols.items()}
+    return SimpleNamespace(t=float(t[-1]), series=series, marks=())
+
+
+def test_rates_after_an_idle_gap_are_a_gap_not_a_zero(qtbot):
+    """The engine's series after 20 s of idling: the first sample after the gap is exactly 0 (its window
+    emptied) and the line would ramp across the gap. The chart shows no data there instead."""
+    from ui.panels import HitRatePanel
+
+    t = np.concatenate((np.arange(0, 5, 0.1), np.arange(25, 30, 0.1)))
+    n, first_after = len(t), 50
+    ones = np.full(n, 0.9)
+    rate = ones.copy()
+    rate[first_after] = 0.0
+    flow = np.full(n, 12.0)
+    flow[first_after] = 0.0
+    snap = _series_snapshot(t, device_hit_rate_w=rate, prefix_hit_rate_w=rate, device_hit_rate=ones,
+                            prefix_hit_rate=ones, evictions_per_s=flow, promotions_per_s=flow, demotions_per_s=flow,
+                            tokens_per_s=flow)
+    panel = HitRatePanel()
+    qtbot.addWidget(panel)
+    panel.update_snapshot(snap)
+    for chart, key in ((panel.rates, "device_hit_rate_w"), (panel.flow, "evictions_per_s")):
+        y = chart.series[key].y
+        assert not np.any(y == 0.0), key  # no invented zeros
+        assert np.isnan(y[first_after]), key  # the line breaks at the gap: no ramp
+        assert np.all(np.isfinite(y[:first_after])) and np.all(np.isfinite(y[first_after + 1:]))
+
+
+def test_the_heat_key_covers_no_bars(qtbot):
+    from ui.panels import HeatPanel
+
+    p = HeatPanel()
+    qtbot.addWidget(p)
+    p.resize(320, 300)
+    p.show()
+    qtbot.waitExposed(p)
+    vb = p.plot.getPlotItem().getViewBox()
+    # Nothing but the bars inside the plot's view: the series' names are in a line above it.
+    assert p.plot.getPlotItem().legend is None
+    assert all(isinstance(item, type(p.bars["device"])) for item in vb.addedItems)
+    assert "device" in p.key.text() and "host" in p.key.text()
+    assert not p.key.geometry().intersects(p.plot.geometry())

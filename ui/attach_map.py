@@ -1,0 +1,247 @@
+"""The attach window's block map: one framed grid per endpoint × data-parallel rank × medium, each cell a block
+placed by its hash, coloured by a mode; hover for what the events say about a block.
+
+One ImageItem draws every group through a 256-entry LUT (the same fast path and grid as the engine's block map,
+ui/block_map.py); the codes are ui/attach_codes.py. The widget never touches the session: the window gives it
+snapshots and a function that looks a block up.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QPointF, QRectF, Qt
+from PySide6.QtGui import QFont, QPen
+from PySide6.QtWidgets import QComboBox, QGraphicsPathItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
+
+from engine.attach.cluster import MODES, ClusterSnapshot
+from ui import palette as pal
+from ui.attach_codes import LOG_MODES, AttachCodes, mode_lut
+from ui.block_grid import grid_layout
+from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
+from ui.block_map import BlockMap
+
+MODE_TIPS = {
+    "age": "seconds since the block was stored (this residency)",
+    "idle": "seconds since the block was last touched: stored, or named as the parent of a later store",
+    "heat": "touches with exponential decay (half-life set by --half-life): heat = heat·2^(−Δt/half-life) + 1",
+    "reuse": "how many later BlockStored events named this block as their parent (each is a request that read "
+             "it just before computing new blocks; hits that computed nothing are not published)",
+    "family": "the root of the block's prefix chain (same colour = same system prompt / shared prefix); "
+              "with --tokenizer the tooltip shows the root's text",
+    "depth": "blocks above this one in its prefix chain (grey: the chain above was never seen)",
+}
+
+
+class _CodeImage(pg.ImageItem):
+    paints = 0
+
+    def paint(self, painter, *args):
+        self.paints += 1
+        super().paint(painter, *args)
+
+
+class AttachMap(QWidget):
+    def __init__(self, parent: QWidget | None = None, mode: str = "age"):
+        super().__init__(parent)
+        self._snap: ClusterSnapshot | None = None
+        self._cells = AttachCodes()
+        self._mode = mode
+        self._labels_text: list[str] = []
+        self.info_fn: Callable[[tuple, int], dict | None] | None = None  # (group key, cell) -> block info
+        self.describe_fn: Callable[[dict], str] | None = None  # block info -> tooltip HTML
+        self.capacity_fn: Callable[[tuple], int | None] | None = None  # group key -> blocks (from /metrics)
+        self.decode_fn: Callable[[list[int]], str] | None = None  # token ids -> text (given a tokenizer)
+        self.hover_text = ""
+        self.frame_ms = 0.0
+
+        self.view = pg.GraphicsView(background=pal.qcolor(pal.BACKGROUND))
+        self.vb = pg.ViewBox(lockAspect=1.0, invertY=True, enableMenu=False, defaultPadding=0.01)
+        self.vb.disableAutoRange()
+        self.view.setCentralItem(self.vb)
+        self.image = _CodeImage(axisOrder="row-major")
+        self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
+        self.vb.addItem(self.image)
+        self._frame_pen = QPen(pal.qcolor(pal.FRAME))
+        self._frame_pen.setCosmetic(True)
+        self._frames: list[QGraphicsPathItem] = []
+        self._labels: list[pg.TextItem] = []
+        self._font = QFont(self.font())
+        self._font.setPointSizeF(9.0)
+        self._font.setBold(True)
+
+        self.mode_box = QComboBox()
+        self.mode_box.addItems(MODES)
+        for i, m in enumerate(MODES):
+            self.mode_box.setItemData(i, MODE_TIPS[m], Qt.ItemDataRole.ToolTipRole)
+        self.mode_box.setToolTip("colour the blocks by")
+        self.mode_box.setCurrentText(mode)
+        self.mode_box.currentTextChanged.connect(self.set_mode)
+        self.legend = _Legend()
+        self.placement = QLabel("placed by hash, not slot")
+        self.placement.setToolTip("KV events name blocks by hash only. A block keeps its cell while resident, and "
+                                  "the same hash takes the same place on every rank's map.")
+        bar = QHBoxLayout()
+        bar.setContentsMargins(4, 0, 4, 2)
+        bar.addWidget(self.mode_box)
+        bar.addWidget(self.legend, 1)
+        bar.addWidget(self.placement)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(2)
+        lay.addWidget(self.view, 1)
+        lay.addLayout(bar)
+        self.view.scene().sigMouseMoved.connect(self._on_mouse_moved)
+        self.set_mode(mode)
+
+    # -- public ---------------------------------------------------------------------------------------
+    def mode(self) -> str:
+        return self._mode
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; one of {MODES}")
+        self._mode = mode
+        if self.mode_box.currentText() != mode:
+            self.mode_box.setCurrentText(mode)
+        self.image.setLookupTable(mode_lut(mode), update=True)
+        self.mode_box.setToolTip(MODE_TIPS[mode])
+        self._update_legend()
+
+    @property
+    def codes(self) -> np.ndarray:
+        v = self._cells.codes.view()
+        v.flags.writeable = False
+        return v
+
+    def group_codes(self, i: int) -> np.ndarray:
+        lay = self._cells.layout
+        return self.codes.reshape(-1)[lay.offsets[i]:lay.offsets[i] + lay.capacities[i]]
+
+    def label_texts(self) -> list[str]:
+        return list(self._labels_text)
+
+    def set_snapshot(self, snap: ClusterSnapshot) -> None:
+        t0 = time.perf_counter()
+        self._snap = snap
+        caps = tuple(len(g.codes) for g in snap.groups)
+        lay = self._cells.layout
+        if lay is None or caps != lay.capacities:
+            self._relayout(caps)
+        if snap.groups:
+            self._cells.draw(snap)
+        self.image.updateImage()
+        self._update_labels()
+        self._update_legend()
+        self.frame_ms = 1e3 * (time.perf_counter() - t0)
+
+    def reset_view(self) -> None:
+        lay = self._cells.layout
+        if lay is not None:
+            self.vb.setRange(QRectF(0, -lay.gap, lay.cols, lay.height + lay.gap), padding=0.01)
+
+    def cell_at(self, x: float, y: float) -> tuple[int, int] | None:
+        """(group index, cell) at view coordinates, or None."""
+        lay = self._cells.layout
+        if lay is None or self._snap is None or not (0 <= x < lay.cols):
+            return None
+        col, row = int(x), math.floor(y)
+        for i, (top, n) in enumerate(zip(lay.tops, lay.rows)):
+            if top <= row < top + n:
+                cell = (row - top) * lay.cols + col
+                return (i, cell) if cell < lay.capacities[i] else None
+        return None
+
+    def tooltip_for(self, group: int, cell: int) -> str:
+        g = self._snap.groups[group]
+        info = self.info_fn(g.key, cell) if self.info_fn else None
+        if info is None:
+            return f"<b>{g.label}</b><br>no block at this hash position (not a free slot: slots are not published)"
+        return f"<b>{g.label}</b><br>" + (self.describe_fn(info) if self.describe_fn else str(info))
+
+    # -- drawing --------------------------------------------------------------------------------------
+    def _aspect(self) -> float:
+        w, h = self.view.width(), self.view.height()
+        return w / h if w > 50 and h > 50 else 2.0
+
+    def _relayout(self, caps: tuple[int, ...]) -> None:
+        lay = grid_layout(caps, self._aspect())
+        self._cells.relayout(lay)
+        self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
+        for it in self._frames + self._labels:
+            self.vb.removeItem(it)
+        self._frames, self._labels, self._labels_text = [], [], [""] * len(caps)
+        for i in range(len(caps)):
+            item = QGraphicsPathItem(BlockMap._outline(lay, i))
+            item.setPen(self._frame_pen)
+            item.setZValue(5)
+            self.vb.addItem(item)
+            self._frames.append(item)
+            label = pg.TextItem(anchor=(0, 1), color=pal.qcolor(pal.TEXT))
+            label.setFont(self._font)
+            label.setPos(0, lay.tops[i] - 0.15 * lay.gap)
+            label.setZValue(6)
+            self.vb.addItem(label)
+            self._labels.append(label)
+        self.vb.setLimits(xMin=-lay.cols, xMax=2 * lay.cols, yMin=-lay.height - lay.gap, yMax=2 * lay.height,
+                          minXRange=4, minYRange=4)
+        self.reset_view()
+
+    def _update_labels(self) -> None:
+        for i, g in enumerate(self._snap.groups):
+            cap = self.capacity_fn(g.key) if self.capacity_fn else None
+            of = f" of {cap:,} (num_gpu_blocks, /metrics)" if cap else " (capacity: not in the events)"
+            text = f"{g.label}   {g.resident:,} blocks{of}"
+            if text != self._labels_text[i]:
+                self._labels_text[i] = text
+                self._labels[i].setText(text, color=pal.qcolor(pal.TEXT))
+
+    def _update_legend(self) -> None:
+        mode = self._mode
+        empty = ("swatch", pal.FREE, "no block here")
+        rng = self._snap.range if self._snap is not None and self._snap.mode == mode else None
+        if mode in LOG_MODES:
+            lo, hi = rng if rng and rng[1] > rng[0] > 0 else (LOG_MODES[mode], 1000 * LOG_MODES[mode])
+            fmt = _fmt_value if mode == "heat" else _fmt_seconds
+            title = {"age": "age since stored (log)", "idle": "idle since last touch (log)", "heat": "heat (log)"}
+            items = [("ramp", pal.ramp("heat" if mode == "heat" else "age"), _log_ticks(lo, hi, fmt), title[mode]),
+                     empty]
+        elif mode == "reuse":
+            items = [("swatch", pal.CACHED, "never a parent")]
+            items += [("swatch", c, n) for c, n in zip(pal.REF_COLORS, ("1×", "2×", "3×", "4+× named as parent"))]
+            items.append(empty)
+        elif mode == "family":
+            n = self._snap.families if self._snap else 0
+            top = self._snap.top_families if self._snap is not None and self._snap.mode == "family" else ()
+            items = [("swatch", pal.seq_rgb(fid), f"{self._family_label(fid, toks)} ({blocks:,})")
+                     for fid, blocks, toks in top[:3]]
+            items.append(("swatch", pal.CACHED, f"{n:,} families (colour: id mod 32)"))
+            items.append(empty)
+        else:
+            hi = rng[1] if rng else 1.0
+            items = [("ramp", pal.ramp("fill"), [(0.0, "0"), (1.0, f"{hi:g} blocks")], "depth in prefix chain"),
+                     ("swatch", pal.CACHED, "chain above unseen"), empty]
+        self.legend.set_items(items)
+
+    def _family_label(self, fid: int, toks) -> str:
+        """A family's root text (with a tokenizer), else its first token ids."""
+        text = self.decode_fn(list(toks)) if self.decode_fn and toks else " ".join(map(str, toks[:3]))
+        text = " ".join(text.split())
+        return (text[:16] + "…") if len(text) > 17 else (text or f"family {fid}")
+
+    # -- mouse ----------------------------------------------------------------------------------------
+    def _on_mouse_moved(self, scene_pos: QPointF) -> None:
+        if self._snap is None:
+            return
+        p = self.vb.mapSceneToView(scene_pos)
+        cell = self.cell_at(p.x(), p.y())
+        if cell is None:
+            self.hover_text = ""
+            QToolTip.hideText()
+            return
+        self.hover_text = self.tooltip_for(*cell)
+        QToolTip.showText(self.view.mapToGlobal(self.view.mapFromScene(scene_pos)), self.hover_text, self.view)
