@@ -34,7 +34,8 @@ from engine.relayout import relayout
 from engine.scheduler import Scheduled, Scheduler
 from engine.seq_ops import SequenceOps
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
-from engine.telemetry import Counters, Event, Telemetry
+from engine.counters import Counters
+from engine.telemetry import Event, Telemetry
 
 __all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
 

@@ -16,7 +16,8 @@ from engine.sequence import SeqState
 from engine.snapshot import SeqTable, Snapshot, TierSnapshot
 from engine.snapshot_fields import (_array, _Bad, _bool, _clip, _floats, _int, _ints, _list, _num, _obj, _plain,
                                     _rest, _str)
-from engine.telemetry import MARK_KINDS, Counters
+from engine.counters import Counters
+from engine.telemetry import MARK_KINDS
 
 MAX_BLOCKS = 1 << 26  # slots per tier
 MAX_SEQS = 100_000  # rows of the sequence table
