@@ -142,6 +142,8 @@ class EngineRunner:
     def pause_engine(self, paused: bool) -> None:
         with self._lock:
             self._paused = paused
+            # The engine's clock stops with it: the demotion rule and heat decay see no idle time for the pause.
+            (self.engine.clock.pause if paused else self.engine.clock.resume)()
 
     def step_once(self) -> None:
         with self._lock:

@@ -230,6 +230,9 @@ def _marks(x: Any) -> tuple:
     return tuple(out)
 
 
+MAX_EVENTS = 100_000
+
+
 def _extra(x: Any) -> dict:
     e = _plain(_obj(x, "extra"), "extra")
     for k in ("caption", "png"):
@@ -239,4 +242,14 @@ def _extra(x: Any) -> dict:
         _str(e["colour_mode"], "extra.colour_mode", COLOUR_MODES)
     if "selected" in e:
         _int(e["selected"], "extra.selected", -1)
+    if "events" in e:  # the window's Events panel: [time, kind, text] lines
+        ev = e["events"]
+        if not isinstance(ev, list) or len(ev) > MAX_EVENTS:
+            raise _Bad("extra.events", f"expected a list of at most {MAX_EVENTS} [time, kind, text] lines")
+        for i, line in enumerate(ev):
+            if not isinstance(line, list) or len(line) != 3:
+                raise _Bad(f"extra.events[{i}]", "expected [time, kind, text]")
+            _num(line[0], f"extra.events[{i}][0]")
+            _str(line[1], f"extra.events[{i}][1]")
+            _str(line[2], f"extra.events[{i}][2]")
     return e

@@ -316,3 +316,27 @@ def test_seq_add_with_both_tiers_full_is_refused_and_changes_nothing(llama_model
         eng.seq_add(a, 2, None, 1)  # would re-lay 9 shared blocks into new ones
     assert (seq.tokens, seq.pos, seq.blocks, seq.num_cached) == before
     eng.check_invariants()
+
+
+def test_a_paused_engine_s_clock_stands_still_so_nothing_demotes_on_resume(llama_model):
+    """The demotion rule counts running time only: blocks idle 0.1 s before a 10 s pause are not demoted by the
+    first step after it (issue 11: the demote clock ran while the engine was paused)."""
+    from app.runner import EngineRunner
+
+    now = [0.0]
+    eng = Engine(llama_model, CacheConfig(block_size=4, demote_after_s=5.0), clock=lambda: now[0])
+    runner = EngineRunner(eng)  # not started: its pause switch is what the window's Pause button calls
+    eng.generate([prompts(40, [20])[0]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    on_device = eng.pool.tiers[Tier.DEVICE].used
+    assert on_device > 0
+    now[0] += 0.1
+    runner.pause_engine(True)
+    assert eng.clock.paused and eng.clock() == 0.1
+    now[0] += 10.0
+    assert eng.clock() == 0.1
+    runner.pause_engine(False)
+    eng.kv.demote_idle(eng.clock())
+    assert eng.pool.tiers[Tier.DEVICE].used == on_device and eng.counters.demotions == 0
+    now[0] += 6.0  # running time past demote_after_s: now they go
+    eng.kv.demote_idle(eng.clock())
+    assert eng.pool.tiers[Tier.DEVICE].used == 0

@@ -43,7 +43,7 @@ def busy(runner, n=3, new=400):
 
 def test_window_builds_with_every_panel(window):
     assert set(window.docks) == {"Controls", "Prompt", "Sequences", "Events", "Hit rate", "Memory", "Heat",
-                                 "Residency"}
+                                 "Residency", "Cost"}
     window.refresh()
     assert "tiny" in window.status.text() or "on cpu" in window.status.text()
 
@@ -146,6 +146,10 @@ def test_screenshot_and_json_round_trip_through_open_snapshot(qtbot, window, run
     for a, b in zip(saved.tiers, ro.controller.snap.tiers):
         assert np.array_equal(a.state, b.state) and np.array_equal(a.heat, b.heat)
     assert os.path.basename(str(png)) == doc["extra"]["png"]
+    # The Events panel opens as it was (issue 11: snapshots carried no events).
+    assert len(window.events.events) > 0 and doc["extra"]["events"]
+    assert [tuple(e) for e in doc["extra"]["events"]] == [tuple(e) for e in window.events.events[-2000:]]
+    assert ro.events.events == [tuple(e) for e in doc["extra"]["events"]] and ro.events.list.count() > 0
 
 
 def test_damaged_snapshot_file_gets_a_clear_error(tmp_path):
@@ -157,6 +161,12 @@ def test_damaged_snapshot_file_gets_a_clear_error(tmp_path):
         snapshot_io.load(str(bad))
     with pytest.raises(snapshot_io.SnapshotFileError, match="not JSON"):
         snapshot_io.from_json("{", "x.json")
+    from engine.snapshot_fields import _Bad
+
+    with pytest.raises(_Bad, match=r"extra.events\[0\]\[1\]"):
+        snapshot_io._extra({"events": [[1.0, 2, "x"]]})
+    with pytest.raises(_Bad, match=r"extra.events\[0\]"):
+        snapshot_io._extra({"events": [["noon", "config"]]})
 
 
 def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_model):
@@ -288,3 +298,26 @@ def test_a_config_change_is_marked_on_the_time_series(qtbot, window, runner):
         assert [label for _, kind, label in chart.marks if kind == "config"] == ["block_size=8"]
         ago = chart.marks[-1][0]
         assert -5.0 < ago <= 0.0
+
+
+def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama_model):
+    """Issue 10's cost signals in the window: a tiny device tier streams from the host tier (device hit < 100 %,
+    streamed > 0); after a change the second column starts afresh ("—" until something is read) and names it."""
+    from ui.cost_panel import CostPanel
+
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.02, host_budget_mb=1, host_reads="stream"))
+    eng.generate(prompts(41, [30, 45]), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    panel = CostPanel()
+    qtbot.addWidget(panel)
+    panel.update_snapshot(eng.snapshot())
+    hit, streamed = panel.values[0], panel.values[1]
+    assert hit[0].text().endswith("%") and float(hit[0].text()[:-2]) < 100
+    assert float(streamed[0].text()[:-2]) > 0 and hit[1].text() == hit[0].text()
+    assert "keys attention read" in hit[0].toolTip()
+    eng.reconfigure(host_reads="promote")
+    panel.update_snapshot(eng.snapshot())
+    assert hit[1].text() == "—" and hit[0].text().endswith("%")
+    assert "host_reads stream -> promote" in panel.changed.text()
+    eng.generate(prompts(42, [20]), SamplingParams(max_new_tokens=3, ignore_eos=True))
+    panel.update_snapshot(eng.snapshot())
+    assert hit[1].text().endswith("%")

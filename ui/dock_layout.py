@@ -1,7 +1,7 @@
 """The inspector window's default dock arrangement, and how it shares a window of any size from 1280 x 720 up.
 
 The right column (Controls over Prompt) runs the full height; the left (Sequences over Events) and the block
-map sit above the charts (Hit rate | Memory | Heat, Residency tabbed), which share the width left of the right
+map sit above the charts (Hit rate | Memory | Heat, Residency, Cost tabbed), which share the width left of the right
 column. Sizes follow the window: side columns as wide as their contents want, the charts a good third of the
 height, the prompt what the controls leave.
 """
@@ -18,7 +18,8 @@ Qt = QtCore.Qt
 DOCK_AREAS = (("Controls", Qt.RightDockWidgetArea), ("Prompt", Qt.RightDockWidgetArea),
               ("Sequences", Qt.LeftDockWidgetArea), ("Events", Qt.LeftDockWidgetArea),
               ("Hit rate", Qt.BottomDockWidgetArea), ("Memory", Qt.BottomDockWidgetArea),
-              ("Heat", Qt.BottomDockWidgetArea), ("Residency", Qt.BottomDockWidgetArea))
+              ("Heat", Qt.BottomDockWidgetArea), ("Residency", Qt.BottomDockWidgetArea),
+              ("Cost", Qt.BottomDockWidgetArea))
 
 
 def fitted_geometry(avail: QtCore.QRect, want: QtCore.QSize = DEFAULT_SIZE) -> tuple[QtCore.QRect, bool]:
@@ -48,6 +49,7 @@ def arrange(win: QtWidgets.QMainWindow) -> None:
     win.splitDockWidget(docks["Hit rate"], docks["Memory"], Qt.Horizontal)
     win.splitDockWidget(docks["Memory"], docks["Heat"], Qt.Horizontal)
     win.tabifyDockWidget(docks["Heat"], docks["Residency"])
+    win.tabifyDockWidget(docks["Residency"], docks["Cost"])
     docks["Heat"].raise_()
     share(win)
 

@@ -267,6 +267,10 @@ class EventsPanel(QtWidgets.QWidget):
         while self.list.count() > self.SHOWN:
             self.list.takeItem(self.list.count() - 1)
 
+    def add_lines(self, lines: list[tuple[float, str, str]]) -> None:
+        """(time, kind, text) lines as the panel shows them: a saved snapshot's events."""
+        self._append(list(lines))
+
     def add_local(self, kind: str, text: str) -> None:
         """An event the window itself saw (a refusal that never reached the engine)."""
         self._append([(time.time(), kind, text)])

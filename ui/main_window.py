@@ -17,13 +17,14 @@ from ui import dock_layout
 from ui.block_map import BlockMap
 from ui.controls import ControlsPanel
 from ui.list_panels import EventsPanel, SequencesPanel
+from ui.cost_panel import CostPanel
 from ui.panels import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.prompt_panel import PromptPanel
 from ui.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
-STATE_VERSION = 2  # dock layouts saved by older versions (another arrangement) are not restored
+STATE_VERSION = 3  # dock layouts saved by older versions (another arrangement) are not restored
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -61,6 +62,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.memory = MemoryPanel()
         self.heat = HeatPanel()
         self.residency = ResidencyPanel()
+        self.cost = CostPanel()
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
@@ -73,7 +75,8 @@ class MainWindow(QtWidgets.QMainWindow):
         scroll.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarAlwaysOff)
         scroll.setMinimumWidth(self.controls.minimumSizeHint().width() + 12)  # room for the scroll bar
         widgets = {"Controls": scroll, "Prompt": self.prompt, "Sequences": self.seqs, "Events": self.events,
-                   "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency}
+                   "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency,
+                   "Cost": self.cost}
         self.docks = {}
         for name, _ in dock_layout.DOCK_AREAS:
             d = QtWidgets.QDockWidget(name, self)
@@ -83,7 +86,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.resize(dock_layout.DEFAULT_SIZE)
         self.reset_layout()
         # Hidden tabs are not refreshed; one brought to the front is filled at once.
-        for name, panel in (("Heat", self.heat), ("Residency", self.residency)):
+        for name, panel in (("Heat", self.heat), ("Residency", self.residency), ("Cost", self.cost)):
             self.docks[name].visibilityChanged.connect(
                 lambda shown, panel=panel: shown and self.snapshot is not None and panel.update_snapshot(self.snapshot))
 
@@ -91,8 +94,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status = QtWidgets.QLabel()
         self.status.setSizePolicy(QtWidgets.QSizePolicy.Ignored, QtWidgets.QSizePolicy.Fixed)
         self.status.setToolTip(
-            "tok/s: tokens generated per second over the last 5 s, all sequences; device hit: block reads "
-            "served from the device tier / all block reads; prefix hit: prompt tokens reused from the prefix "
+            "tok/s: tokens generated per second over the last 5 s, all sequences; device hit: keys attention "
+            "read from blocks already on the device tier / all keys read; prefix hit: prompt tokens reused from the prefix "
             "cache / all prompt tokens (both since the engine started; — before there are any)")
         self.statusBar().addWidget(self.status, 1)
         self.reset_view.clicked.connect(self.block_map.reset_view)
@@ -167,7 +170,9 @@ class MainWindow(QtWidgets.QMainWindow):
         snap = self.controller.snapshot(tables, wait=every_panel or self.snapshot is None)
         self.snapshot = snap
         if not self.controller.read_only:
-            self.rates.observe(snap.t, snap.counters)
+            # Wall time, not the snapshot's (the engine's clock stands still while it is paused, and a rate
+            # must fall to 0 then).
+            self.rates.observe(time.monotonic(), snap.counters)
         self.block_map.set_snapshot(snap)
         # The other panels take turns, so a frame repaints the map and one or two panels, not all.
         slot = self.frames % SLOW_EVERY
@@ -180,7 +185,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
             # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
-            for panel in (self.heat, self.residency):
+            for panel in (self.heat, self.residency, self.cost):
                 if self._on_screen(panel):
                     panel.update_snapshot(snap)
         if every_panel or slot == 0:
@@ -268,8 +273,11 @@ class MainWindow(QtWidgets.QMainWindow):
             raise OSError(f"cannot write {png_path}")
         json_path = os.path.splitext(png_path)[0] + ".json"
         snap = self.controller.snapshot("all")
+        # The events shown (the newest EVENTS_SAVED), so the file opens with its Events panel as it was.
+        lines = [[float(t), str(k), str(f)] for t, k, f in self.events.events[-EVENTS_SAVED:]]
         snapshot_io.save(json_path, snap, extra={"caption": self.caption(), "png": os.path.basename(png_path),
-                                                 "colour_mode": self.block_map.mode(), "selected": self.selected})
+                                                 "colour_mode": self.block_map.mode(), "selected": self.selected,
+                                                 "events": lines})
         return json_path
 
     def _save_dialog(self) -> None:
@@ -297,6 +305,9 @@ class MainWindow(QtWidgets.QMainWindow):
             self.settings.setValue("state", self.saveState(STATE_VERSION))
         self.timer.stop()
         super().closeEvent(event)
+
+
+EVENTS_SAVED = 2000  # events written into a screenshot's JSON
 
 
 class SnapshotController:
@@ -361,6 +372,7 @@ def open_snapshot_window(path: str) -> MainWindow:
         win.block_map.set_mode(mode)
     if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
         win.select_sequence(extra["selected"])
+    win.events.add_lines([tuple(e) for e in extra.get("events", [])])
     return win
 
 
