@@ -185,6 +185,7 @@ class BlockPool:
         t.owner[s] = -1
         t.heat[s] = 0.0
         t.hash[s] = NO_HASH
+        t.parent[s] = NO_HASH
         t.free_slots.append(s)
         self.tier[lid] = -1
         self.slot[lid] = -1
@@ -200,12 +201,13 @@ class BlockPool:
         return n
 
     # -- hashing ------------------------------------------------------------------------------
-    def set_hash(self, lid: int, h: int, tokens: np.ndarray) -> None:
+    def set_hash(self, lid: int, h: int, tokens: np.ndarray, parent: int = 0) -> None:
         t, s = self.tiers[self.tier[lid]], self.slot[lid]
         if t.hash[s] != NO_HASH or h in self.by_hash:  # already hashed, or an identical block is cached
             return
         t.tokens[s, : len(tokens)] = tokens
         t.hash[s] = np.uint64(h)
+        t.parent[s] = np.uint64(parent)
         self.by_hash[h] = lid
 
     def clear_hash(self, lid: int) -> None:

@@ -193,7 +193,7 @@ class KVManager(Residency):
             toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
             h = chain_hash(parent, toks)
             seq.hashes[b] = h
-            self.pool.set_hash(seq.blocks[b], h, toks)
+            self.pool.set_hash(seq.blocks[b], h, toks, parent)
 
     def reset_prefix_cache(self) -> int:
         return self.pool.drop_cached()

@@ -75,7 +75,7 @@ class TierPool:
     array copies (a random gather of a million entries would cost ten times more).
     """
 
-    META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash")
+    META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash", "parent")
 
     def __init__(self, tier: Tier, capacity: int, k: Parts, v: Parts, block_size: int, universe: int,
                  null_slot: int | None = None):
@@ -94,6 +94,7 @@ class TierPool:
         self.heat = np.zeros(n, dtype=np.float64)
         self.born = np.zeros(n, dtype=np.float64)
         self.hash = np.zeros(n, dtype=np.uint64)
+        self.parent = np.zeros(n, dtype=np.uint64)  # the hash of the block before it in its prefix (0: the first)
         self.tokens = np.zeros((n, block_size), dtype=np.int32)
         self.free_slots = list(range(n - 1, -1, -1))  # stack: lowest slot first
         self.cached = IndexedSet(max(n, 1))  # slots holding ref-0 hashed blocks

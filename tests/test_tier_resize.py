@@ -99,3 +99,20 @@ def test_a_dtype_change_keeps_the_prefix_cache(llama_model):
     eng.generate([shared + [9]], SamplingParams(max_new_tokens=2, ignore_eos=True))
     assert eng.counters.prompt_reused - before == 40
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("bs", [4, 16])
+def test_a_block_size_change_rebuilds_the_prefix_cache(llama_model, llama_ref, bs):
+    """Cached prefixes are cut into blocks of the new size and chained anew: a request sharing a cached prompt
+    still reuses it after the change (issue 10: every block-size change emptied the prefix cache), exactly."""
+    eng = _engine(llama_model, 60, 60)
+    shared = prompts(35, [48])[0]
+    eng.generate([shared + [5]], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    eng.reconfigure(block_size=bs)
+    cached = len(eng.pool.tiers[Tier.DEVICE].cached) + len(eng.pool.tiers[Tier.HOST].cached)
+    assert cached >= 48 // bs
+    before = eng.counters.prompt_reused
+    out = eng.generate([shared + [9]], SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert eng.counters.prompt_reused - before == 48  # the whole shared prompt, in blocks of the new size
+    assert out[0] == llama_ref.greedy(shared + [9], 6)
+    eng.check_invariants()
