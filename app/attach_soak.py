@@ -47,7 +47,7 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
                                  "--duration", str(seconds), "--start-delay", "1.0", "--capacity", "20000",
                                  "--pregenerate",
                                  "--metrics-port", "0", "--buffer-steps", "100000", "--linger",
-                                 str(drain_timeout_s + 10), "--seed", str(i)))
+                                 str(drain_timeout_s + 10), "--seed", str(i), nice=10))
     specs = [s for i, f in enumerate(fakes) for s in parse_source(SHAPES[i % len(SHAPES)][0],
                                                                     f"{f.pub},name=pub{i},metrics={f.metrics}")]
     session = AttachClient(specs, [])

@@ -17,7 +17,8 @@ class Counters:
     block_reads: int = 0  # blocks in the tables of scheduled sequences, per step
     block_misses: int = 0  # of those, blocks on the host tier when the step began
     read_tokens: int = 0  # keys attention read: each scheduled sequence's context, per step
-    read_tokens_missed: int = 0  # of those, keys in blocks on the host tier when the step began (promoted or streamed)
+    read_tokens_missed: int = 0  # of those, keys not read from the device tier without a copy: in blocks on the host
+    # tier when the step began (promoted since, or read there) or written to the host tier
     read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no room)
     promote_stall_s: float = 0.0  # seconds steps waited on copies of their blocks to the device tier
     evictions: int = 0
@@ -32,7 +33,8 @@ class Counters:
 
     @property
     def device_hit_rate(self) -> float:
-        """Share of the keys attention read that were on the device tier when their step began (nan: none read)."""
+        """Share of the keys attention read straight from the device tier: in blocks that were there when their step
+        began or were written there (nan: none read)."""
         return 1.0 - self.read_tokens_missed / self.read_tokens if self.read_tokens else float("nan")
 
     @property

@@ -150,8 +150,13 @@ class Residency:
         keys = np.full(len(seq.blocks), bs, dtype=np.int64)
         keys[-1] = read - (len(seq.blocks) - 1) * bs
         self.counters.read_tokens += read
-        self.counters.read_tokens_missed += int(keys[host_rows].sum())
-        self.counters.read_tokens_streamed += int(keys[p.tier[seq.table()] == HOST].sum())
+        # A miss: a key not read from the device tier without a copy first, i.e. in a block that was on the host tier
+        # when the step began (promoted since, or read there) or that is on the host tier now (written there).
+        now_host = p.tier[seq.table()] == HOST
+        missed = now_host.copy()
+        missed[host_rows] = True
+        self.counters.read_tokens_missed += int(keys[missed].sum())
+        self.counters.read_tokens_streamed += int(keys[now_host].sum())
 
     def ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
         """Copy-on-write of block bi if shared; forget its hash if cached (its content is about to change)."""

@@ -1,9 +1,10 @@
 """The scheduler: which sequences run in a step, and how many tokens each computes.
 
-Admission in arrival order while the device tier has room for a sequence's first chunk; decodes first,
-then prompt chunks (chunked prefill) within the step's token budget; room for each scheduled sequence
-from idle sequences first, then by preempting the newest running ones. It decides; the KV manager moves
-blocks. It never touches the pool's arrays.
+Admission in arrival order while the device tier has room for the blocks a sequence's first chunk writes;
+decodes first, then prompt chunks (chunked prefill) within the step's token budget; room for each scheduled
+sequence from idle sequences first, then by reading blocks on the host tier where they are and writing there
+(a device tier smaller than a sequence still serves), then by preempting the newest running ones. It decides;
+the KV manager moves blocks. It never touches the pool's arrays.
 
 Progress: the oldest running sequence can always get every device block that no scheduled sequence holds
 (idle sequences are demoted or dropped, newer running ones preempted), so some sequence advances each
@@ -136,8 +137,9 @@ class Scheduler:
 
         Every host block resident first (host_reads promote), with room from idle sequences; else only the blocks
         it writes, the rest read from the host tier where they are, with room also from the device blocks that
-        scheduled sequences (itself included) only read, moved to the host tier; a prompt chunk that still does
-        not fit is shortened. Last, room from preempting newer running sequences.
+        scheduled sequences (itself included) only read, moved to the host tier; else its writes go to host-tier
+        blocks (a prompt chunk whose new blocks fit neither tier is shortened). Last, room from preempting newer
+        running sequences. Nothing here preempts a sequence while the host tier can still serve it.
         """
         kv = self.kv
         if not kv.streams() and self._make_room(kv.room_needed(seq, n), now, keep, preempt=False):

@@ -44,6 +44,8 @@ def test_device_tier_smaller_than_one_sequence_keeps_tokens_exact(llama_model, l
     c = eng.counters
     assert c.read_tokens_streamed > 0 and c.preemptions == 0  # served from the host tier, nothing preempted
     assert c.read_tokens_missed <= c.read_tokens
+    if dev_blocks == 0:  # nothing is ever read straight from a device tier with no blocks
+        assert c.read_tokens_missed == c.read_tokens_streamed == c.read_tokens and c.device_hit_rate == 0
 
 
 def test_streaming_reads_the_host_tier_in_place_and_promote_mode_promotes(llama_model, llama_ref):

@@ -18,9 +18,9 @@ BASE = ("read_tokens", "read_tokens_missed", "read_tokens_streamed", "promoted_b
 
 # (label, tooltip): what each row counts.
 ROWS = (
-    ("device hit (keys)", "keys attention read from blocks already on the device tier when their step began, as a "
-                          "share of all keys read (a block promoted for the step, or read on the host tier, is a "
-                          "miss for each of its keys)"),
+    ("device hit (keys)", "keys attention read straight from the device tier (in blocks that were there when their "
+                          "step began, or written there), as a share of all keys read; a block promoted for the "
+                          "step, or read or written on the host tier, is a miss for each of its keys"),
     ("streamed from host", "keys attention read from the host tier where they are (not promoted first), as a share "
                            "of all keys read"),
     ("promoted MB / token", "MB copied host -> device per generated token"),

@@ -36,11 +36,11 @@ WINDOWED = ("device_hit_rate_w", "prefix_hit_rate_w", "evictions_per_s", "promot
 
 # What each rate counts, for tooltips.
 MEANING = {
-    "device_hit_rate_w": f"keys attention read in the last {WINDOW_S:g} s from blocks that were on the device tier "
-                         "when their step began, as a share of all keys read then (a block promoted for the step, "
-                         "or read on the host tier, is a miss for each of its keys); no line where nothing was read",
-    "device_hit_rate": "keys attention read from blocks already on the device tier, as a share of all keys read, "
-                       "since the engine started; no line before the first read",
+    "device_hit_rate_w": f"keys attention read in the last {WINDOW_S:g} s straight from the device tier, as a share "
+                         "of all keys read then (a block promoted for the step, or read or written on the host tier, "
+                         "is a miss for each of its keys); no line where nothing was read",
+    "device_hit_rate": "keys attention read straight from the device tier, as a share of all keys read, since the "
+                       "engine started; no line before the first read",
     "prefix_hit_rate_w": f"prompt tokens in the last {WINDOW_S:g} s whose KV came from the prefix cache, as a "
                          "share of all prompt tokens then; no line where no prompt arrived",
     "prefix_hit_rate": "prompt tokens whose KV came from the prefix cache since the engine started, as a share "

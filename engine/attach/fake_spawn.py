@@ -13,10 +13,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 class FakeProcess:
-    def __init__(self, *args: str, startup_timeout_s: float = 30.0):
+    def __init__(self, *args: str, startup_timeout_s: float = 30.0, nice: int = 0):
+        """nice > 0: the publisher runs at that lower priority (the soak's: it stands in for a server on another
+        machine, so on a shared 2-CPU box it must not take CPU from the window whose frames are measured)."""
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        lower = (lambda: os.nice(nice)) if nice > 0 and hasattr(os, "nice") else None
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.attach.fake_publisher", *args], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                     preexec_fn=lower)
         self._lines: list[dict] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
