@@ -9,6 +9,8 @@ fifth frame.
 
 from __future__ import annotations
 
+import gc
+
 import html
 import time
 from collections import deque
@@ -99,6 +101,10 @@ class AttachWindow(QtWidgets.QMainWindow):
         self.timer = QtCore.QTimer(self)
         self.timer.timeout.connect(self.refresh)
         self.timer.start(refresh_ms)
+        # Everything built so far lives as long as the window: out of the collector's sight, so a full collection
+        # (which otherwise walks Qt wrappers, numpy buffers and the session) cannot stall a frame.
+        gc.collect()
+        gc.freeze()
 
     # -- frames -----------------------------------------------------------------------------------------
     def refresh(self, every_panel: bool = False) -> None:
