@@ -227,7 +227,10 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention, {engine.config.summary()}")
     t0 = time.perf_counter()
     # First token, a warm-up step, the timed steps and 3 profiled ones; no sequence finishes before the end.
-    ids = [engine.add_request(p, SamplingParams(max_new_tokens=steps + 8, ignore_eos=True)) for p in ps]
+    # Sequences prefilled first decode while the others prefill (a chunk of max_batched_tokens a step): room for
+    # those tokens too.
+    room = steps + 8 + 2 * B * -(-ctx // options.max_batched_tokens)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=room, ignore_eos=True)) for p in ps]
     while any(engine.seqs[i].first_token_at is None for i in ids):
         engine.step()
     prefill_s = time.perf_counter() - t0
