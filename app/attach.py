@@ -168,13 +168,18 @@ def _summary_text(res: dict) -> str:
 
 
 def _window(args, session, tokens) -> int:
-    from app.window import NO_DISPLAY, _style, has_display
+    from app.platform_check import window_problem
+    from app.window import _style
 
     if args.headless:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"
-    elif not has_display():
-        print(NO_DISPLAY.replace("kvscope --headless", "kvscope attach ... --headless"), file=sys.stderr)
-        return 2
+    else:
+        # As for the main window: a platform plugin that cannot load, or a display nobody answers, is a clear
+        # exit 2 before Qt starts (not Qt's abort with its misleading advice).
+        problem = window_problem()
+        if problem:
+            print(problem.replace("kvscope --headless", "kvscope attach ... --headless"), file=sys.stderr)
+            return 2
     from PySide6 import QtCore, QtWidgets
 
     from ui.attach_window import AttachWindow

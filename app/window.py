@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from app.platform_check import NO_DISPLAY, window_problem  # noqa: F401  (NO_DISPLAY: for app.attach)
+from app.platform_check import window_problem
 
 
 def add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -21,13 +21,6 @@ def add_window_flags(p: argparse.ArgumentParser) -> None:
                    help="replay your own requests (a JSONL trace, the bench --trace format) instead of the demo, "
                         "at their arrival times, looping")
     p.add_argument("--seed", type=int, default=0, help="demo workload seed")
-
-
-def has_display() -> bool:
-    if sys.platform != "linux":
-        return True
-    return bool(os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY")) or \
-        os.environ.get("QT_QPA_PLATFORM", "") in ("offscreen", "minimal", "vnc", "eglfs", "linuxfb")
 
 
 def run_window(args: argparse.Namespace) -> int:

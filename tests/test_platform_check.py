@@ -28,6 +28,17 @@ def test_a_display_with_no_server_exits_2_with_advice():
     assert "xcb-cursor0" not in out.stderr and "Traceback" not in out.stderr
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the X11 check is Linux's")
+def test_attach_checks_the_display_the_same_way():
+    env = {k: v for k, v in os.environ.items() if k not in ("QT_QPA_PLATFORM", "WAYLAND_DISPLAY")}
+    env["DISPLAY"] = _free_display()
+    out = subprocess.run([sys.executable, "-m", "app.cli", "attach", "--vllm", "tcp://127.0.0.1:1"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2, (out.returncode, out.stderr[-500:])
+    assert out.stderr.startswith("kvscope: error:") and "kvscope attach ... --headless" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
 @pytest.mark.skipif(not shutil.which("cc") and not shutil.which("gcc"), reason="needs a C compiler")
 def test_a_plugin_whose_libraries_are_missing_is_named_with_the_packages(tmp_path, monkeypatch):
     """A stand-in plugin linked against a library that is then removed, as libqxcb.so is against
