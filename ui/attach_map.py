@@ -23,7 +23,7 @@ from ui import palette as pal
 from ui.attach_codes import LOG_MODES, AttachCodes, mode_lut
 from ui.block_grid import grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
-from ui.block_map import BlockMap
+from ui.block_map import frame_tiers
 
 MODE_TIPS = {
     "age": "seconds since the block was stored (this residency)",
@@ -172,23 +172,9 @@ class AttachMap(QWidget):
         lay = grid_layout(caps, self._aspect())
         self._cells.relayout(lay)
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
-        for it in self._frames + self._labels:
-            self.vb.removeItem(it)
-        self._frames, self._labels, self._labels_text = [], [], [""] * len(caps)
-        for i in range(len(caps)):
-            item = QGraphicsPathItem(BlockMap._outline(lay, i))
-            item.setPen(self._frame_pen)
-            item.setZValue(5)
-            self.vb.addItem(item)
-            self._frames.append(item)
-            label = pg.TextItem(anchor=(0, 1), color=pal.qcolor(pal.TEXT))
-            label.setFont(self._font)
-            label.setPos(0, lay.tops[i] - 0.15 * lay.gap)
-            label.setZValue(6)
-            self.vb.addItem(label)
-            self._labels.append(label)
-        self.vb.setLimits(xMin=-lay.cols, xMax=2 * lay.cols, yMin=-lay.height - lay.gap, yMax=2 * lay.height,
-                          minXRange=4, minYRange=4)
+        self._frames, self._labels = frame_tiers(self.vb, lay, len(caps), self._frames + self._labels,
+                                                 self._frame_pen, self._font)
+        self._labels_text = [""] * len(caps)
         self.reset_view()
 
     def _update_labels(self) -> None:

@@ -230,24 +230,9 @@ class BlockMap(QWidget):
         self._layout = lay
         self._cells.relayout(lay)
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
-        for it in self._frames + self._labels:
-            self.vb.removeItem(it)
-        self._frames, self._labels = [], []
-        for i, cap in enumerate(caps):
-            item = QGraphicsPathItem(self._outline(lay, i))
-            item.setPen(self._frame_pen)
-            item.setZValue(5)
-            self.vb.addItem(item)
-            self._frames.append(item)
-            label = pg.TextItem(anchor=(0, 1), color=pal.qcolor(pal.TEXT))
-            label.setFont(self._label_font)
-            label.setPos(0, lay.tops[i] - 0.15 * lay.gap)
-            label.setZValue(6)
-            self.vb.addItem(label)
-            self._labels.append(label)
+        self._frames, self._labels = frame_tiers(self.vb, lay, len(caps), self._frames + self._labels,
+                                                 self._frame_pen, self._label_font)
         self._label_texts = [""] * len(caps)
-        self.vb.setLimits(xMin=-lay.cols, xMax=2 * lay.cols, yMin=-lay.height - lay.gap, yMax=2 * lay.height,
-                          minXRange=4, minYRange=4)
         self.reset_view()
 
     @staticmethod
@@ -382,3 +367,26 @@ def _fmt_age(s: float) -> str:
     if not np.isfinite(s):
         return "—"
     return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
+def frame_tiers(vb, lay, n: int, old: list, pen, font) -> tuple[list, list]:
+    """Replace the `old` frame and label items in `vb` by a frame (BlockMap._outline) and an empty label above each
+    of the n areas of layout `lay`, and bound the view to the layout; (frames, labels)."""
+    for it in old:
+        vb.removeItem(it)
+    frames, labels = [], []
+    for i in range(n):
+        item = QGraphicsPathItem(BlockMap._outline(lay, i))
+        item.setPen(pen)
+        item.setZValue(5)
+        vb.addItem(item)
+        frames.append(item)
+        label = pg.TextItem(anchor=(0, 1), color=pal.qcolor(pal.TEXT))
+        label.setFont(font)
+        label.setPos(0, lay.tops[i] - 0.15 * lay.gap)
+        label.setZValue(6)
+        vb.addItem(label)
+        labels.append(label)
+    vb.setLimits(xMin=-lay.cols, xMax=2 * lay.cols, yMin=-lay.height - lay.gap, yMax=2 * lay.height,
+                 minXRange=4, minYRange=4)
+    return frames, labels
