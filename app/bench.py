@@ -46,6 +46,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from engine.loader import hf_reference_dir
     from engine.sequence import SamplingParams
 
+    if getattr(args, "shadow_every_s", None) is None:
+        args.shadow_every_s = 0.0  # benchmarks time the engine alone unless shadow steps are asked for
     if getattr(args, "long", None):
         return cmd_bench_long(args)
     if getattr(args, "quality", False):

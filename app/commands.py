@@ -327,6 +327,9 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"{name:<10} {t['capacity_blocks']:,} blocks x {mem['block_bytes']:,} B on {t['device']}: "
               f"K {t['k_bytes'] / 2**20:.1f} MiB, V {t['v_bytes'] / 2**20:.1f} MiB, scales "
               f"{t['scale_bytes'] / 2**20:.2f} MiB, metadata {t['metadata_bytes'] / 2**20:.2f} MiB")
+        if t.get("host_layers_bytes"):
+            print(f"{'':<10} all but the first {t['device_layers']} layers of these blocks in host memory (device_layers): "
+                  f"{t['host_layers_bytes'] / 2**20:.1f} MiB of the above, out of the host budget")
     gpu = mem["gpu"]
     print("gpu        " + (gpu.get("reason", "") if not gpu["available"] else
                            f"{gpu.get('name', '')} NVML used {gpu.get('nvml_used_bytes', 0) / 2**30:.2f} GiB"))

@@ -143,6 +143,44 @@ def _bf16_check(tiny: str, spec, prompts, device: str, checks: dict, report: dic
     checks["bf16_agreement_95"] = equal >= 0.95
 
 
+def _tier_checks(model, prompts, refs, sp, device: str, checks: dict, report: dict) -> None:
+    """Issue 10 on CUDA: the host tier serves (streamed, or attended on the host), per-layer placement, and a
+    live block-size change re-laid a layer at a time; tokens equal transformers in each."""
+    import torch
+
+    from engine.config import CacheConfig, EngineOptions
+    from engine.engine import Engine
+
+    opts = EngineOptions(device=device, weights_dtype="fp32", max_batched_tokens=128)
+    report["tiers"] = {}
+    for mode in ("stream", "compute"):
+        eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.05, host_budget_mb=16, host_reads=mode), opts)
+        checks[f"host_reads_{mode}_equal"] = eng.generate(prompts, sp) == refs
+        eng.check_invariants()
+        report["tiers"][mode] = {k: eng.counters.as_dict()[k] for k in ("read_tokens", "read_tokens_streamed",
+                                                                        "promotions", "preemptions")}
+    eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.25, host_budget_mb=16, device_layers=2,
+                                    demote_after_s=0.0), opts)
+    checks["device_layers_equal"] = eng.generate(prompts, sp) == refs
+    eng.check_invariants()
+    report["tiers"]["device_layers"] = eng.telemetry.memory()["tiers"]["device"]
+    eng = Engine(model, CacheConfig(block_size=8), opts)
+    ids = [eng.add_request(p, sp) for p in prompts]
+    for _ in range(8):
+        eng.step()
+    cuda = device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if cuda else 0
+    eng.reconfigure(block_size=16)
+    ev = next(e.fields for e in reversed(eng.telemetry.events) if e.kind == "config")
+    report["tiers"]["relayout"] = {**{k: ev.get(k) for k in ("peak_extra_bytes", "old_tier_bytes", "new_tier_bytes")},
+                                   "cuda_peak_over_start_bytes": torch.cuda.max_memory_allocated() - before if cuda
+                                   else None}
+    eng.run_until_done()
+    checks["relayout_live_equal"] = [eng.seqs[i].output for i in ids] == refs
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -202,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     report["device_tier_on"] = snap.memory["tiers"]["device"]["device"]
     report["copy_stream"] = eng.pool.copy_stream is not None
     report["gpu_memory"] = snap.memory["gpu"]
+    _tier_checks(model, prompts, refs, sp, args.device, checks, report)
     # Every lossy format on CUDA, through migrations: runs, keeps its invariants, stays close to fp32.
     report["lossy"] = {}
     for dtype in ("fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8"):

@@ -42,6 +42,8 @@ def add_cache_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, help=KNOBS["prefetch_depth"].help)
     p.add_argument("--evict-batch", type=int, help=KNOBS["evict_batch"].help)
     p.add_argument("--host-reads", choices=KNOBS["host_reads"].choices, help=KNOBS["host_reads"].help)
+    p.add_argument("--device-layers", type=int, metavar="N", help=KNOBS["device_layers"].help)
+    p.add_argument("--shadow-every", dest="shadow_every_s", type=float, metavar="S", help=KNOBS["shadow_every_s"].help)
     p.add_argument("--context-limit", type=int, help="tokens per sequence before a context shift (default: the model's)")
     p.add_argument("--n-keep", type=int, default=0, help="tokens a context shift keeps at the start")
 

@@ -54,15 +54,27 @@ class RunResult:
     peak_host_bytes: int = 0
     counters: dict = field(default_factory=dict)
     residency: dict[str, np.ndarray] = field(default_factory=dict)
+    live_change: dict | None = None  # with a LiveChange: the split at its step and what the change held
+
+
+@dataclass(frozen=True)
+class LiveChange:
+    """Reconfigure the running engine once it has run `at_step` steps (`changes` empty: only mark the split, the
+    control run of an A/B). The prefix hit rate is then counted apart before and after that step."""
+
+    at_step: int
+    changes: dict
 
 
 class Replay:
     """Feeds a request list to one engine by arrival time and records what each step produced."""
 
-    def __init__(self, engine, requests: list, time_scale: float, cap: int | None, clock: ReplayClock):
+    def __init__(self, engine, requests: list, time_scale: float, cap: int | None, clock: ReplayClock,
+                 change: LiveChange | None = None):
         from engine.chat_format import ChatFormat
 
         self.engine, self.clock = engine, clock
+        self.change = change
         self.cap = cap
         at = (lambda r: r.arrival_s / time_scale) if time_scale > 0 else (lambda r: 0.0)
         # Sorted by arrival: load_trace and the generators sort.
@@ -84,6 +96,8 @@ class Replay:
             if e.has_work():
                 outs = e.step()
                 self.observe(outs, clock(), result)
+                if self.change is not None and result.live_change is None and e.counters.steps >= self.change.at_step:
+                    result.live_change = self._apply_change()
                 pool = e.pool
                 result.peak_device_bytes = max(result.peak_device_bytes, pool.tiers[0].used * pool.block_bytes)
                 result.peak_host_bytes = max(result.peak_host_bytes, pool.tiers[1].used * pool.block_bytes)
@@ -101,8 +115,30 @@ class Replay:
                 result.ttft_s.append(times[0] - self.submitted[sid])
                 result.itl_s.extend(np.diff(times).tolist())
         result.counters = e.counters.as_dict()
+        if result.live_change is not None:
+            lc = result.live_change
+            lc["prefix_after"] = _rate(e.counters.prompt_reused - lc.pop("_reused"),
+                                       e.counters.prompt_tokens - lc.pop("_prompt"))
         result.residency = {k: np.asarray(e.telemetry.residency[k], dtype=np.float64) for k in RESIDENCY}
         return result
+
+    def _apply_change(self) -> dict:
+        """The split (and, unless a control, the change): prefix hits so far, and what the change held."""
+        from engine.config import ConfigError
+
+        e, c = self.engine, self.engine.counters
+        out = {"at_step": c.steps, "changes": dict(self.change.changes), "error": None,
+               "prefix_before": _rate(c.prompt_reused, c.prompt_tokens), "_reused": c.prompt_reused,
+               "_prompt": c.prompt_tokens}
+        if self.change.changes:
+            try:
+                e.reconfigure(**self.change.changes)
+            except ConfigError as ex:
+                out["error"] = str(ex)
+            else:
+                ev = next((x.fields for x in reversed(e.telemetry.events) if x.kind == "config"), {})
+                out.update({k: ev[k] for k in ("peak_extra_bytes", "old_tier_bytes", "new_tier_bytes") if k in ev})
+        return out
 
     def feed(self, now: float, result: RunResult) -> None:
         """Submit what has arrived by `now` (seconds since the replay began) and can start."""
@@ -190,12 +226,17 @@ class Replay:
         result.finished += 1
 
 
+def _rate(hits: int, total: int) -> float:
+    return hits / total if total else float("nan")
+
+
 def replay(loaded, config, options, requests: list, label: str = "base", time_scale: float = 1.0,
-           cap: int | None = None, on_progress=lambda done, elapsed: None) -> RunResult:
+           cap: int | None = None, on_progress=lambda done, elapsed: None, change: LiveChange | None = None) -> RunResult:
     """Replay `requests` on a fresh engine with `config`; raises ConfigError if the engine refuses the config."""
     from engine.engine import Engine
 
     gc.collect()  # an engine and its telemetry refer to each other: free the last run's pools and weights now
     clock = ReplayClock()
     engine = Engine(loaded, config, options, clock=clock)
-    return Replay(engine, requests, time_scale, cap, clock).run(RunResult(label, config, len(requests)), on_progress)
+    return Replay(engine, requests, time_scale, cap, clock, change).run(RunResult(label, config, len(requests)),
+                                                                        on_progress)

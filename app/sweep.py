@@ -16,8 +16,8 @@ import sys
 from dataclasses import dataclass
 
 from app.options import cache_config
-from app.replay import RunResult, replay
-from app.sweep_report import format_table, plot_sweep, report, row_of, write_csv
+from app.replay import LiveChange, RunResult, replay
+from app.sweep_report import format_live_change, format_table, plot_sweep, report, row_of, write_csv
 
 WORKLOADS = ("chat", "returning", "documents", "forks", "mixed")
 DEFAULT_REQUESTS = 12
@@ -69,6 +69,12 @@ def add_sweep_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sweep", action="append", metavar="KNOB=V1,V2,...",
                    help="run once per value (repeatable: the cartesian product of all sweeps), e.g. "
                         "--sweep block_size=8,32 --sweep kv_dtype=fp32,int8")
+    g.add_argument("--live-change", action="append", metavar="KNOB=V",
+                   help="an A/B of a change made while the workload runs (repeatable: one change of several "
+                        "knobs): a control run, and a run reconfigured after --change-at-step steps; prints the "
+                        "prefix hit rate before and after that step in both, and the memory the change held")
+    g.add_argument("--change-at-step", type=_positive_int, default=200, metavar="N",
+                   help="with --live-change: the engine step after which the change is made (default 200)")
     g.add_argument("--csv", metavar="OUT.csv", help="write one row per config")
     g.add_argument("--plot", metavar="OUT.png", help="write a figure comparing the configs")
     g.add_argument("--time-scale", type=_non_negative_float, default=1.0, metavar="X",
@@ -105,6 +111,27 @@ def parse_sweeps(specs: list[str] | None, base):
                 raise ConfigError(f"--sweep {spec}: {e}") from None
         out.append(Sweep(knob, values))
     return out
+
+
+def parse_live_change(specs: list[str] | None, base) -> dict:
+    """`KNOB=V` strings as one change {knob: value}, validated against `base` (raises ConfigError)."""
+    from engine.config import ConfigError
+
+    changes: dict = {}
+    for spec in specs or []:
+        knob, sep, value = (x.strip() for x in spec.partition("="))
+        knob = knob.replace("-", "_")
+        if not sep or not knob or not value or "," in value:
+            raise ConfigError(f"--live-change {spec!r}: expected KNOB=V (one value, e.g. block_size=32)")
+        changes[knob] = value
+    if changes:
+        try:
+            new = base.replace(**changes)
+        except ConfigError as e:
+            raise ConfigError(f"--live-change: {e}") from None
+        if new == base:
+            raise ConfigError("--live-change: that is the base config already; nothing would change")
+    return changes
 
 
 def _show(value) -> str:
@@ -201,9 +228,14 @@ def run_sweep(args: argparse.Namespace) -> int:
     from engine.config import ConfigError
     from engine.errors import RequestError
 
+    if getattr(args, "shadow_every_s", None) is None:
+        args.shadow_every_s = 0.0  # replays compare configs on the engine alone unless shadow steps are asked for
     try:  # everything a user can get wrong is checked before the (slow) model load
         base = cache_config(args)
         configs = sweep_configs(base, parse_sweeps(getattr(args, "sweep", None), base))
+        live = parse_live_change(getattr(args, "live_change", None), base)
+        if live and len(configs) > 1:
+            raise ConfigError("--live-change and --sweep: use one or the other")
         name, requests = build_workload(args, base)
     except (ConfigError, RequestError, OSError) as e:
         print(f"kvscope: error: {e}", file=sys.stderr)
@@ -217,6 +249,12 @@ def run_sweep(args: argparse.Namespace) -> int:
     del engine  # each config gets its own engine; don't hold this one's pools meanwhile
     time_scale = getattr(args, "time_scale", 1.0)
     cap = getattr(args, "max_new_tokens_cap", None)
+    changes: list[LiveChange | None] = [None] * len(configs)
+    if live:
+        at = getattr(args, "change_at_step", 200)
+        label = " ".join(f"{k}={v}" for k, v in live.items())
+        configs = [("control", configs[0][1]), (f"live {label}", configs[0][1])]
+        changes = [LiveChange(at, {}), LiveChange(at, live)]
     progress = Progress(len(configs))
     results: list[RunResult] = []
     for i, (label, config) in enumerate(configs, 1):
@@ -224,7 +262,7 @@ def run_sweep(args: argparse.Namespace) -> int:
             progress.update(i, label, done, len(requests), elapsed)
 
         try:
-            res = replay(loaded, config, options, requests, label, time_scale, cap, tick)
+            res = replay(loaded, config, options, requests, label, time_scale, cap, tick, changes[i - 1])
         except ConfigError as e:
             print(f"\n[sweep] config {label} skipped: {e}", file=sys.stderr)
             continue
@@ -240,6 +278,8 @@ def run_sweep(args: argparse.Namespace) -> int:
     meta = {"model": loaded.spec.name, "device": options.device, "workload": name, "requests": len(requests),
             "time_scale": time_scale, "max_new_tokens_cap": cap, "model_load_s": load_s}
     rows = [row_of(r) for r in results]
+    if live:
+        meta["live_change"] = {r.label: r.live_change for r in results}
     if getattr(args, "json", False):
         print(json.dumps(report(meta, results)))
     else:
@@ -247,6 +287,8 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"model {meta['model']} on {meta['device']}, workload {name}: {len(requests)} requests ({scale}"
               f"{f', at most {cap} new tokens each' if cap else ''})")
         print(format_table(rows))
+        if live:
+            print(format_live_change(results))
     if getattr(args, "csv", None):
         write_csv(rows, args.csv)
         print(f"[sweep] wrote {args.csv}", file=sys.stderr)

@@ -62,6 +62,31 @@ def report(meta: dict, results: list[RunResult]) -> dict:
             "residency": residency}
 
 
+def format_live_change(results: list[RunResult]) -> str:
+    """The A/B of --live-change: prefix hit rate before/after the change's step in each run, and what it held."""
+    lines = []
+    for r in results:
+        lc = r.live_change
+        if lc is None:
+            lines.append(f"{r.label}: the run ended before the change's step (fewer steps than --change-at-step)")
+            continue
+        pct = (lambda x: "no data" if not math.isfinite(x) else f"{100 * x:.1f} %")
+        line = (f"{r.label}: prefix hit rate before step {lc['at_step']} {pct(lc['prefix_before'])}, "
+                f"after {pct(lc['prefix_after'])}")
+        if lc.get("error"):
+            line += f"; the change was refused: {lc['error']}"
+        elif "peak_extra_bytes" in lc:
+            tiers = max(lc["old_tier_bytes"], lc["new_tier_bytes"])
+            line += (f"; the re-lay held {_mb(lc['peak_extra_bytes'])} MiB beside {_mb(tiers)} MiB of tiers "
+                     f"({100 * lc['peak_extra_bytes'] / max(tiers, 1):.1f} %)")
+        lines.append(line)
+    if len(results) == 2 and all(r.live_change for r in results):
+        a, b = (r.live_change["prefix_after"] for r in results)
+        if math.isfinite(a) and math.isfinite(b):
+            lines.append(f"after the change, {results[1].label} vs control: {100 * (b - a):+.1f} points of prefix hits")
+    return "\n".join(lines)
+
+
 def _mb(n: float) -> str:
     return f"{n / 2**20:.1f}"
 

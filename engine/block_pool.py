@@ -18,7 +18,7 @@ import torch
 from engine.codecs import Codec, Geometry, codecs_for
 from engine.config import CacheConfig
 from engine.eviction import EvictionPolicy, make_policy
-from engine.tiers import NO_HASH, CacheFull, Tier, TierPool, _dev_of, copy_slots
+from engine.tiers import NO_HASH, CacheFull, Tier, TierPool, copy_slots, tier_sizes
 
 
 def chain_hash(parent: int, tokens: np.ndarray) -> int:
@@ -40,21 +40,21 @@ class BlockPool:
     """
 
     def __init__(self, geometry_no_bs: tuple[int, int, int], config: CacheConfig, device: torch.device,
-                 first_serial: int = 0):
+                 first_serial: int = 0, storage: bool = True):
+        """storage=False: metadata only, no layer of K/V allocated (a re-lay allocates them one at a time)."""
         layers, kv_heads, head_dim = geometry_no_bs
         self.device = device
         self.config = config
         self.geom = Geometry(layers, kv_heads, config.block_size, head_dim)
         self.kcodec, self.vcodec = codecs_for(config.kv_dtype)
         self.block_bytes = self._block_bytes(self.kcodec, self.vcodec, self.geom)
-        # The budget holds the device tier's blocks and its two reserved slots (the null and sink blocks).
-        cap_dev = max(0, int(config.device_budget_mb * 2**20) // self.block_bytes - RESERVED)
-        cap_host = int(config.host_budget_mb * 2**20) // self.block_bytes
+        # The budget holds the device tier's blocks and its two reserved slots (the null and sink blocks); with
+        # per-layer placement only their first `device_layers` layers, the rest in host memory (engine/tiers.py).
+        self.sizes = tier_sizes(config, layers, self.block_bytes, RESERVED)
+        cap_dev, cap_host = self.sizes.dev_cap, self.sizes.host_cap
         self.policy: EvictionPolicy = make_policy(config.policy, config.decay)
         n = cap_dev + cap_host
-        pin = device.type == "cuda"
-        self.tiers = [self._make_tier(Tier.DEVICE, cap_dev, device, False, n),
-                      self._make_tier(Tier.HOST, cap_host, torch.device("cpu"), pin, n)]
+        self.tiers = [self._make_tier(Tier.DEVICE, cap_dev, n, storage), self._make_tier(Tier.HOST, cap_host, n, storage)]
         self.n_lids = n
         self.free_lids = list(range(n - 1, -1, -1))
         self.tier = np.full(n, -1, dtype=np.int8)
@@ -77,13 +77,24 @@ class BlockPool:
         kc, vc = codecs_for(config.kv_dtype)
         return BlockPool._block_bytes(kc, vc, Geometry(layers, kv_heads, config.block_size, head_dim))
 
-    def _make_tier(self, tier: Tier, cap: int, device: torch.device, pin: bool, universe: int) -> TierPool:
+    def layer_place(self, tier: Tier, layer: int) -> tuple[torch.device, bool]:
+        """(device, pinned) of a tier's layer: the device tier's first `sizes.dev_layers` layers on the engine's device,
+        every other layer in host memory (pinned when the device is CUDA)."""
+        if tier is Tier.DEVICE and layer < self.sizes.dev_layers:
+            return self.device, False
+        return torch.device("cpu"), self.device.type == "cuda"
+
+    def _make_tier(self, tier: Tier, cap: int, universe: int, storage: bool) -> TierPool:
         # The device tier has two slots past its blocks, never allocated: the null block (slot `cap`), zeros that pad
         # block tables (attention reads it only where keys are masked), and the sink (slot `cap + 1`), written by a
         # CUDA graph's padding rows and never read (engine/decode_graphs.py).
         dev = tier is Tier.DEVICE
-        k = self.kcodec.alloc(self.geom, cap + 2 if dev else cap, device, pin)
-        v = self.vcodec.alloc(self.geom, cap + 2 if dev else cap, device, pin)
+        slots = cap + RESERVED if dev else cap
+        k = self.kcodec.alloc(self.geom, slots, self.device, False, layers=False)
+        v = self.vcodec.alloc(self.geom, slots, self.device, False, layers=False)
+        for layer in range(self.geom.layers if storage else 0):
+            for codec, parts in ((self.kcodec, k), (self.vcodec, v)):
+                codec.alloc_layer(parts, self.geom, slots, layer, *self.layer_place(tier, layer))
         return TierPool(tier, cap, k, v, self.geom.block_size, universe, null_slot=cap if dev else None)
 
     # -- per-block accessors (by lid) ---------------------------------------------------------
@@ -343,9 +354,10 @@ class BlockPool:
             rows = np.flatnonzero(self.tier[lids_np] == t.tier)
             if len(rows) == 0:
                 continue
-            slots = torch.as_tensor(self.slot[lids_np[rows]], device=_dev_of(t))
+            sl = self.slot[lids_np[rows]]
             r = torch.as_tensor(rows, device=self.device)
             for layer in range(g.layers):
+                slots = torch.as_tensor(sl, device=t.k["data"][layer].device)  # layers may sit on different devices
                 k[layer, r] = self.kcodec.decode(t.k, layer, slots).to(self.device)
                 v[layer, r] = self.vcodec.decode(t.v, layer, slots).to(self.device)
         return k, v
@@ -360,46 +372,25 @@ class BlockPool:
             rows = np.flatnonzero(self.tier[lids_np] == t.tier)
             if len(rows) == 0:
                 continue
-            dev = _dev_of(t)
             sl = self.slot[lids_np[rows]]
-            slots = torch.as_tensor(sl, device=dev)
             r = torch.as_tensor(rows, device=k.device)
-            fill = torch.as_tensor(t.fill[sl], device=dev)
-            mask = (torch.arange(self.geom.block_size, device=dev)[None, :] < fill[:, None]).float()[:, None, :, None]
+            fill = torch.as_tensor(t.fill[sl])
+            mask = (torch.arange(self.geom.block_size)[None, :] < fill[:, None]).float()[:, None, :, None]
             for layer in range(self.geom.layers):
-                self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * mask)
-                self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * mask)
+                dev = t.k["data"][layer].device  # layers may sit on different devices
+                slots, m = torch.as_tensor(sl, device=dev), mask.to(dev)
+                self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * m)
+                self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * m)
 
     # -- accounting ---------------------------------------------------------------------------
     def metadata_bytes(self) -> int:
         return self.tier.nbytes + self.slot.nbytes + 8 * self.n_lids + sum(t.metadata_bytes() for t in self.tiers)
 
     def check(self, owners: dict[int, int]) -> None:
-        """Invariants; `owners` maps lid -> number of block-table entries that hold it."""
-        live = set(np.flatnonzero(self.tier >= 0).tolist())
-        free = set(self.free_lids)
-        assert not (live & free), "block both free and live"
-        assert len(live) + len(free) == self.n_lids, "lost a logical block"
-        for lid in owners:
-            assert lid in live, f"a block table holds freed block {lid}"
-        for t in self.tiers:
-            used = np.flatnonzero(t.lid >= 0)
-            assert len(used) + len(t.free_slots) == t.capacity, f"{t.tier.name}: slots leaked"
-            assert not (set(used.tolist()) & set(t.free_slots)), f"{t.tier.name}: slot both free and used"
-            if t.null_slot is not None:
-                assert t.null_slot not in t.free_slots and all(
-                    not bool(p[:, t.null_slot].view(torch.uint8).any()) for p in (*t.k.values(), *t.v.values())), \
-                    "the null block was handed out or written"
-            for s in used.tolist():
-                lid = int(t.lid[s])
-                assert self.tier[lid] == t.tier and self.slot[lid] == s, f"block {lid} not where it says"
-                assert t.ref[s] == owners.get(lid, 0), f"block {lid}: ref {t.ref[s]} != owners {owners.get(lid, 0)}"
-                if t.ref[s] == 0:
-                    assert s in t.cached and t.hash[s] != NO_HASH, f"unowned block {lid} is neither cached nor free"
-                else:
-                    assert s not in t.cached, f"owned block {lid} listed as cached"
-        for h, lid in self.by_hash.items():
-            assert self.hash_of(lid) == h, "hash index stale"
+        """Invariants; `owners` maps lid -> number of block-table entries that hold it (engine/pool_check.py)."""
+        from engine.pool_check import check_pool
+
+        check_pool(self, owners)
 
     def _emit(self, kind: str, **fields) -> None:
         if self.listener is not None:

@@ -1,7 +1,7 @@
 """Storage formats of cached K/V, and how tokens are appended to them.
 
-A tier stores, for K and for V, a dict of "parts", each a tensor whose first two dims are [layers, blocks]:
-`data` [L, N, kv_heads, block_size, head_dim] always; per format:
+A tier stores, for K and for V, a dict of "parts", each one tensor per layer (`Layers`), indexed [layer][block, ...]:
+`data` [L][N, kv_heads, block_size, head_dim] always; per format:
 
 | codec            | formats                   | parts besides `data`                                               |
 |------------------|---------------------------|--------------------------------------------------------------------|
@@ -26,7 +26,61 @@ import torch
 
 from engine.config import KVDtype
 
-Parts = dict[str, torch.Tensor]
+class Layers(list):
+    """A part's tensors, one per layer: `parts[name][layer]` is layer `layer`'s [N, ...] tensor.
+
+    One tensor per layer, not one [L, N, ...] tensor, so that a re-lay can replace a tier's storage a layer at a
+    time (engine/relayout.py: the old layer is freed as soon as the new one is written, so a change holds one
+    layer's worth of memory beside the tier, not a second tier), and so that layers can sit on different devices.
+    An entry is None while a re-lay has not allocated it yet (or has freed it). `[:, ...]` reads every layer
+    stacked (a copy) and `[:, ...] = x` writes every layer: for tests and checks, never on a hot path.
+    """
+
+    def _any(self) -> torch.Tensor:
+        """A layer that is allocated (during a re-lay some are not)."""
+        return next(t for t in self if t is not None)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self._any().shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._any().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._any().device
+
+    def is_pinned(self) -> bool:
+        t = self._any()
+        return t.device.type == "cpu" and t.is_pinned()
+
+    def nbytes(self) -> int:
+        """Bytes allocated for the layers that are (None ones: nothing)."""
+        return sum(t.numel() * t.element_size() for t in self if t is not None)
+
+    def stacked(self) -> torch.Tensor:
+        """Every layer in one [L, N, ...] tensor (a copy)."""
+        return torch.stack(list(self))
+
+    def layer_ptrs(self) -> tuple[int, ...]:
+        return tuple(t.data_ptr() for t in self)
+
+    def __getitem__(self, idx):
+        if isinstance(idx, tuple) and idx and idx[0] == slice(None):
+            return torch.stack([t[idx[1:]] for t in self])
+        return super().__getitem__(idx)
+
+    def __setitem__(self, idx, value):
+        if isinstance(idx, tuple) and idx and idx[0] == slice(None):
+            for layer, t in enumerate(self):
+                t[idx[1:]] = value[layer] if isinstance(value, torch.Tensor) and value.dim() > 0 else value
+            return
+        super().__setitem__(idx, value)
+
+
+Parts = dict[str, Layers]
 
 
 @dataclass(frozen=True)
@@ -56,6 +110,11 @@ class Appends:
 
     def with_rows(self, rows: torch.Tensor) -> "Appends":
         return dataclasses.replace(self, rows=rows)
+
+    def to(self, device: torch.device) -> "Appends":
+        """The same appends with every index on `device` (a layer kept in host memory, device_layers)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @staticmethod
     def of(slots: torch.Tensor, offsets: torch.Tensor, wslots: torch.Tensor, tok_block: torch.Tensor,
@@ -93,19 +152,27 @@ class Codec:
             out[name] = numel * _itemsize(dtype)
         return out
 
-    def alloc(self, g: Geometry, n: int, device: torch.device, pin: bool) -> Parts:
-        parts = {}
+    def alloc(self, g: Geometry, n: int, device: torch.device, pin: bool, layers: bool = True) -> Parts:
+        """Parts for n blocks; `layers=False`: no layer allocated yet (every entry None, see `alloc_layer`)."""
+        parts = {name: Layers([None] * g.layers) for name in self.parts_shapes(g, n)}
+        if layers:
+            for layer in range(g.layers):
+                self.alloc_layer(parts, g, n, layer, device, pin)
+        return parts
+
+    def alloc_layer(self, parts: Parts, g: Geometry, n: int, layer: int, device: torch.device, pin: bool) -> None:
+        """Allocate layer `layer` of every part (zeroed)."""
         for name, (shape, dtype) in self.parts_shapes(g, n).items():
             # Zeroed, not empty: padded gathers read unused slots, and stale NaN there would leak
             # through a masked softmax.
             if torch.device(device).type == "cpu" and not pin:
-                parts[name] = _lazy_zeros(shape, dtype)
+                parts[name][layer] = _lazy_zeros(shape[1:], dtype)
             else:  # CUDA memory and pinned host memory are committed when allocated: no lazy zeros there
-                parts[name] = torch.zeros(shape, dtype=dtype, device=device, pin_memory=pin)
-        return parts
+                parts[name][layer] = torch.zeros(shape[1:], dtype=dtype, device=device, pin_memory=pin)
 
     def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """fp32 [*slots.shape, kv_heads, block_size, head_dim]."""
+        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
         return parts["data"][layer][slots].float()
 
     def append(self, parts: Parts, layer: int, a: Appends, x: torch.Tensor) -> None:
@@ -134,6 +201,7 @@ class TokenCodec(Codec):
                 "scale": ((g.layers, n, g.kv_heads, g.block_size), torch.float16)}
 
     def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
         return parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None]
 
     def append(self, parts: Parts, layer: int, a: Appends, x: torch.Tensor) -> None:
@@ -165,6 +233,7 @@ class ChannelCodec(TokenCodec):
                 "tscale": ((g.layers, n, g.kv_heads, g.block_size), torch.float16)}
 
     def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
         c = parts["scale"][layer][slots].float()[..., None, :]  # [..., H, 1, D]
         t = parts["tscale"][layer][slots].float()[..., None]  # [..., H, bs, 1]
         return parts["data"][layer][slots].float() * c * t
@@ -200,6 +269,7 @@ class DeltaCodec(TokenCodec):
         return shapes
 
     def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
         steps = parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None]  # [..., H, B, D]
         steps[..., 0, :] = 0
         anchor = parts["anchor"][layer][slots].float()[..., None, :]  # [..., H, 1, D]
@@ -250,8 +320,8 @@ def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
     torch.zeros writes every byte (a 16 GB host tier would commit 16 GB at start). A private anonymous
     mapping is zero pages until written. Not numpy's calloc'd zeros: numpy asks for transparent huge pages on
-    large arrays, and since a tier is laid out [layers, blocks, ...], the first block written would commit a
-    2 MB page in every layer of K and of V (~120 MB per tier on SmolLM2). Bytes reinterpreted as `dtype` (bf16 and fp8
+    large arrays, and since a tier is one tensor per layer, the first block written would commit a 2 MB page
+    in every layer of K and of V (~120 MB per tier on SmolLM2). Bytes reinterpreted as `dtype` (bf16 and fp8
     have no numpy dtype); the mapping lives as long as the tensor.
     """
     numel = 1

@@ -68,7 +68,7 @@ def change_is_lossy(old: "CacheConfig", new: "CacheConfig") -> bool:
     return not (old.kv_dtype is new.kv_dtype and new.kv_dtype in ELEMENTWISE)
 
 POLICIES = ("lru", "heat", "s3fifo")
-HOST_READS = ("promote", "stream")
+HOST_READS = ("promote", "stream", "compute")
 
 
 class ConfigError(ValueError):
@@ -98,6 +98,8 @@ class CacheConfig:
     prefetch_depth: int = 2
     evict_batch: int = 8
     host_reads: str = "promote"
+    device_layers: int = 0  # the device tier keeps layers [0, N) of its blocks in device memory, the rest on the host; 0: all
+    shadow_every_s: float = 2.0  # engine seconds between shadow reference steps (engine/shadow.py); 0: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDtype.parse(self.kv_dtype))
@@ -127,7 +129,7 @@ class CacheConfig:
             f"bs={self.block_size} {self.kv_dtype.label} dev={self.device_budget_mb:g}MB "
             f"host={self.host_budget_mb:g}MB {self.policy}(decay {self.decay:g}) "
             f"demote>{self.demote_after_s:g}s prefetch={self.prefetch_depth} batch={self.evict_batch} "
-            f"host-reads={self.host_reads}"
+            f"host-reads={self.host_reads}" + (f" device-layers={self.device_layers}" if self.device_layers else "")
         )
 
 
@@ -147,7 +149,20 @@ KNOBS: dict[str, Knob] = {
         Knob("host_reads", str, choices=HOST_READS,
              help="how attention reads a block on the host tier: promote (copied to the device tier first, as room "
                   "allows; blocks that cannot fit are streamed), stream (read where it is, one layer at a time; "
+                  "only blocks being written are promoted), compute (attended where it is, on the host CPU, and "
+                  "merged with the device tier's part by log-sum-exp: only queries and partial results cross; "
                   "only blocks being written are promoted)"),
+        Knob("device_layers", int, 0, 4096, unit="layers",
+             help="per-layer placement: a device-tier block keeps the K/V of the first N layers in device memory and "
+                  "of the other layers in host memory (read from there one layer at a time, as streamed), so the "
+                  "device budget holds layers/N times as many blocks; the host memory they take comes out of the "
+                  "host budget. 0: every layer on the device"),
+        Knob("shadow_every_s", float, 0.0, 3600.0, unit="s",
+             help="engine seconds between shadow reference steps: one running sequence's decode step recomputed "
+                  "with lossless (fp32) KV and compared with the engine's logits (KL divergence, top-1 flip, max "
+                  "logit error); 0: off. The first comes that long after the engine's first step; one that cost c "
+                  "seconds delays the next by at least 19c, so shadowing takes at most 5 percent of the engine's "
+                  "time"),
     )
 }
 

@@ -19,7 +19,8 @@ class Counters:
     read_tokens: int = 0  # keys attention read: each scheduled sequence's context, per step
     read_tokens_missed: int = 0  # of those, keys not read from the device tier without a copy: in blocks on the host
     # tier when the step began (promoted since, or read there) or written to the host tier
-    read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no room)
+    read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no
+    # room), or attended there with host_reads=compute
     promote_stall_s: float = 0.0  # seconds steps waited on copies of their blocks to the device tier
     evictions: int = 0
     promotions: int = 0
@@ -30,6 +31,13 @@ class Counters:
     cow_copies: int = 0
     context_shifts: int = 0
     config_changes: int = 0
+    # Shadow reference steps (engine/shadow.py): one sequence's step recomputed with lossless KV.
+    shadow_steps: int = 0
+    shadow_flips: int = 0  # of those, steps whose top-1 token differed from the engine's
+    shadow_kld_sum: float = 0.0  # KL(reference ‖ engine) summed over them, nats
+    shadow_kld_max: float = 0.0
+    shadow_logit_err_max: float = 0.0  # the largest |engine logit - reference logit| seen
+    shadow_s: float = 0.0  # seconds spent computing them
 
     @property
     def device_hit_rate(self) -> float:

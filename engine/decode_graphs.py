@@ -70,12 +70,14 @@ class DecodeGraphs:
 
     def _key(self, pool: BlockPool, width: int) -> tuple:
         dev = pool.tiers[Tier.DEVICE]
-        return (dev.k["data"].data_ptr(), tuple(dev.k["data"].shape), pool.config.kv_dtype, width,
+        return (dev.k["data"].layer_ptrs(), dev.v["data"].layer_ptrs(), tuple(dev.k["data"].shape), pool.config.kv_dtype, width,
                 self.model.backend.name if self.model.backend is not None else None)
 
     # -- a step ------------------------------------------------------------------------------------
     def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]], context_limit: int):
         """(run() -> logits [B, vocab], writes) for a decode step; inputs packed and sent now."""
+        if pool.sizes.dev_layers < pool.geom.layers:
+            return None  # per-layer placement: some layers' K/V are read and written in host memory, eagerly
         if any((pool.tier[seq.table()] != Tier.DEVICE).any() for seq, _ in sched):
             return None  # a block read from the host tier: the eager step streams it
         bs = pool.geom.block_size

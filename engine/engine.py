@@ -33,9 +33,11 @@ from engine.model_runner import ModelRunner
 from engine.relayout import relayout
 from engine.scheduler import Scheduled, Scheduler
 from engine.seq_ops import SequenceOps
+from engine.shadow import Shadow
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
 from engine.counters import Counters
 from engine.telemetry import Event, Telemetry
+from engine.tiers import tier_sizes
 
 __all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
 
@@ -66,6 +68,7 @@ class Engine(SequenceOps):
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
         self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
                                   self.context_limit)
+        self.shadow = Shadow(self)  # lossless reference steps, sampled (engine/shadow.py)
         self.lock = threading.RLock()
         self.step_lock = threading.RLock()
         # A step loop re-takes step_lock at once, and locks are not fair: a waiting reconfigure would starve.
@@ -195,9 +198,8 @@ class Engine(SequenceOps):
 
     def _check_budget(self, new: CacheConfig) -> None:
         per = self.kv.bytes_per_block(new)
-        dev = int(new.device_budget_mb * 2**20) // per
-        host = int(new.host_budget_mb * 2**20) // per
-        dev = max(0, dev - RESERVED)
+        sizes = tier_sizes(new, self.spec.num_layers, per, RESERVED)
+        dev, host = sizes.dev_cap, sizes.host_cap
         need = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
                                new.block_size) for s in self.seqs.values() if not s.done), default=0)
         if dev + host < need:
@@ -217,8 +219,9 @@ class Engine(SequenceOps):
     def _apply_config(self, new: CacheConfig, changes: dict) -> None:
         """Under both locks. Raises ConfigError with the engine unchanged if the new layout cannot be built."""
         old = self.config
-        layout = (new.block_size, new.kv_dtype) != (old.block_size, old.kv_dtype)
+        layout = (new.block_size, new.kv_dtype, new.device_layers) != (old.block_size, old.kv_dtype, old.device_layers)
         budgets = (new.device_budget_mb, new.host_budget_mb) != (old.device_budget_mb, old.host_budget_mb)
+        held: dict = {}
         if budgets and not layout:  # in place: tiers grow or shrink, blocks (and the prefix cache) stay
             try:
                 self.kv.resize(new, self.clock())
@@ -226,13 +229,13 @@ class Engine(SequenceOps):
                 raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
         elif layout:
             try:
-                relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
+                held = relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
             except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
                 raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
         else:
             self.kv.set_policy(new)
         self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
-                            summary=new.summary())
+                            summary=new.summary(), **held)
 
     # -- the step -----------------------------------------------------------------------------
     def step(self) -> list[TokenOut]:
@@ -255,6 +258,7 @@ class Engine(SequenceOps):
             run, writes = self.runner.prepare(self.pool, sched)
             t1 = time.perf_counter()
         logits = run()
+        shadow = self.shadow.pick(sched, logits, now)
         with self.lock:
             t2 = time.perf_counter()
             outs = self._commit(sched, writes, self.runner.sample(sched, logits))
@@ -264,6 +268,7 @@ class Engine(SequenceOps):
             self.counters.steps += 1
             self.scheduler.watch_progress(sched, now)
             self.telemetry.after_step(now)
+        self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
         return outs
 
     def _commit(self, sched: Scheduled, writes, tokens: list[int]) -> list[TokenOut]:

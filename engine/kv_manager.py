@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for, chain_hash
+from engine.tiers import tier_sizes
 from engine.config import CacheConfig, ConfigError, KVDtype
 from engine.residency import DEVICE, HOST, Residency
 from engine.sequence import Sequence
@@ -41,28 +42,31 @@ class KVManager(Residency):
     def bytes_per_block(self, config: CacheConfig) -> int:
         return BlockPool.bytes_per_block(config, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
 
-    def make_pool(self, config: CacheConfig) -> BlockPool:
-        """A new, empty pool of `config`'s geometry (ConfigError if this machine cannot hold it)."""
+    def make_pool(self, config: CacheConfig, storage: bool = True, replacing: BlockPool | None = None) -> BlockPool:
+        """A new, empty pool of `config`'s geometry (ConfigError if this machine cannot hold it). storage=False:
+        metadata only (a re-lay allocates its layers one at a time while freeing those of `replacing`)."""
         self.require_supported(config)
-        self.check_memory(config)
+        self.check_memory(config, replacing)
         first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
         try:
             pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
-                             first_serial=first)
+                             first_serial=first, storage=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(f"cannot allocate the KV tiers ({config.summary()}): {str(e).splitlines()[0]}") from None
         pool.listener = self.telemetry.on_pool_event
         return pool
 
-    def check_memory(self, config: CacheConfig) -> None:
+    def check_memory(self, config: CacheConfig, replacing: BlockPool | None = None) -> None:
         """Refuse budgets this machine cannot hold, before allocating them. CPU tiers without CUDA are
         committed as blocks are written (lazy zero pages), so they are held against the machine's memory;
-        a pinned host tier (with CUDA) is committed at once, so it is held against what is available now."""
+        a pinned host tier (with CUDA) is committed at once, so it is held against what is available now.
+        `replacing`: a pool the new one replaces a layer at a time (a re-lay): its tiers count as available,
+        less one layer of each (held beside them while that layer is copied)."""
         import psutil
 
-        per = self.bytes_per_block(config)
-        dev = max(int(config.device_budget_mb * 2**20) // per, RESERVED) * per
-        host = int(config.host_budget_mb * 2**20) // per * per
+        sizes = tier_sizes(config, self.spec.num_layers, self.bytes_per_block(config), RESERVED)
+        dev = (sizes.dev_cap + RESERVED) * sizes.dev_block_bytes  # device memory
+        host = sizes.host_cap * sizes.block_bytes + sizes.spilled_bytes  # host memory
         vm = psutil.virtual_memory()
         gib = 2**30
         if self.device.type == "cpu":
@@ -72,10 +76,20 @@ class KVManager(Residency):
                     f"{(dev + host) / gib:.2f} GiB of CPU memory but this machine has {vm.total / gib:.2f} GiB; "
                     "lower the budgets")
             return
-        if host > vm.available:
+        held_dev = held_host = 0
+        if replacing is not None:
+            keep = 1.0 - 1.0 / max(1, replacing.geom.layers)  # one layer of the old tiers is still held
+            for t, tier in zip(replacing.tiers, (0, 1)):
+                nbytes = sum(layers.nbytes() for parts in (t.k, t.v) for layers in parts.values())
+                if tier == 0:
+                    held_dev = int(nbytes * keep)
+                else:
+                    held_host = int(nbytes * keep)
+        if host > vm.available + held_host:
             raise ConfigError(f"host_budget_mb {config.host_budget_mb:g} needs {host / gib:.2f} GiB of pinned CPU memory "
                               f"but {vm.available / gib:.2f} GiB is available; lower it")
         free, _ = torch.cuda.mem_get_info(self.device)
+        free += held_dev
         if dev > free:
             raise ConfigError(f"device_budget_mb {config.device_budget_mb:g} needs {dev / gib:.2f} GiB of GPU memory "
                               f"but {free / gib:.2f} GiB is free; lower it")

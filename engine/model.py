@@ -3,7 +3,9 @@
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
 (engine/attention/: `cpu` and `triton` read the blocks in place; `reference` is the original path, which
-decodes every block of the table into a dense copy and runs SDPA under a mask).
+decodes every block of the table into a dense copy and runs SDPA under a mask). Blocks on the host tier are read
+from it (streamed), or with host_reads="compute" attended on the host and merged with the device part by
+log-sum-exp (engine/attention/host_compute.py).
 Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv heads, D = head dim.
 """
 
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend
+from engine.attention.host_compute import TierSplit, attend_on_host, attend_split, split_by_tier
 from engine.config import ConfigError, EngineOptions
 from engine.loader import ModelSpec, resolve_weights_dtype
 
@@ -58,12 +61,17 @@ class AttnGroup:
     key_pos: torch.Tensor | None = None  # kpos when some row is repositioned; None: key i sits at position i
     on_host: torch.Tensor | None = None  # [B, NB] bool: blocks read from the host tier (PagedBatch.on_host)
     host_table: torch.Tensor | None = None  # [B, NB] their host-tier slots (a CPU tensor)
+    host_compute: bool = False  # host_reads="compute": attention over the host blocks runs on the host (split)
 
     def paged(self) -> PagedBatch:
         """The group as an attention backend reads it."""
         ctx = self.ctx if self.ctx is not None else self.kvalid.sum(1)
         return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos,
                           on_host=self.on_host, host_table=self.host_table)
+
+    def split(self, block_size: int) -> TierSplit | None:
+        """The group's device and host parts when its host blocks are attended on the host, else None (streamed)."""
+        return split_by_tier(self.paged(), block_size) if self.host_compute and self.on_host is not None else None
 
 
 @dataclass
@@ -177,6 +185,12 @@ class LlamaFamily:
         """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
         self.attention = resolve_attention(name, self.device, self.dtype)
         self.backend: AttentionBackend | None = None if self.attention == "reference" else make_backend(self.attention)
+        # host_reads="compute": (device part, host part) backends, each with partial() -> (out, lse). The host part
+        # is the CPU path (triton's too: the kernel is for the GPU); reference computes both by its formula.
+        if self.backend is None:
+            self.split_sides = (make_backend("reference"),) * 2
+        else:
+            self.split_sides = (self.backend, make_backend("cpu") if self.attention == "triton" else self.backend)
 
     def _fits(self, t: torch.Tensor) -> bool:
         return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()
@@ -272,14 +286,23 @@ class LlamaFamily:
         # tokens drift from transformers', whose cache holds exactly the valid keys.
         spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
         masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}
+        # host_reads="compute": groups with host blocks attended by the formula on each tier, merged
+        paged = kv.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
+        splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
 
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
             if window not in masks:
                 masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-            for g, mask, n in zip(batch.groups, masks[window], spans):
+            for g, mask, n, split in zip(batch.groups, masks[window], spans, splits):
                 B, NB = g.table.shape
-                kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32
+                if split is not None:
+                    qg = q[g.rows].view(B, g.q_len, H, D)
+                    o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window)
+                    attn[g.rows] = o.reshape(B * g.q_len, H, D)
+                    continue
+                kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
+                kb, vb = kb.to(q.device), vb.to(q.device)
                 S = NB * kb.shape[3]
                 # Attention in the weights dtype, as transformers computes it (a no-op for fp32).
                 kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
@@ -306,11 +329,18 @@ class LlamaFamily:
         backend, scale = self.backend, self.scale
         T = x.shape[0]
         paged = kv.paged()
-        groups = [(g, g.paged()) for g in batch.groups]
+        groups = [(g, g.paged(), g.split(paged.block_size)) for g in batch.groups]
         # One group holding every row in order (all decodes, or one prompt chunk): no gather/scatter of rows.
         whole = len(groups) == 1 and groups[0][0].rows.shape[0] == T
+        sides = self.split_sides
 
-        def run(li: int, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, window: int | None) -> torch.Tensor:
+        def run(li: int, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, split: TierSplit | None,
+                window: int | None) -> torch.Tensor:
+            if paged.k["data"][li].device != q.device:  # device_layers: this layer's K/V are in host memory
+                return attend_on_host(sides[1], q, li, paged, pb, g.q_len, scale=scale, window=window)
+            if split is not None:  # host_reads="compute": device part here, host part on the host, merged
+                qg = q.view(g.table.shape[0], g.q_len, *q.shape[1:])
+                return attend_split(*sides, qg, li, paged, split, scale=scale, window=window).view(q.shape)
             if g.q_len == 1:
                 return backend.decode(q, li, paged, pb, scale=scale, window=window)  # [B, H, D]
             B, Q, (_, H, D) = g.table.shape[0], g.q_len, q.shape
@@ -320,8 +350,8 @@ class LlamaFamily:
             if whole:
                 return run(li, q, *groups[0], window)
             attn = torch.empty(q.shape, dtype=x.dtype, device=x.device)
-            for g, pb in groups:
-                attn[g.rows] = run(li, q[g.rows], g, pb, window)
+            for g, pb, split in groups:
+                attn[g.rows] = run(li, q[g.rows], g, pb, split, window)
             return attn
 
         return attend

@@ -14,6 +14,7 @@ from engine.attention import PagedKV, read_blocks
 from engine.block_pool import BlockPool, Tier, blocks_for
 from engine.codecs import Appends
 from engine.decode_graphs import DecodeGraphs
+from engine.kv_error import KVErrors, StepProbe
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
 from engine.sequence import Sequence
 
@@ -21,29 +22,51 @@ from engine.sequence import Sequence
 class StepKV:
     """The model's view of the cache for one step: where new K/V go, and the tiers to read."""
 
-    def __init__(self, pool: BlockPool, appends: Appends, host: tuple[torch.Tensor, Appends] | None = None):
+    def __init__(self, pool: BlockPool, appends: Appends, host: tuple[torch.Tensor, Appends] | None = None,
+                 probe: StepProbe | None = None):
         self.pool = pool
+        self.probe = probe  # measures what the step writes (engine/kv_error.py); None: nothing measured
         self.dev = pool.tiers[Tier.DEVICE]
         self.appends = appends  # slot_mapping (slot, offset) of every new token, and the blocks they extend
         # Tokens whose blocks are on the host tier (a device tier too small for the step's writes): their rows of
         # the step's K/V and their appends into the host tier's parts. None: every write goes to the device tier.
         self.host = host
+        self._moved: dict[torch.device, Appends] = {}  # self.appends on another device, made once per step
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim]: appended in place, one scatter per part; no block is re-encoded."""
-        kc, vc = self.pool.kcodec, self.pool.vcodec
+        kc, vc, probe = self.pool.kcodec, self.pool.vcodec, self.probe
+        if probe is not None:
+            probe.keys(layer, k)
         if self.host is None:
-            kc.append(self.dev.k, layer, self.appends, k)
-            vc.append(self.dev.v, layer, self.appends, v)
+            app, k, v = self._placed(layer, self.appends, k, v)
+            kc.append(self.dev.k, layer, app, k)
+            vc.append(self.dev.v, layer, app, v)
+            if probe is not None:
+                probe.measure(layer, 0, self.dev.k, self.dev.v, app, k, v)
             return
         rows, happ = self.host
         ht = self.pool.tiers[Tier.HOST]
-        kc.append(ht.k, layer, happ, k[rows].to(ht.k["data"].device))
-        vc.append(ht.v, layer, happ, v[rows].to(ht.v["data"].device))
+        hk, hv = k[rows].to(ht.k["data"].device), v[rows].to(ht.v["data"].device)
+        kc.append(ht.k, layer, happ, hk)
+        vc.append(ht.v, layer, happ, hv)
+        if probe is not None:
+            probe.measure(layer, 1, ht.k, ht.v, happ, hk, hv)
         if self.appends is not None:
-            drows = self.appends.rows
-            kc.append(self.dev.k, layer, self.appends, k[drows])
-            vc.append(self.dev.v, layer, self.appends, v[drows])
+            app, dk, dv = self._placed(layer, self.appends, k[self.appends.rows], v[self.appends.rows])
+            kc.append(self.dev.k, layer, app, dk)
+            vc.append(self.dev.v, layer, app, dv)
+            if probe is not None:
+                probe.measure(layer, 0, self.dev.k, self.dev.v, app, dk, dv)
+
+    def _placed(self, layer: int, app: Appends, k: torch.Tensor, v: torch.Tensor):
+        """Appends and K/V on the device the device tier keeps `layer` on (host memory past device_layers)."""
+        where = self.dev.k["data"][layer].device
+        if where == k.device:
+            return app, k, v
+        if where not in self._moved:
+            self._moved[where] = app.to(where)
+        return self._moved[where], k.to(where), v.to(where)
 
     def gather(self, layer: int, group) -> tuple[torch.Tensor, torch.Tensor]:
         batch, kv, every = group.paged(), self.paged(), slice(None)
@@ -100,6 +123,8 @@ class ModelRunner:
         self.inputs = StepInputs(device)
         self.context_limit = context_limit
         self.graphs = DecodeGraphs(model, device, max_batch, graphs)
+        spec = model.spec
+        self.errors = KVErrors(spec.num_layers, spec.num_kv_heads, spec.head_dim, device)  # eager steps measure
 
     def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """(run() -> logits [len(sched), vocab], writes): a decode step through its CUDA graph when it can, else
@@ -109,7 +134,13 @@ class ModelRunner:
             if got is not None:
                 return got
         batch, kv, writes = self.build(pool, sched)
-        return (lambda: self.model.forward(batch, kv)), writes
+
+        def run() -> torch.Tensor:
+            logits = self.model.forward(batch, kv)
+            kv.probe.finish()  # what the step wrote, measured (engine/kv_error.py)
+            return logits
+
+        return run, writes
 
     def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """The step's flat token batch, where each token's K/V goes, and the attention groups."""
@@ -140,14 +171,17 @@ class ModelRunner:
         wl = np.unique(lids_np)
         new_fill = np.zeros(len(wl), dtype=np.int64)
         np.maximum.at(new_fill, np.searchsorted(wl, lids_np), offs_np + 1)
+        dev_tier, host_tier = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
         if not on_host.any():
-            kv = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True))
+            kv = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True),
+                        probe=self.errors.probe(pool, [(dev_tier, lids_np, offs_np)]))
         else:  # some blocks written are on the host tier: their tokens' K/V go there
             rows = np.flatnonzero(on_host)
             dev_rows = np.flatnonzero(~on_host)
             host = (torch.as_tensor(rows, device=self.device), self._appends(pool, lids_np[rows], offs_np[rows], "h", device=False))
             dev = self._appends(pool, lids_np[dev_rows], offs_np[dev_rows], "", device=True, rows=dev_rows) if len(dev_rows) else None
-            kv = StepKV(pool, dev, host)
+            kv = StepKV(pool, dev, host, probe=self.errors.probe(
+                pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])]))
         put = self.inputs.put
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
@@ -207,7 +241,8 @@ class ModelRunner:
             on_host = put(name + ".on_host", host)
         return AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
                          kpos=kpos_t, kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp),
-                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos, on_host=on_host, host_table=host_table)
+                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos, on_host=on_host, host_table=host_table,
+                         host_compute=pool.config.host_reads == "compute")
 
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:

@@ -1,7 +1,7 @@
 """Residency: where a sequence's blocks are when a step runs (a part of the KV manager, engine/kv_manager.py).
 
 Idle demotion (the MemOS hybrid rule), the device slots a step needs, room from idle sequences or from blocks
-scheduled sequences only read, promotion with prefetch (or none: host_reads=stream), new blocks on the device
+scheduled sequences only read, promotion with prefetch (or none: host_reads=stream or compute), new blocks on the device
 tier while it has room and on the host tier after, copy-on-write of a shared tail, swap-out and drop. Attention
 reads counted per key: hits, misses (blocks on the host tier when the step began) and keys streamed.
 """
@@ -30,7 +30,9 @@ class Residency:
             p.move(idle, Tier.HOST, now, reason="idle")
 
     def streams(self) -> bool:
-        return self.config.host_reads == "stream"
+        """Host blocks are read where they are, never promoted for reads: streamed per layer or attended on the host
+        (host_reads stream or compute; the residency is the same, only the attention differs)."""
+        return self.config.host_reads in ("stream", "compute")
 
     def written(self, seq: Sequence) -> np.ndarray:
         """The sequence's existing blocks its next tokens go into (its partial tail, if any)."""
@@ -38,7 +40,7 @@ class Residency:
 
     def room_needed(self, seq: Sequence, n: int, minimal: bool = False) -> int:
         """Device slots the sequence needs to compute n more tokens: its host blocks (only those it writes into
-        when `minimal` or host_reads is stream: the rest are read where they are), new blocks, and a copy of a
+        when `minimal` or host_reads is stream/compute: the rest are read where they are), new blocks, and a copy of a
         shared partial tail it is about to write into."""
         p = self.pool
         bs = self.config.block_size
@@ -112,11 +114,12 @@ class Residency:
 
     def make_resident(self, seq: Sequence, n: int, now: float, minimal: bool = False) -> None:
         """With room ensured: promote the sequence's host blocks (only those it writes into when `minimal` or
-        host_reads is stream), copy a shared tail, add blocks for n tokens.
+        host_reads is stream or compute), copy a shared tail, add blocks for n tokens.
 
         Promoting a host block brings the next prefetch_depth host blocks of the sequence along. Attention reads
         are counted per token: a key in a block that was on the host tier when the step began is a device-tier
-        miss, whether it was promoted for the step or is read where it is (streamed).
+        miss, whether it was promoted for the step or is read where it is (streamed, or attended on the host with
+        host_reads=compute: `read_tokens_streamed` counts both).
         """
         p = self.pool
         bs = self.config.block_size

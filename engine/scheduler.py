@@ -135,8 +135,9 @@ class Scheduler:
                sched: Scheduled) -> tuple[int, bool] | None:
         """(tokens, minimal) the sequence can compute this step with room made for them; None: preempt it.
 
-        Every host block resident first (host_reads promote), with room from idle sequences; else only the blocks
-        it writes, the rest read from the host tier where they are, with room also from the device blocks that
+        Every host block resident first (host_reads promote), with room from idle sequences; else (and always with
+        host_reads stream or compute) only the blocks it writes, the rest read from the host tier where they are
+        (streamed, or attended there), with room also from the device blocks that
         scheduled sequences (itself included) only read, moved to the host tier; else its writes go to host-tier
         blocks (a prompt chunk whose new blocks fit neither tier is shortened). Last, room from preempting newer
         running sequences. Nothing here preempts a sequence while the host tier can still serve it.

@@ -25,6 +25,10 @@ class TierSnapshot:
     heat: np.ndarray  # float32, decayed to the snapshot time (0 where free)
     age: np.ndarray  # float32 seconds since last access (meaningless where state is free)
     hashed: np.ndarray  # bool: full block in the prefix cache
+    # float32 reconstruction error of the block's K and V (engine/kv_error.py: relative RMS, max over its tokens
+    # and layers); NaN where free or not measured. None in snapshots built without them (read as no data).
+    kerr: np.ndarray | None = None
+    verr: np.ndarray | None = None
 
     @property
     def used(self) -> int:
@@ -63,3 +67,6 @@ class Snapshot:
     # Moments worth marking on the time series: (engine-clock time, kind, label), oldest first. Kinds:
     # "config", "workload", "context_shift", "preempt".
     marks: tuple = ()
+    # What the KV format costs (Telemetry.quality): kv_dtype, lossless, keys_seen, key_outliers [[layer, head,
+    # channel, absmax, ratio to the head's median channel]], shadow_every_s, shadow (the latest shadow step).
+    quality: dict = field(default_factory=dict)

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from engine.config import KNOBS, KVDtype
+import numpy as np
+
+from engine.config import KNOBS, CacheConfig, KVDtype
 from engine.sequence import SeqState
 from engine.snapshot import SeqTable, Snapshot, TierSnapshot
 from engine.snapshot_fields import (_array, _Bad, _bool, _clip, _floats, _int, _ints, _list, _num, _obj, _plain,
@@ -25,11 +27,12 @@ MAX_POINTS = 1 << 20  # points of one time series or residency histogram
 MAX_MARKS = 100_000
 TIER_NAMES = ("device", "host")
 # The block map's colour modes (ui.block_map.MODES; engine/ may not import ui/, a test keeps them equal).
-COLOUR_MODES = ("state", "owner", "heat", "ref", "fill", "age")
+COLOUR_MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
 
 # The dtypes the writer produces, per field (dtype.str: byte order, kind, item size).
 TIER_DTYPES = {"state": "|u1", "owner": "<i4", "ref": "<i4", "fill": "<i4", "heat": "<f4", "age": "<f4",
                "hashed": "|b1"}
+TIER_OPTIONAL = {"kerr": "<f4", "verr": "<f4"}  # files from before the K/V error existed have none: no data
 SEQ_DTYPES = {"id": "<i4", "state": "|i1", "tokens": "<i4", "generated": "<i4", "blocks_device": "<i4",
               "blocks_host": "<i4", "tokens_per_s": "<f4", "ttft": "<f4", "prefix_reused": "<i4"}
 TABLE_DTYPES = {"block_tier": "|i1", "block_slot": "<i8"}
@@ -37,7 +40,10 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks")  # files from before marks existed have none
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality")  # files from before marks (quality) existed have none
+# Knobs added after snapshot files were first written: a file without one shows the default.
+LATER_KNOBS = ("shadow_every_s",)
+MAX_OUTLIERS = 1000
 
 
 def _snapshot(body: Any) -> Snapshot:
@@ -57,8 +63,9 @@ def _snapshot(body: Any) -> Snapshot:
     timing = _obj(body.get("timing", {}), "timing")
     timing = {k: _num(v, f"timing.{_clip(k, 40)}", nan_ok=True) for k, v in timing.items()}
     marks = _marks(body.get("marks", []))
+    quality = _quality(body.get("quality", {}), model)
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
-                    memory=memory, series=series, residency=residency, timing=timing, marks=marks)
+                    memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality)
 
 
 def _model(x: Any) -> dict:
@@ -75,9 +82,12 @@ def _model(x: Any) -> dict:
 
 
 def _config(x: Any) -> dict:
-    c = _obj(x, "config", tuple(KNOBS), closed=True)
+    c = _obj(x, "config", tuple(k for k in KNOBS if k not in LATER_KNOBS), LATER_KNOBS, closed=True)
     out = {}
     for name, knob in KNOBS.items():
+        if name not in c:
+            out[name] = getattr(CacheConfig(), name)
+            continue
         v, where = c[name], f"config.{name}"
         if knob.kind is KVDtype or knob.kind is str:
             out[name] = _str(v, where, knob.choices)
@@ -92,7 +102,7 @@ def _tiers(x: Any, block_size: int) -> tuple[TierSnapshot, ...]:
     out = []
     for i, t in enumerate(_list(x, "tiers", len(TIER_NAMES))):
         where = f"tiers[{i}]"
-        t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), closed=True)
+        t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), tuple(TIER_OPTIONAL), closed=True)
         name = _str(t["name"], f"{where}.name", (TIER_NAMES[i],))
         cap = _int(t["capacity"], f"{where}.capacity", 0, MAX_BLOCKS)
         block_bytes = _int(t["block_bytes"], f"{where}.block_bytes", 0, 1 << 40)
@@ -108,6 +118,15 @@ def _tiers(x: Any, block_size: int) -> tuple[TierSnapshot, ...]:
         _ints(arrays["fill"], f"{where}.fill", 0, block_size, " (the block size)")
         _floats(arrays["heat"], f"{where}.heat", lo=0.0)
         _floats(arrays["age"], f"{where}.age")
+        for field, dt in TIER_OPTIONAL.items():
+            if t.get(field) is None:  # absent (an older file) or null: not measured
+                arrays[field] = np.full(cap, np.nan, np.float32)
+                continue
+            a = _array(t[field], f"{where}.{field}", dt, max_len=MAX_BLOCKS)
+            if len(a) != cap:
+                raise _Bad(f"{where}.{field}", f"{len(a):,} values, expected {cap:,} (the tier's capacity)")
+            _floats(a, f"{where}.{field}", lo=0.0, nan_ok=True)  # NaN: not measured
+            arrays[field] = a
         out.append(TierSnapshot(name=name, capacity=cap, block_bytes=block_bytes, **arrays))
     return tuple(out)
 
@@ -253,3 +272,30 @@ def _extra(x: Any) -> dict:
             _str(line[1], f"extra.events[{i}][1]")
             _str(line[2], f"extra.events[{i}][2]")
     return e
+
+
+def _quality(x: Any, model: dict) -> dict:
+    """What the KV format costs (engine/snapshot.py Snapshot.quality); unknown keys kept as free-form JSON."""
+    q = _obj(x, "quality")
+    known = ("kv_dtype", "lossless", "keys_seen", "key_outliers", "shadow_every_s", "shadow")
+    out = _rest(q, "quality", known)
+    if "kv_dtype" in q:
+        out["kv_dtype"] = _str(q["kv_dtype"], "quality.kv_dtype", KNOBS["kv_dtype"].choices)
+    if "lossless" in q:
+        out["lossless"] = _bool(q["lossless"], "quality.lossless")
+    if "keys_seen" in q:
+        out["keys_seen"] = _int(q["keys_seen"], "quality.keys_seen", 0)
+    if "shadow_every_s" in q:
+        out["shadow_every_s"] = _num(q["shadow_every_s"], "quality.shadow_every_s", 0.0)
+    dims = [model.get(k, 1 << 24) - 1 for k in ("layers", "kv_heads", "head_dim")]
+    rows = []
+    for i, row in enumerate(_list(q.get("key_outliers", []), "quality.key_outliers", max_n=MAX_OUTLIERS)):
+        where = f"quality.key_outliers[{i}]"
+        lyr, head, ch, amax, ratio = _list(row, where, 5)
+        rows.append([_int(lyr, f"{where}[0]", 0, dims[0]), _int(head, f"{where}[1]", 0, dims[1]),
+                     _int(ch, f"{where}[2]", 0, dims[2]), _num(amax, f"{where}[3]", 0.0), _num(ratio, f"{where}[4]", 0.0)])
+    out["key_outliers"] = rows
+    sh = _obj(q.get("shadow", {}), "quality.shadow")
+    out["shadow"] = {k: (_str(v, f"quality.shadow.{_clip(k, 40)}") if isinstance(v, str)
+                         else _num(v, f"quality.shadow.{_clip(k, 40)}", nan_ok=True)) for k, v in sh.items()}
+    return out

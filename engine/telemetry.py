@@ -24,6 +24,8 @@ SERIES_PERIOD_S = 0.1
 WINDOW_S = 5.0  # windowed rates look this far back
 MARK_KINDS = ("config", "workload", "context_shift", "preempt")
 MARKS_KEPT = 512
+# Per shadow step (engine/shadow.py), NaN between them: KL(reference ‖ engine), flip rate, max |logit error|.
+SHADOW_SERIES = ("shadow_kld", "shadow_flip_rate", "shadow_logit_err")
 AUTO_TABLES_MAX = 200_000  # block-table entries above which snapshots list blocks only for chosen sequences
 
 
@@ -128,7 +130,7 @@ class Telemetry:
                                 w["evictions_per_s"], w["promotions_per_s"], w["demotions_per_s"], w["tokens_per_s"],
                                 pool.tiers[0].used * pool.block_bytes, pool.tiers[1].used * pool.block_bytes,
                                 self._proc.memory_info().rss, gpu.get("nvml_used_bytes", np.nan),
-                                gpu.get("torch_allocated_bytes", np.nan)))
+                                gpu.get("torch_allocated_bytes", np.nan)) + self.engine.shadow.take_point())
 
     # -- outputs ------------------------------------------------------------------------------
     def take_events(self) -> list[Event]:
@@ -182,7 +184,7 @@ class Telemetry:
         memory = self.memory()
         names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
                  "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
-                 "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes")
+                 "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes") + SHADOW_SERIES
         arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
         series = {n: arr[:, i].copy() for i, n in enumerate(names)}
         residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
@@ -195,7 +197,16 @@ class Telemetry:
                   "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
         return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
-                        marks=tuple(self.marks))
+                        marks=tuple(self.marks), quality=self.quality())
+
+    def quality(self) -> dict:
+        """What the KV format costs (engine/kv_error.py, engine/shadow.py): the key channels with outliers, the
+        latest shadow step (empty before the first) and the shadow period."""
+        e = self.engine
+        errors = e.runner.errors
+        return {"kv_dtype": e.config.kv_dtype.label, "lossless": e.config.kv_dtype.lossless,
+                "keys_seen": errors.keys_seen, "key_outliers": errors.outliers(),
+                "shadow_every_s": e.config.shadow_every_s, "shadow": dict(e.shadow.last)}
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
         # float32 throughout (half the bytes to move; exp is the costliest op here), each array written once:
@@ -210,9 +221,13 @@ class Telemetry:
         ref = t.ref.copy()
         state = np.greater_equal(t.lid, 0).view(np.uint8)  # 0 free, 1 cached, 2 in use
         state += np.greater(ref, 0).view(np.uint8)
+        # K/V reconstruction error (engine/kv_error.py): NaN where free, or the slot's block was not measured.
+        bad = np.not_equal(t.err_born, t.born)
+        bad |= state == 0
+        no_data = np.where(bad, np.float32(np.nan), np.float32(0))  # added to both: branch-free
         return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
                             owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
-                            hashed=t.hash.view(np.int64) != 0)
+                            hashed=t.hash.view(np.int64) != 0, kerr=t.kerr + no_data, verr=t.verr + no_data)
 
     def _tables(self) -> tuple[list[np.ndarray], bool]:
         """Each sequence's block table as a numpy array, recopied only when the table changed; and whether
@@ -333,6 +348,11 @@ class Telemetry:
                 "device": str(t.k["data"].device),
                 "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and e.device.type == "cuda" else False,
             }
+            if t.null_slot is not None:  # per-layer placement: the device tier's layers [N, L) sit in host memory
+                n = pool.sizes.dev_layers
+                tiers[t.tier.name.lower()].update(device_layers=n, host_layers_bytes=sum(
+                    x.numel() * x.element_size() for parts in (t.k, t.v) for layers in parts.values()
+                    for x in layers[n:] if x is not None))
         vm = psutil.virtual_memory()
         out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
                "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}

@@ -3,7 +3,7 @@
 Shrinking the device tier demotes its coldest blocks to the host tier (owned ones too: attention reads them
 there), dropping cached ones the host tier cannot take; shrinking the host tier evicts its coldest cached blocks
 and promotes owned ones the device tier has room for. Blocks left in slots past a tier's new capacity move down
-into free ones, then each part is reallocated at the new size and the kept slots copied over. Sequences, prefix
+into free ones, then each part is reallocated at the new size a layer at a time and the kept slots copied over. Sequences, prefix
 hashes, heat and ages are untouched; only the eviction policy's per-slot state starts afresh.
 
 Refused (CacheFull, before anything moves) when the blocks sequences own cannot fit both tiers' new capacities.
@@ -16,14 +16,14 @@ import numpy as np
 from engine.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig
 from engine.eviction import make_policy
-from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, copy_slots
+from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, copy_slots, tier_sizes
 
 _FILL = {"lid": -1, "owner": -1}  # metadata defaults of an empty slot (the rest: 0)
 
 
 def capacities(pool: BlockPool, config: CacheConfig) -> tuple[int, int]:
-    per = pool.block_bytes
-    return (max(0, int(config.device_budget_mb * 2**20) // per - RESERVED), int(config.host_budget_mb * 2**20) // per)
+    sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
+    return sizes.dev_cap, sizes.host_cap
 
 
 def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
@@ -33,6 +33,7 @@ def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
     if owned > dev_cap + host_cap:
         raise CacheFull(f"sequences own {owned} blocks but the new budgets hold {dev_cap} + {host_cap}")
     pool.config = config
+    pool.sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
     for t, cap in ((dev, dev_cap), (host, host_cap)):
         if cap > t.capacity:  # growing tiers first: room for what the shrinking one hands over
             _realloc(pool, t, cap)
@@ -105,12 +106,15 @@ def _realloc(pool: BlockPool, t: TierPool, cap: int) -> None:
         return
     keep = min(cap, t.capacity)
     reserved = RESERVED if t.null_slot is not None else 0
-    device, pin = t.k["data"].device, t.k["data"].is_pinned() if t.k["data"].device.type == "cpu" else False
     for parts, codec in ((t.k, pool.kcodec), (t.v, pool.vcodec)):
-        fresh = codec.alloc(pool.geom, cap + reserved, device, pin)
-        for name, old in parts.items():  # part by part: the old one is freed before the next is allocated
-            fresh[name][:, :keep] = old[:, :keep]
-            parts[name] = fresh[name]
+        for layer in range(pool.geom.layers):  # a layer at a time: each old layer is freed before the next is made
+            device = parts["data"][layer].device
+            pin = device.type == "cpu" and parts["data"][layer].is_pinned()
+            fresh = {name: [None] * pool.geom.layers for name in parts}
+            codec.alloc_layer(fresh, pool.geom, cap + reserved, layer, device, pin)
+            for name, layers in parts.items():
+                fresh[name][layer][:keep] = layers[layer][:keep]
+                layers[layer] = fresh[name][layer]
     for name in TierPool.META + ("hist", "tokens"):
         old = getattr(t, name)
         new = np.full((cap,) + old.shape[1:], _FILL.get(name, 0), dtype=old.dtype)

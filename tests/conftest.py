@@ -118,3 +118,37 @@ def llama_ref(tiny_llama) -> Reference:
 def prompts(seed: int, lengths) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def deep_llama(tmp_path_factory, tokenizer_files) -> str:
+    """A 12-layer tiny Llama: enough layers for per-layer effects (a re-lay holds one layer; per-layer placement)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("deep-llama"), LlamaConfig, LlamaForCausalLM, tokenizer_files, 3,
+                      num_hidden_layers=12)
+
+
+@pytest.fixture(scope="session")
+def deep_model(deep_llama):
+    from engine.loader import load_model
+
+    return load_model(deep_llama)
+
+
+@pytest.fixture(scope="session")
+def deep_ref(deep_llama) -> Reference:
+    return Reference(deep_llama)
+
+
+@pytest.fixture
+def bm(qtbot):
+    """A block map widget at 800 x 420, shown (tests/test_block_map.py, tests/test_kv_cost_window.py)."""
+    from ui.block_map import BlockMap
+
+    w = BlockMap()
+    qtbot.addWidget(w)
+    w.resize(800, 420)
+    w.show()
+    qtbot.waitExposed(w)
+    return w

@@ -65,16 +65,6 @@ def snapshot(dev: dict = DEV, host: dict | None = None, tables=None) -> Snapshot
                     seqs=seqs(tables), counters={}, windowed={}, memory={}, series={}, residency={})
 
 
-@pytest.fixture
-def bm(qtbot):
-    w = BlockMap()
-    qtbot.addWidget(w)
-    w.resize(800, 420)
-    w.show()
-    qtbot.waitExposed(w)
-    return w
-
-
 def test_one_cell_per_block_and_state_counts(bm):
     snap = snapshot()
     bm.set_snapshot(snap)

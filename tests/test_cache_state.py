@@ -100,12 +100,12 @@ def make_machine(model):
 
         @rule(bs=st.sampled_from([1, 3, 4, 8]), dtype=st.sampled_from(["fp32", "fp16", "int8", "int8-delta", "int8-kivi"]),
               dev=st.sampled_from([0.0, 0.005, 0.02, 0.03, 0.05]), policy=st.sampled_from(["lru", "heat"]),
-              host_reads=st.sampled_from(["promote", "stream"]))
-        def reconfigure(self, bs, dtype, dev, policy, host_reads):
-            # Device tiers down to none: sequences then run from the host tier (issue 10).
+              host_reads=st.sampled_from(["promote", "stream", "compute"]), layers=st.sampled_from([0, 1, 2]))
+        def reconfigure(self, bs, dtype, dev, policy, host_reads, layers):
+            # Device tiers down to none: sequences then run from the host tier (issue 10); per-layer placement.
             try:
                 self.engine.reconfigure(block_size=bs, kv_dtype=dtype, device_budget_mb=dev, policy=policy,
-                                        host_reads=host_reads)
+                                        host_reads=host_reads, device_layers=layers)
             except ConfigError:
                 return
             self.engine.step()
@@ -130,6 +130,9 @@ def make_machine(model):
             for t in p.tiers:  # bytes accounted equal the pool (the device tier's null and sink blocks besides)
                 reserved = 2 if t.null_slot is not None else 0
                 assert sum(t.nbytes().values()) == (t.capacity + reserved) * p.block_bytes
+            dev, n = p.tiers[0], p.sizes.dev_layers  # per-layer placement: device memory holds layers [0, n) only
+            assert sum(x.numel() * x.element_size() for parts in (dev.k, dev.v) for layers in parts.values()
+                       for x in layers[:n]) == (dev.capacity + 2) * p.sizes.dev_block_bytes
             for s in e.seqs.values():
                 if not s.done and s.state != SeqState.RUNNING:
                     assert len(s.blocks) * e.config.block_size >= s.num_cached

@@ -230,3 +230,12 @@ def test_help_lists_every_subcommand_and_every_sampling_flag_says_what_it_does()
     for flag, words in (("--max-new-tokens N", "generated tokens"), ("--temperature T", "logits divided by T"),
                         ("--top-p P", "nucleus"), ("--seed SEED", "repeatable")):
         assert f"{flag} " in gen and words in gen.split(flag, 1)[1][:200], flag
+
+
+def test_every_subcommand_prints_its_help():
+    """Each subcommand's --help renders (a knob's help text with a bare '%' once made `bench --help` a traceback)."""
+    from app.cli import SUBCOMMANDS
+
+    for sub in SUBCOMMANDS:
+        res = kvscope(sub, "--help")
+        assert res.returncode == 0 and "usage:" in res.stdout and "Traceback" not in res.stderr, (sub, res.stderr[-500:])

@@ -95,11 +95,11 @@ def test_an_append_leaves_every_other_token_byte_for_byte(dtype):
         slots = torch.arange(2)
         for t in range(5):
             _append_one(codec, parts, slots, t, x[:, :, t])
-        before = {k: v.clone() for k, v in parts.items()}
+        before = {k: v.stacked() for k, v in parts.items()}
         decoded = codec.decode(parts, 0, slots)[:, :, :5].clone()
         _append_one(codec, parts, slots, 5, x[:, :, 5] * 40)
         for name, old in before.items():
-            new = parts[name]
+            new = parts[name].stacked()
             if new.shape[3:4] == (G.block_size,):  # per-token parts [L, N, H, bs, ...]
                 assert torch.equal(new[:, :, :, :5], old[:, :, :, :5]) and torch.equal(new[:, :, :, 6:], old[:, :, :, 6:])
             else:  # block-wide parts (channel scales, anchors) of blocks that already hold tokens

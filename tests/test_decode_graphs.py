@@ -55,7 +55,7 @@ def test_graphs_are_dropped_after_a_geometry_change_and_tokens_stay_exact(llama_
     eng.reconfigure(block_size=4)
     eng.run_until_done()
     assert eng.runner.graphs.key != before
-    assert eng.runner.graphs.key[3] == 96 // 4 + 1  # table width: the context limit's blocks at the new size
+    assert eng.runner.graphs.key[4] == 96 // 4 + 1  # table width: the context limit's blocks at the new size
     assert [eng.seqs[i].output for i in ids] == [llama_ref.greedy(p, N) for p in ps]
 
 

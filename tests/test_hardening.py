@@ -68,7 +68,7 @@ def test_a_paused_sequence_on_a_full_device_tier_does_not_starve_the_others(llam
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 3, 8, 16]), dev_blocks=st.integers(0, 40),
        host_blocks=st.integers(0, 30), n=st.integers(1, 6), max_batch=st.integers(1, 6),
-       host_reads=st.sampled_from(["promote", "stream"]))
+       host_reads=st.sampled_from(["promote", "stream", "compute"]))
 def test_any_small_budget_every_request_finishes_or_is_refused(llama_model, llama_ref, seed, block_size, dev_blocks,
                                                                host_blocks, n, max_batch, host_reads):
     rng = random.Random(seed)

@@ -250,3 +250,31 @@ def test_live_trace_clock_stands_still_while_paused(llama_model, tmp_path):
     for t in (60.5, 61.0, 61.5, 62.0, 62.5, 63.1):
         w.tick(t)
     assert len(eng.seqs) == 2  # 3.0 s of trace time later, the second request
+
+
+def test_live_change_ab_reports_the_split_and_the_memory_held(tiny_llama, capsys):
+    """--live-change: a control run and a run reconfigured mid-workload, the prefix hit rate counted apart before and
+    after the change's step in both, and what the change held (a block-size change re-lays a layer at a time)."""
+    res, _ = sweep_json(capsys, "--model", tiny_llama, "--trace", TRACE, "--time-scale", "0", "--max-new-tokens-cap",
+                        "6", "--live-change", "block_size=4", "--change-at-step", "12")
+    assert [r["config"] for r in res["rows"]] == ["control", "live block_size=4"]
+    control, live = res["live_change"]["control"], res["live_change"]["live block_size=4"]
+    for lc in (control, live):
+        assert lc["at_step"] == 12 and lc["error"] is None
+        assert 0 <= lc["prefix_before"] <= 1 and 0 <= lc["prefix_after"] <= 1
+    assert control["changes"] == {} and "peak_extra_bytes" not in control
+    assert live["changes"] == {"block_size": "4"}
+    assert 0 < live["peak_extra_bytes"] < max(live["old_tier_bytes"], live["new_tier_bytes"])
+    assert all(row["finished"] == row["requests"] for row in res["rows"])
+
+
+@pytest.mark.parametrize("change, needle", [
+    ("block_size=0", "block_size: 0 is outside"),
+    ("block_size=8,16", "expected KNOB=V"),
+    ("block_size=16", "that is the base config already"),
+])
+def test_a_bad_live_change_is_a_clear_error_before_the_model_loads(change, needle, tmp_path, capsys):
+    args = bench_args("--model", str(tmp_path / "no-model"), "--trace", TRACE, "--live-change", change)
+    assert run_sweep(args) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvscope: error: --live-change") and needle in err and "Traceback" not in err

@@ -27,6 +27,9 @@ def _nice_ceil(v: float) -> float:
     return 10 * e
 
 
+ERROR_RANGE = (1e-4, 1.0)  # the "kv error" mode's colour bar: 0.01 % to 100 % relative RMS error
+
+
 class BlockCodes:
     """The code image (rows × cols uint8) of one grid layout, redrawn from a snapshot for a mode and a selection.
 
@@ -61,7 +64,7 @@ class BlockCodes:
         self._block_size = block_size
         if mode in ("heat", "age"):
             self._update_range(snap, mode)
-        draw = getattr(self, f"_draw_{mode}")
+        draw = getattr(self, f"_draw_{mode.replace(' ', '_')}")
         for i, t in enumerate(snap.tiers):
             if t.capacity:
                 draw(t, self._views[i])
@@ -133,6 +136,22 @@ class BlockCodes:
     def _draw_age(self, t: TierSnapshot, dst: np.ndarray) -> None:
         lo, hi = self.ranges["age"]
         self._draw_log(t.age, lo, hi, dst)
+        self._free_override(t, dst)
+
+    def _draw_kv_error(self, t: TierSnapshot, dst: np.ndarray) -> None:
+        """The larger of the block's K and V error on a fixed log scale (ERROR_RANGE, so formats compare);
+        NO_DATA_CODE where a used block was not measured."""
+        n = dst.size
+        x, m = self._f32[:n], self._m[:n]
+        if t.kerr is None or t.verr is None:
+            x.fill(np.nan)
+        else:
+            np.fmax(t.kerr, t.verr, out=x)  # NaN only where both are
+        lo, hi = ERROR_RANGE
+        np.isnan(x, out=m)
+        np.fmax(x, np.float32(lo), out=x)  # NaN (no data) to lo: drawn over below
+        self._draw_log(x, lo, hi, dst)
+        self._override(dst, m, pal.NO_DATA_CODE)
         self._free_override(t, dst)
 
     def _update_range(self, snap: Snapshot, mode: str) -> None:

@@ -49,6 +49,7 @@ class _Legend(QWidget):
     def __init__(self, parent=None):
         super().__init__(parent)
         self._items: list[tuple] = []
+        self.drawn_width = 0
         self.setMinimumHeight(30)
         self.setSizePolicy(QSizePolicy.Policy.Expanding, QSizePolicy.Policy.Fixed)
         f = QFont(self.font())
@@ -69,6 +70,24 @@ class _Legend(QWidget):
     def sizeHint(self) -> QSize:
         return QSize(400, 30)
 
+    def _ramp_width(self, fm, short: bool = False) -> int:
+        """220 px per colour bar, less (down to 100) where the line would not fit the widget otherwise."""
+        need, ramps = 6, 0
+        for it in self._items:
+            if it[0] == "swatch":
+                need += 16 + fm.horizontalAdvance(_label(it[2], short)) + 14
+            else:
+                need += fm.horizontalAdvance(it[3]) + 8 + 220 + 18
+                ramps += 1
+        over = need - self.width()
+        return 220 if over <= 0 or not ramps else int(max(100, 220 - over / ramps))
+
+    def _fits(self, fm, w: int) -> bool:
+        """Whether the line with full labels and colour bars `w` wide fits the widget."""
+        need = 6 + sum(16 + fm.horizontalAdvance(it[2]) + 14 if it[0] == "swatch"
+                       else fm.horizontalAdvance(it[3]) + 8 + w + 18 for it in self._items)
+        return need <= self.width()
+
     def paintEvent(self, _ev) -> None:
         p = QPainter(self)
         p.fillRect(self.rect(), pal.qcolor(pal.BACKGROUND))
@@ -76,9 +95,14 @@ class _Legend(QWidget):
         h = self.height()
         x = 6
         p.setPen(pal.qcolor(pal.TEXT))
+        w = self._ramp_width(fm)
+        short = not self._fits(fm, w)  # a narrow window: swatch labels without their "(...)" hints
+        if short:
+            w = self._ramp_width(fm, short=True)
         for it in self._items:
             if it[0] == "swatch":
                 _, rgb, label = it
+                label = _label(label, short)
                 p.fillRect(QRectF(x, h / 2 - 6, 12, 12), pal.qcolor(rgb))
                 p.setPen(pal.qcolor(pal.FRAME))
                 p.drawRect(QRectF(x, h / 2 - 6, 12, 12))
@@ -90,7 +114,6 @@ class _Legend(QWidget):
                 _, colors, ticks, title = it
                 p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), title)
                 x += fm.horizontalAdvance(title) + 8
-                w = 220
                 img = QImage(np.ascontiguousarray(colors[None, :, :]).tobytes(), len(colors), 1, 3 * len(colors),
                              QImage.Format.Format_RGB888)
                 bar = QRectF(x, 3, w, h / 2 - 3)
@@ -105,4 +128,10 @@ class _Legend(QWidget):
                     lx = min(max(tx - tw / 2, x - 4), x + w - tw + 4)
                     p.drawText(QPointF(lx, h - 2), label)
                 x += w + 18
+        self.drawn_width = x  # how far the line reached (tests: it fits the widget)
         p.end()
+
+
+def _label(label: str, short: bool) -> str:
+    """A swatch's label; short: without a trailing "(...)" hint ("selected (click a block)" -> "selected")."""
+    return label.split(" (")[0] if short else label

@@ -26,8 +26,9 @@ from ui import palette as pal
 from ui.block_codes import BlockCodes
 from ui.block_grid import GridLayout, grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
+from ui.kv_cost import ERROR_MEANING, error_legend, error_lines
 
-MODES = ("state", "owner", "heat", "ref", "fill", "age")
+MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
 
 
 class _CodeImage(pg.ImageItem):
@@ -78,7 +79,7 @@ class BlockMap(QWidget):
 
         self.mode_box = QComboBox()
         self.mode_box.addItems(MODES)
-        self.mode_box.setToolTip("colour the blocks by")
+        self.mode_box.setToolTip("colour the blocks by; kv error: " + ERROR_MEANING)
         self.mode_box.currentTextChanged.connect(self.set_mode)
         self.legend = _Legend()
         bar = QHBoxLayout()
@@ -212,7 +213,7 @@ class BlockMap(QWidget):
                  f"heat: {float(t.heat[slot]):.3g}",
                  f"age: {_fmt_age(float(t.age[slot])) if st else '—'}",
                  f"hashed: {'yes' if bool(t.hashed[slot]) else 'no'}"]
-        return "<br>".join(lines)
+        return "<br>".join(lines + error_lines(t, slot, str(snap.config.get("kv_dtype", ""))))
 
     # -- layout -----------------------------------------------------------------------------------
     def _aspect(self) -> float:
@@ -290,7 +291,9 @@ class BlockMap(QWidget):
 
     def _update_legend(self) -> None:
         mode = self._mode
-        key = (mode, self._cells.ranges.get(mode), self._block_size, self._selected, self._seq_label(self._selected))
+        dtype = str(self._snap.config.get("kv_dtype", "")) if self._snap is not None else ""
+        key = (mode, self._cells.ranges.get(mode), self._block_size, self._selected, self._seq_label(self._selected),
+               dtype)
         if key == self._legend_key:
             return
         self._legend_key = key
@@ -313,6 +316,8 @@ class BlockMap(QWidget):
             bs = self._block_size or 16
             ticks = [(0.0, "0"), (0.5, f"{bs // 2}"), (1.0, f"{bs} tokens")]
             items = [("ramp", pal.ramp("fill"), ticks, "fill"), ("swatch", pal.FREE, "free")]
+        elif mode == "kv error":
+            items = error_legend(dtype)
         sel = self._selected
         items.append(("swatch", pal.SELECTED, f"selected: seq {sel}{self._seq_label(sel)}" if sel >= 0
                       else "selected (click a block)"))

@@ -40,9 +40,13 @@ def fake_snapshot(capacities: tuple[int, int] = (24_000, 72_000), *, block_size:
         heat[state == 0] = 0
         owner[state == 1] = np.where(rng.random(int((state == 1).sum())) < 0.5, -1, owner[state == 1])
         hashed = (fill == block_size) & (state != 0)
+        erng = np.random.default_rng((seed, ti))  # its own stream: the arrays above stay what they were
+        kerr = np.where(state != 0, erng.lognormal(np.log(0.006), 0.4, cap), np.nan).astype(np.float32)
+        kerr[erng.random(cap) < 0.03] = np.nan  # some blocks not measured (re-laid, copied on write)
+        verr = (kerr * erng.uniform(0.7, 1.1, cap)).astype(np.float32)
         tiers.append(TierSnapshot(name=("device", "host")[ti], capacity=cap, block_bytes=2 * block_size * 8 * 64 * 2
                                   * 24, state=state, owner=owner, ref=ref, fill=fill, heat=heat, age=age,
-                                  hashed=hashed))
+                                  hashed=hashed, kerr=kerr, verr=verr))
         inuse = np.flatnonzero(owner >= 0)
         order = np.argsort(owner[inuse], kind="stable")
         ids, starts = np.unique(owner[inuse][order], return_index=True)

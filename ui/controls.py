@@ -22,10 +22,12 @@ STOPS = {
     "decay": (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0),
     "demote_after_s": (0, 0.25, 0.5, 1, 2, 3, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600),
     "prefetch_depth": (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64),
+    "shadow_every_s": (0, 0.5, 1, 2, 3, 5, 10, 15, 30, 60, 120, 300, 600, 1800, 3600),
+    "device_layers": (0, 1, 2, 4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40, 48, 64, 80, 96, 128),
 }
 # Row labels: the knob's name without its unit, which the value box shows.
 LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", "demote_after_s": "demote after",
-          "kv_dtype": "KV dtype"}
+          "kv_dtype": "KV dtype", "shadow_every_s": "shadow every", "device_layers": "device layers"}
 SPIN_TEXT = "131072.00 MB"  # the widest value a box shows for a slider stop
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
 
@@ -158,9 +160,10 @@ class ControlsPanel(QtWidgets.QWidget):
         self.confirm_lossy = confirm_lossy or self._ask_lossy
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
+        lay.setSpacing(3)  # tight spacing throughout: every knob shows at 1280 x 720 without scrolling
         form = QtWidgets.QFormLayout()
         form.setLabelAlignment(QtCore.Qt.AlignRight)
-        form.setVerticalSpacing(3)
+        form.setVerticalSpacing(0)
         self.controls: dict[str, KnobControl] = {}
         for name, knob in KNOBS.items():
             c = KnobControl(knob)
@@ -187,8 +190,8 @@ class ControlsPanel(QtWidgets.QWidget):
         self.load.clicked.connect(lambda: self._pick_and(self.load_preset, save=False))
         eng = QtWidgets.QGroupBox("engine and workload")
         g = QtWidgets.QGridLayout(eng)
-        g.setContentsMargins(6, 4, 6, 6)
-        g.setVerticalSpacing(4)
+        g.setContentsMargins(6, 2, 6, 3)
+        g.setVerticalSpacing(2)
         self.pause = QtWidgets.QPushButton("Pause engine")
         self.pause.setCheckable(True)
         self.step = QtWidgets.QPushButton("Single step")

@@ -12,9 +12,10 @@ import math
 from PySide6 import QtCore, QtWidgets
 
 from engine.snapshot import Snapshot
+from ui import kv_cost
 
 BASE = ("read_tokens", "read_tokens_missed", "read_tokens_streamed", "promoted_bytes", "demoted_bytes", "generated",
-        "preemptions", "promote_stall_s", "steps")
+        "preemptions", "promote_stall_s", "steps", "shadow_steps", "shadow_flips", "shadow_kld_sum")
 
 # (label, tooltip): what each row counts.
 ROWS = (
@@ -31,6 +32,11 @@ ROWS = (
     ("TTFT p50 / p95", "seconds from a request's arrival to its first token, over the engine's newest requests "
                        "(not split at config changes)"),
     ("waiting / running", "sequences queued for admission / admitted, now"),
+    ("shadow KLD (mean)", "KL(reference ‖ engine) in nats of the next-token distribution, averaged over the shadow "
+                          "steps (one running sequence's step recomputed with lossless fp32 K/V every shadow_every_s "
+                          "seconds); — where there was none (shadow_every_s = 0: off)"),
+    ("top-1 flips", "shadow steps whose top-1 token differed from the lossless reference's, as a share of the "
+                    "shadow steps (and how many of how many); — where there was none"),
 )
 
 
@@ -55,6 +61,10 @@ def cells(c: dict) -> list[str]:
         _f(_ratio(c["demoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["promote_stall_s"] * 1e3, c["steps"]), ".2f") + (" ms/step" if c["steps"] else ""),
         str(int(c["preemptions"])),
+        "", "",  # TTFT and waiting / running: not split at changes, filled in by the panel
+        _f(_ratio(c["shadow_kld_sum"], c["shadow_steps"]), ".2e"),
+        f"{_pct(_ratio(c['shadow_flips'], c['shadow_steps']))} ({int(c['shadow_flips'])} / {int(c['shadow_steps'])})"
+        if c["shadow_steps"] else "—",
     ]
 
 
@@ -63,6 +73,7 @@ class CostPanel(QtWidgets.QWidget):
         super().__init__()
         self.grid = QtWidgets.QGridLayout(self)
         self.grid.setContentsMargins(6, 4, 6, 4)
+        self.grid.setVerticalSpacing(1)  # every row, the key channels' included, shows at 1280 x 720
         heads = ("", "since start", "since last change")
         for j, h in enumerate(heads):
             lab = QtWidgets.QLabel(f"<b>{h}</b>")
@@ -83,7 +94,13 @@ class CostPanel(QtWidgets.QWidget):
         self.changed = QtWidgets.QLabel("")
         self.changed.setWordWrap(True)
         self.grid.addWidget(self.changed, len(ROWS) + 1, 0, 1, 3)
-        self.grid.setRowStretch(len(ROWS) + 2, 1)
+        self.outliers = QtWidgets.QLabel("")
+        self.outliers.setTextFormat(QtCore.Qt.RichText)
+        self.outliers.setWordWrap(True)
+        self.outliers.setToolTip(kv_cost.OUTLIER_TIP)
+        self.outliers.setStyleSheet("font-size: 8pt;")
+        self.grid.addWidget(self.outliers, len(ROWS) + 2, 0, 1, 3)
+        self.grid.setRowStretch(len(ROWS) + 3, 1)
         self._config: dict | None = None
         self._base: dict | None = None
 
@@ -106,3 +123,6 @@ class CostPanel(QtWidgets.QWidget):
         self.values[6][1].setText("")
         self.values[7][0].setText(f"{int(k.get('waiting', 0))} / {int(k.get('running', 0))}")
         self.values[7][1].setText("")
+        text, tip = kv_cost.outliers_text(snap)
+        self.outliers.setText(text)
+        self.outliers.setToolTip(tip)

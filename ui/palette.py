@@ -32,6 +32,8 @@ SELECTED_CODE = 251
 CACHED_CODE = 252
 FREE_CODE = 253
 BACKGROUND_CODE = 254
+NO_DATA_CODE = 255  # a block with no value in the mode (its K/V error was not measured)
+NO_DATA: RGB = (128, 64, 120)  # dim magenta: far from every ramp below and the state colours
 
 # -- sequences ------------------------------------------------------------------------------------
 N_CATEGORICAL = 32  # a power of two: the block map takes `id & (N - 1)` straight from the owner bytes
@@ -76,7 +78,8 @@ REF_COLORS: tuple[RGB, ...] = ((72, 168, 98), (228, 204, 64), (244, 132, 40), (2
 REF_NAMES = ("ref 1", "ref 2", "ref 3", "ref 4+")
 
 # -- continuous maps (pyqtgraph ships the matplotlib maps) ---------------------------------------
-COLORMAPS = {"heat": ("inferno", 0.12, 1.0), "age": ("viridis", 1.0, 0.0), "fill": ("plasma", 0.0, 0.95)}
+COLORMAPS = {"heat": ("inferno", 0.12, 1.0), "age": ("viridis", 1.0, 0.0), "fill": ("plasma", 0.0, 0.95),
+             "kv error": ("cividis", 0.0, 1.0)}
 
 
 def ramp(mode: str, n: int = VALUE_MAX + 1) -> np.ndarray:
@@ -93,13 +96,14 @@ def _base_lut() -> np.ndarray:
     lut[CACHED_CODE] = CACHED
     lut[FREE_CODE] = FREE
     lut[BACKGROUND_CODE] = BACKGROUND
+    lut[NO_DATA_CODE] = NO_DATA
     return lut
 
 
 def mode_lut(mode: str, block_size: int = 16) -> np.ndarray:
     """(256, 3) uint8 LUT for a block-map mode. Value codes per mode:
     state: the state itself (0 free, 1 cached, 2 in use); owner: id & (N_CATEGORICAL-1);
-    ref: min(ref, 4) (0 = cached); heat, age: 0..VALUE_MAX on a log scale;
+    ref: min(ref, 4) (0 = cached); heat, age, kv error: 0..VALUE_MAX on a log scale;
     fill: the token count itself when block_size <= VALUE_MAX, else fill * VALUE_MAX // block_size."""
     lut = _base_lut()
     if mode == "state":
@@ -109,7 +113,7 @@ def mode_lut(mode: str, block_size: int = 16) -> np.ndarray:
     elif mode == "ref":
         lut[0] = CACHED
         lut[1:5] = REF_COLORS
-    elif mode in ("heat", "age"):
+    elif mode in ("heat", "age", "kv error"):
         lut[:VALUE_MAX + 1] = ramp(mode)
     elif mode == "fill":
         if block_size <= VALUE_MAX:

@@ -15,6 +15,7 @@ from PySide6 import QtCore, QtWidgets
 
 from engine.snapshot import Snapshot
 from engine.telemetry import SERIES_LEN, SERIES_PERIOD_S, WINDOW_S
+from ui import kv_cost
 from ui.rates import MEANING, RateHistory
 from ui.strip_chart import StripChart
 
@@ -76,22 +77,33 @@ class HitRatePanel(QtWidgets.QWidget):
                                                   ("prefix_hit_rate_w", f"prefix ({w})", "#ffb74d", 2, False),
                                                   ("prefix_hit_rate", "prefix (all)", "#ffb74d", 1, True)):
             self.rates.add_series(key, label, colour, width=width, dashed=dashed, tip=MEANING[key])
+        self.rates.add_series("shadow_flip_rate", "top-1 flips", "#f06292", tip=kv_cost.FLIP_TIP, dots=True)
+        self.shadow = kv_cost.shadow_chart(SPAN_S)  # what the KV format costs, on sampled steps
         self.flow = StripChart("Evictions and migrations", "blocks / s", span_s=SPAN_S)
         self.flow.add_series("evictions_per_s", "evictions", "#e57373", width=2, tip=MEANING["evictions_per_s"])
         self.flow.add_series("promotions_per_s", "promotions", "#81c784", width=2, tip=MEANING["promotions_per_s"])
         self.flow.add_series("demotions_per_s", "demotions", "#ba68c8", width=2, tip=MEANING["demotions_per_s"])
         lay.addWidget(self.rates, 3)
+        lay.addWidget(self.shadow, 2)
         lay.addWidget(self.flow, 2)
 
     def update_snapshot(self, snap: Snapshot, part: str = "all") -> None:
-        """part: "rates", "flow" or "all" (the window alternates halves, so one frame paints one chart)."""
+        """part: "rates", "flow" or "all" (the window alternates: one frame paints the rates and the shadow chart,
+        another the flow). The shadow series are the engine's own (a point per shadow step, NaN between)."""
         series = self.history.series(snap.series)
         x = series["t"] - snap.t
         marks = _marks(snap)
         for chart in (self.rates, self.flow):
             if part == "all" or (chart is self.flow) == (part == "flow"):
                 chart.set_marks(marks)
-                chart.set_data(x, {k: series[k] for k in chart.series})
+                chart.set_data(x, {k: series[k] for k in chart.series if k in series})
+        if part in ("all", "rates"):
+            sx, sy = kv_cost.shadow_points(snap, self.shadow)
+            flips = snap.series.get("shadow_flip_rate", np.full(len(sx), np.nan))
+            self.rates.series["shadow_flip_rate"].x, self.rates.series["shadow_flip_rate"].y = sx, flips
+            self.shadow.set_note(kv_cost.note(snap))
+            self.shadow.set_marks(marks)
+            self.shadow.set_data(sx, sy)
 
 
 class MemoryPanel(QtWidgets.QWidget):

@@ -42,19 +42,22 @@ class _Series:
     x: np.ndarray
     y: np.ndarray
     tip: str = ""
+    dots: bool = False  # sparse samples (NaN between them): a dot each, no line
 
 
 class StripChart(QtWidgets.QWidget):
     """Series over the recent past (x = seconds ago, 0 at the right edge): the span grows through 30, 60,
     120 ... seconds as history accumulates, up to `span_s`.
 
-    y_range: a fixed (low, high) with its tick values, or None to follow the data (low is 0).
+    y_range: a fixed (low, high) with its tick values, or None to follow the data (low is 0). tick_format and
+    value_format (y -> text) replace the default labels of the ticks and of the hover (a log axis plots log10 y).
     """
 
     SPANS = (30.0, 60.0, 120.0, 300.0, 600.0)
 
     def __init__(self, title: str, unit: str, span_s: float = 120.0,
-                 y_range: tuple[float, float] | None = None, y_ticks: tuple[float, ...] | None = None):
+                 y_range: tuple[float, float] | None = None, y_ticks: tuple[float, ...] | None = None,
+                 tick_format=None, value_format=None):
         super().__init__()
         self.setAttribute(QtCore.Qt.WA_OpaquePaintEvent)  # the frame pixmap covers every pixel
         self.setMouseTracking(True)
@@ -64,6 +67,7 @@ class StripChart(QtWidgets.QWidget):
         self.span = min(self.SPANS[0], self.max_span)
         self.fixed = y_range
         self.fixed_ticks = y_ticks
+        self.tick_format, self.value_format = tick_format, value_format
         self.top = y_range[1] if y_range else 1.0
         self.series: dict[str, _Series] = {}
         self.levels: dict[str, tuple[float, QtGui.QPen]] = {}  # horizontal lines (capacities)
@@ -91,13 +95,14 @@ class StripChart(QtWidgets.QWidget):
 
     # -- data -----------------------------------------------------------------------------------
     def add_series(self, key: str, label: str, colour: str, width: float = 1.0, dashed: bool = False,
-                   tip: str = "") -> None:
-        """tip: what the series counts, shown as the tooltip of its legend entry."""
+                   tip: str = "", dots: bool = False) -> None:
+        """tip: what the series counts, shown as the tooltip of its legend entry; dots: a dot per sample, no line
+        (samples far apart, NaN between them)."""
         pen = QtGui.QPen(QtGui.QColor(colour), width)
         pen.setCosmetic(True)
         if dashed:
             pen.setStyle(QtCore.Qt.DashLine)
-        self.series[key] = _Series(key, label, pen, np.zeros(0), np.zeros(0), tip)
+        self.series[key] = _Series(key, label, pen, np.zeros(0), np.zeros(0), tip, dots)
         self._frame = None
 
     def set_level(self, key: str, value: float, colour: str) -> None:
@@ -142,10 +147,14 @@ class StripChart(QtWidgets.QWidget):
         self.update()
 
     def value_at(self, key: str, ago: float) -> float:
-        """The series' value at `ago` seconds before now (the nearest sample), NaN when there is none."""
+        """The series' value at `ago` seconds before now (the nearest sample; for dots the nearest one within
+        span/40 that has a value), NaN when there is none."""
         s = self.series[key]
         if not len(s.x):
             return float("nan")
+        if s.dots:
+            near = np.flatnonzero(np.isfinite(s.y) & (np.abs(s.x - ago) <= self.span / 40))
+            return float(s.y[near[np.argmin(np.abs(s.x[near] - ago))]]) if len(near) else float("nan")
         i = int(np.clip(np.searchsorted(s.x, ago), 0, len(s.x) - 1))
         if i > 0 and abs(s.x[i - 1] - ago) < abs(s.x[i] - ago):
             i -= 1
@@ -154,7 +163,8 @@ class StripChart(QtWidgets.QWidget):
     # -- geometry -------------------------------------------------------------------------------
     def _plot_rect(self) -> QtCore.QRectF:
         fm = QtGui.QFontMetrics(self._font)
-        left = fm.horizontalAdvance(tick_label(self.top, tick_step(self.top)) + "0") + 8
+        widest = max((self._tick_text(v) for v in self._ticks()), key=fm.horizontalAdvance)
+        left = fm.horizontalAdvance(widest + "0") + 8
         top = self._line_h * (1 + self._legend_rows()) + 6
         bottom = self._line_h + 6
         return QtCore.QRectF(left, top, max(10.0, self.width() - left - 8), max(10.0, self.height() - top - bottom))
@@ -246,7 +256,7 @@ class StripChart(QtWidgets.QWidget):
             p.setPen(grid)
             p.drawLine(QtCore.QPointF(r.left() + 1, py), QtCore.QPointF(r.right(), py))
             p.setPen(TICK_TEXT)
-            label = tick_label(v, step if not self.fixed_ticks else 0.1)
+            label = self._tick_text(v, step)
             p.drawText(QtCore.QRectF(0, py - self._line_h / 2, r.left() - 4, self._line_h),
                        QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter, label)
         for i in range(7):
@@ -264,6 +274,11 @@ class StripChart(QtWidgets.QWidget):
         p.end()
         return pm
 
+    def _tick_text(self, v: float, step: float | None = None) -> str:
+        if self.tick_format is not None:
+            return self.tick_format(v)
+        return tick_label(v, 0.1 if self.fixed_ticks else step or tick_step(self.top))
+
     def paintEvent(self, event) -> None:
         key = (self.width(), self.height(), self.top, self.span, self.title, self.note, self.devicePixelRatioF())
         if self._frame is None or self._frame_key != key:
@@ -279,13 +294,18 @@ class StripChart(QtWidgets.QWidget):
         sx = r.width() / self.span
         for s in self.series.values():
             n = len(s.x)
-            if n < 2:
+            if n < 2 - s.dots:
                 continue
             px = r.left() + (s.x + self.span) * sx
             py = self._y_to_px(r, s.y)
             finite = np.isfinite(py)
             p.setPen(s.pen)
-            if finite.all():
+            if s.dots:  # x px and y py of every sample; NaN ones skipped
+                p.setBrush(s.pen.color())
+                for x, y in zip(px[finite], py[finite]):
+                    p.drawEllipse(QtCore.QPointF(x, y), 2.2, 2.2)
+                p.setBrush(QtCore.Qt.NoBrush)
+            elif finite.all():
                 self._polyline(p, px, py)
             else:  # NaN (an unreadable sample) breaks the line into runs
                 edges = np.flatnonzero(np.diff(np.concatenate(([0], finite.view(np.int8), [0]))))
@@ -351,7 +371,8 @@ class StripChart(QtWidgets.QWidget):
         lines = [f"{-ago:.1f} s ago"]
         for s in self.series.values():
             v = self.value_at(s.key, ago)
-            lines.append(f"{s.label}: " + ("no data" if math.isnan(v) else tick_label(v, 0.001 if abs(v) < 10 else 1)))
+            text = tick_label(v, 0.001 if abs(v) < 10 else 1) if self.value_format is None else self.value_format(v)
+            lines.append(f"{s.label}: " + ("no data" if math.isnan(v) else text))
         lines += [f"▲ {label}" for label in self.marks_near(hx)]
         p.setClipping(False)
         p.setFont(self._font)

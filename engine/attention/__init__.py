@@ -18,6 +18,12 @@ head h reads kv head h // (H // Hkv)), D head dim, NB blocks per table row, bs b
 Visibility (the model's `_mask`): key i of row b is visible to a query at position p iff
 i < context_lens[b], key_pos[b, i] <= p and, with a window, key_pos[b, i] > p - window. Every query must
 see at least one key (a row with none is undefined: NaN in the reference).
+
+Blocks on the host tier (PagedBatch.on_host) are read in one of two ways (the host_reads knob): streamed
+(`read_blocks` fetches them from the host tier's parts and copies them to the compute device per layer), or
+attended where they are (host_reads="compute", host_compute.py): each backend's `partial` returns (output, lse)
+over one tier's keys, the host part runs on the CPU, and the two are merged by log-sum-exp. A partial is defined
+for every row: one with no visible key gives output 0 and lse -inf.
 """
 
 from __future__ import annotations
@@ -83,7 +89,7 @@ class PagedBatch:
     context_lens: torch.Tensor  # [B] int: row b's keys are the first context_lens[b] of its table
     q_pos: torch.Tensor  # [B, Q] int64 positions of the queries ([B] accepted for decode)
     key_pos: torch.Tensor | None = None  # [B, NB*bs] int64 position of each key; None: key i sits at i
-    # Blocks read from the host tier where they are (host_reads="stream"): on_host [B, NB] bool marks them, and
+    # Blocks read from the host tier where they are (host_reads stream / compute): on_host [B, NB] bool marks them, and
     # host_table [B, NB] holds their slots in kv.host (any valid slot elsewhere). None: every block on the device.
     on_host: torch.Tensor | None = None
     host_table: torch.Tensor | None = None
@@ -99,6 +105,11 @@ class AttentionBackend(Protocol):
     def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position)."""
+
+    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) in fp32 over the batch's visible keys (no host blocks:
+        on_host None); a query with none gets out 0 and lse -inf. Merged with host_compute.merge_partials."""
 
 
 class DecodeAsPrefill:

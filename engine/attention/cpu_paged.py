@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention import (DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, read_blocks,
                               visibility)
+from engine.attention.host_compute import lse_of
 from engine.codecs import Parts
 
 _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
@@ -54,7 +55,8 @@ class ChunkedPagedBackend(DecodeAsPrefill):
     SDPA (its CPU flash kernel) instead. With Q queries per key the one copy is amortized, and the kernel is
     ~3x faster than the chunk loop at 1024 queries x 2048 keys (34 vs 109 ms a layer): `kvscope bench --long`'s
     prefill of 8 x 2048 tokens of SmolLM2-135M took 59 s chunked, 37 s so (the reference path: 36 s).
-    The chunk loop stays for decode, and for prefill on CUDA (the triton backend's fallback).
+    The chunk loop stays for decode, for prefill on CUDA (the triton backend's fallback), and for `partial` (its
+    running max and sum give the lse that host_reads="compute" merges by: SDPA does not return it).
     """
 
     name = "cpu"
@@ -89,7 +91,35 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]
             return o.transpose(1, 2).to(q.dtype)
-        step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, G * Q)))
+        acc, l, _ = self._online(qg, layer, kv, batch, (kfmt, vfmt), hidden, first, last)
+        out = (acc / l).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        return out.to(q.dtype)
+
+    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Q, H, D] -> (out [B, Q, H, D] fp32, lse [B, Q, H] fp32) over the keys of `batch` (the chunk loop
+        on every device); a query with no visible key gets out 0 and lse -inf (engine/attention/host_compute.py)."""
+        B, Q, H, D = q.shape
+        Hkv, bs = kv.kv_heads, kv.block_size
+        G = H // Hkv
+        NB = batch.block_table.shape[1]
+        hidden = ~visibility(batch, Q, NB * bs, window)[:, None, None]  # [B, 1, 1, Q, S]
+        qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        acc, l, m = self._online(qg, layer, kv, batch, kv_formats(kv.dtype), hidden, 0, NB)
+        out = acc / torch.where(l > 0, l, 1.0)  # [B, Hkv, G*Q, D]: 0 where nothing was visible
+        out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        lse = lse_of(m, l).view(B, Hkv, G, Q).permute(0, 3, 1, 2).reshape(B, Q, H)
+        return out, lse
+
+    def _online(self, qg: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, fmts, hidden: torch.Tensor,
+                first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The online softmax over table columns [first, last): (acc [B, Hkv, G*Q, D], l and m [.., 1]); qg
+        [B, Hkv, G*Q, D] pre-scaled, hidden [B, 1, 1, Q, S] the keys each query does not see."""
+        B, Hkv, GQ, D = qg.shape
+        bs, Q = kv.block_size, hidden.shape[3]
+        G = GQ // Q
+        kfmt, vfmt = fmts
+        step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, GQ)))
         m = l = acc = None
         for j in range(first, last, step):
             cols = slice(j, min(j + step, last))  # [B, c] blocks
@@ -98,7 +128,7 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             v = read_blocks(kv, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
             s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G*Q, n]
             s = s.view(B, Hkv, G, Q, n).masked_fill_(hidden[..., j * bs : j * bs + n], float("-inf"))
-            s = s.view(B, Hkv, G * Q, n)
+            s = s.view(B, Hkv, GQ, n)
             cmax = s.amax(dim=-1, keepdim=True)  # [B, Hkv, G*Q, 1]
             if m is None:
                 m = cmax.clamp_min(_NEG)
@@ -112,5 +142,4 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             l = l * alpha + p.sum(dim=-1, keepdim=True)
             acc = acc * alpha + torch.matmul(p, v)
             m = m_new
-        out = (acc / l).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
-        return out.to(q.dtype)
+        return acc, l, m

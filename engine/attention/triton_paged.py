@@ -16,6 +16,10 @@ Interpreter: with TRITON_INTERPRET=1 in the environment before triton is first i
 tl.zeros, tl.cumsum... are jitted at its import, so the mode is per process), the same kernel runs on CPU
 tensors; that is how the tests check it on a machine without a GPU (in a subprocess). Prefill (Q > 1) uses
 the torch path of cpu_paged.py.
+
+`partial` (host_reads="compute": the device tier's part of a split, engine/attention/host_compute.py) runs the
+kernel in split mode however many splits there are, and merges its running max, sum and output into the output
+and its log-sum-exp: the kernel itself is unchanged. A prefill's partial is the torch path's.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch
 
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats
 from engine.attention.cpu_paged import ChunkedPagedBackend
+from engine.attention.host_compute import lse_of
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1 when triton was imported
 
@@ -190,6 +195,20 @@ class TritonPagedBackend:
                window: int | None = None) -> torch.Tensor:
         if batch.on_host is not None:  # blocks on the host tier: streamed per layer by the torch path
             return self._prefill.decode(q, layer, kv, batch, scale=scale, window=window)
+        return self._run(q, layer, kv, batch, scale, window, with_lse=False)
+
+    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) fp32 (engine/attention/host_compute.py): decode (Q = 1)
+        from the kernel's split partials, however many splits; prefill from the torch path's."""
+        if q.shape[1] != 1 or batch.on_host is not None:
+            return self._prefill.partial(q, layer, kv, batch, scale=scale, window=window)
+        o, lse = self._run(q[:, 0], layer, kv, batch, scale, window, with_lse=True)
+        return o[:, None], lse[:, None]
+
+    def _run(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, scale: float, window: int | None,
+             with_lse: bool):
+        """The kernel over q [B, H, D]: out in q's dtype, or (out, lse) fp32 when `with_lse` (split partials kept)."""
         B, H, D = q.shape
         Hkv, bs = kv.kv_heads, kv.block_size
         G = H // Hkv
@@ -211,7 +230,8 @@ class TritonPagedBackend:
         splits = self.num_splits(B, Hkv, NB, bs, q.device)
         BG, BD = _next_pow2(G), _next_pow2(D)
         out = torch.empty_like(q)
-        if splits > 1:
+        split = splits > 1 or with_lse  # the partials carry the lse
+        if split:
             mw = torch.empty((B, Hkv, splits, BG), dtype=torch.float32, device=q.device)
             lw = torch.empty_like(mw)
             aw = torch.empty((B, Hkv, splits, BG, BD), dtype=torch.float32, device=q.device)
@@ -227,9 +247,12 @@ class TritonPagedBackend:
             G=G, D=D, BS=bs,
             BLOCK_G=BG, BLOCK_D=BD, BLOCK_T=self.block_t(G, D, bs),
             K_FMT=int(kfmt), V_FMT=int(vfmt), K_FP8=kd.dtype == torch.uint8, V_FP8=vd.dtype == torch.uint8,
-            HAS_KPOS=batch.key_pos is not None, HAS_WINDOW=window is not None, SPLIT=splits > 1,
+            HAS_KPOS=batch.key_pos is not None, HAS_WINDOW=window is not None, SPLIT=split,
             num_warps=self.num_warps, enable_fp_fusion=True,  # FMA, triton's default so far, said out loud
         )
+        if with_lse:
+            o, lse = _merge_splits(mw, lw, aw, with_lse=True)  # [B, Hkv, BG, BD], [B, Hkv, BG]
+            return o[:, :, :G, :D].reshape(B, H, D), lse[:, :, :G].reshape(B, H)
         if splits > 1:
             out.copy_(_merge_splits(mw, lw, aw)[:, :, :G, :D].reshape(B, H, D))
         return out
@@ -239,10 +262,18 @@ class TritonPagedBackend:
         return self._prefill.prefill(q, layer, kv, batch, scale=scale, window=window)
 
 
-def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-    """Merge split-K partials m, l [B, Hkv, S, G'] and acc [B, Hkv, S, G', D'] into [B, Hkv, G', D']."""
-    w = torch.exp(m - m.amax(dim=2, keepdim=True))  # [B, Hkv, S, G']; an empty split weighs 0
-    return (w[..., None] * acc).sum(dim=2) / (w * l).sum(dim=2)[..., None]
+def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, with_lse: bool = False):
+    """Merge split-K partials m, l [B, Hkv, S, G'] and acc [B, Hkv, S, G', D'] into [B, Hkv, G', D'].
+
+    with_lse: (out, lse [B, Hkv, G']) instead, and a row with no visible key (every split's l = 0) gets out 0 and
+    lse -inf rather than 0/0."""
+    top = m.amax(dim=2, keepdim=True)
+    w = torch.exp(m - top)  # [B, Hkv, S, G']; an empty split weighs 0
+    total = (w * l).sum(dim=2)  # [B, Hkv, G']
+    if not with_lse:
+        return (w[..., None] * acc).sum(dim=2) / total[..., None]
+    out = (w[..., None] * acc).sum(dim=2) / torch.where(total > 0, total, 1.0)[..., None]
+    return out, lse_of(top[:, :, 0], total)
 
 
 def _prev_pow2(n: int) -> int:
