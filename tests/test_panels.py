@@ -257,3 +257,14 @@ def test_the_heat_key_covers_no_bars(qtbot):
     assert all(isinstance(item, type(p.bars["device"])) for item in vb.addedItems)
     assert "device" in p.key.text() and "host" in p.key.text()
     assert not p.key.geometry().intersects(p.plot.geometry())
+
+
+@pytest.mark.parametrize("name, zero, other", [("device_layers", "all layers", "4 layers"),
+                                               ("shadow_every_s", "off", "2.00 s")])
+def test_a_zero_that_means_something_says_so(qtbot, app_style, name, zero, other):
+    """device_layers 0 keeps every layer on the device and shadow_every_s 0 turns shadow steps off: the box says
+    that, not "0 layers" / "0.00 s"."""
+    c = _knob(qtbot, name, 0)
+    assert c.spin.text() == zero
+    c.show_value(4 if name == "device_layers" else 2.0)
+    assert c.spin.text() == other

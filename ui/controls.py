@@ -28,6 +28,7 @@ STOPS = {
 # Row labels: the knob's name without its unit, which the value box shows.
 LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", "demote_after_s": "demote after",
           "kv_dtype": "KV dtype", "shadow_every_s": "shadow every", "device_layers": "device layers"}
+ZERO_TEXT = {"device_layers": "all layers", "shadow_every_s": "off"}  # what a 0 in the value box means
 SPIN_TEXT = "131072.00 MB"  # the widest value a box shows for a slider stop
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
 
@@ -99,6 +100,8 @@ class KnobControl(QtWidgets.QWidget):
             # its range, the box would leave the slider a few pixels per stop); a larger typed value scrolls.
             self.spin.setFixedWidth(self.spin.fontMetrics().horizontalAdvance(SPIN_TEXT) + 26)
             self.spin.setSuffix(f" {knob.unit}" if knob.unit else "")
+            if knob.name in ZERO_TEXT:  # 0 means something other than "none of the unit"
+                self.spin.setSpecialValueText(ZERO_TEXT[knob.name])
             self._settle = QtCore.QTimer(self, singleShot=True, interval=SETTLE_MS)
             self._settle.timeout.connect(self._emit_slider)
             self.slider.sliderMoved.connect(self._preview)
