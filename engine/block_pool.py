@@ -356,8 +356,12 @@ class BlockPool:
                 continue
             sl = self.slot[lids_np[rows]]
             r = torch.as_tensor(rows, device=self.device)
+            on: dict[torch.device, torch.Tensor] = {}  # the slots on each layer's device (layers may differ)
             for layer in range(g.layers):
-                slots = torch.as_tensor(sl, device=t.k["data"][layer].device)  # layers may sit on different devices
+                dev = t.k["data"][layer].device
+                if dev not in on:
+                    on[dev] = torch.as_tensor(sl, device=dev)
+                slots = on[dev]
                 k[layer, r] = self.kcodec.decode(t.k, layer, slots).to(self.device)
                 v[layer, r] = self.vcodec.decode(t.v, layer, slots).to(self.device)
         return k, v
@@ -376,9 +380,12 @@ class BlockPool:
             r = torch.as_tensor(rows, device=k.device)
             fill = torch.as_tensor(t.fill[sl])
             mask = (torch.arange(self.geom.block_size)[None, :] < fill[:, None]).float()[:, None, :, None]
+            on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # slots and mask on each layer's device
             for layer in range(self.geom.layers):
                 dev = t.k["data"][layer].device  # layers may sit on different devices
-                slots, m = torch.as_tensor(sl, device=dev), mask.to(dev)
+                if dev not in on:
+                    on[dev] = (torch.as_tensor(sl, device=dev), mask.to(dev))
+                slots, m = on[dev]
                 self.kcodec.encode(t.k, layer, slots, k[layer][r].to(dev) * m)
                 self.vcodec.encode(t.v, layer, slots, v[layer][r].to(dev) * m)
 

@@ -171,8 +171,10 @@ class Codec:
                 parts[name][layer] = torch.zeros(shape[1:], dtype=dtype, device=device, pin_memory=pin)
 
     def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        """fp32 [*slots.shape, kv_heads, block_size, head_dim]."""
-        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
+        """fp32 [*slots.shape, kv_heads, block_size, head_dim], on the layer's device."""
+        return self._decode(parts, layer, slots.to(parts["data"][layer].device))  # a layer may sit in host memory
+
+    def _decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return parts["data"][layer][slots].float()
 
     def append(self, parts: Parts, layer: int, a: Appends, x: torch.Tensor) -> None:
@@ -200,8 +202,7 @@ class TokenCodec(Codec):
         return {"data": ((g.layers, n, g.kv_heads, g.block_size, g.head_dim), self.storage),
                 "scale": ((g.layers, n, g.kv_heads, g.block_size), torch.float16)}
 
-    def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
+    def _decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
         return parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None]
 
     def append(self, parts: Parts, layer: int, a: Appends, x: torch.Tensor) -> None:
@@ -232,8 +233,7 @@ class ChannelCodec(TokenCodec):
                 "scale": ((g.layers, n, g.kv_heads, g.head_dim), torch.float16),
                 "tscale": ((g.layers, n, g.kv_heads, g.block_size), torch.float16)}
 
-    def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
+    def _decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
         c = parts["scale"][layer][slots].float()[..., None, :]  # [..., H, 1, D]
         t = parts["tscale"][layer][slots].float()[..., None]  # [..., H, bs, 1]
         return parts["data"][layer][slots].float() * c * t
@@ -268,8 +268,7 @@ class DeltaCodec(TokenCodec):
         shapes["anchor"] = ((g.layers, n, g.kv_heads, g.head_dim), torch.float16)
         return shapes
 
-    def decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
-        slots = slots.to(parts["data"][layer].device)  # a layer may sit in host memory (device_layers)
+    def _decode(self, parts: Parts, layer: int, slots: torch.Tensor) -> torch.Tensor:
         steps = parts["data"][layer][slots].float() * parts["scale"][layer][slots].float()[..., None]  # [..., H, B, D]
         steps[..., 0, :] = 0
         anchor = parts["anchor"][layer][slots].float()[..., None, :]  # [..., H, 1, D]

@@ -79,12 +79,7 @@ class KVManager(Residency):
         held_dev = held_host = 0
         if replacing is not None:
             keep = 1.0 - 1.0 / max(1, replacing.geom.layers)  # one layer of the old tiers is still held
-            for t, tier in zip(replacing.tiers, (0, 1)):
-                nbytes = sum(layers.nbytes() for parts in (t.k, t.v) for layers in parts.values())
-                if tier == 0:
-                    held_dev = int(nbytes * keep)
-                else:
-                    held_host = int(nbytes * keep)
+            held_dev, held_host = (int(sum(t.nbytes().values()) * keep) for t in replacing.tiers)
         if host > vm.available + held_host:
             raise ConfigError(f"host_budget_mb {config.host_budget_mb:g} needs {host / gib:.2f} GiB of pinned CPU memory "
                               f"but {vm.available / gib:.2f} GiB is available; lower it")

@@ -236,14 +236,13 @@ class _Copier:
             parts = getattr(t, side)
             if parts["data"][layer] is None:
                 codec.alloc_layer(parts, dst.geom, _slots(t), layer, *dst.layer_place(t.tier, layer))
-                self._hold(sum(parts[name][layer].numel() * parts[name][layer].element_size() for name in parts))
+                self._hold(_layer_bytes(parts, layer))
         self._copy(src, dst, tmap, layer, side)
         for t in src.tiers:
             parts = getattr(t, side)
-            freed = sum(parts[name][layer].numel() * parts[name][layer].element_size() for name in parts)
+            self.held -= _layer_bytes(parts, layer)
             for name in parts:
                 parts[name][layer] = None
-            self.held -= freed
 
     def _copy(self, src: BlockPool, dst: BlockPool, tmap: _TokenMap, layer: int, side: str) -> None:
         if (src.config.kv_dtype, src.geom.block_size) == (dst.config.kv_dtype, dst.geom.block_size):
@@ -322,7 +321,11 @@ def _slots(t: TierPool) -> int:
 
 
 def _storage_bytes(pool: BlockPool) -> int:
-    return sum(layers.nbytes() for t in pool.tiers for parts in (t.k, t.v) for layers in parts.values())
+    return sum(sum(t.nbytes().values()) for t in pool.tiers)
+
+
+def _layer_bytes(parts, layer: int) -> int:
+    return sum(parts[name][layer].numel() * parts[name][layer].element_size() for name in parts)
 
 
 def _planned_bytes(pool: BlockPool) -> int:

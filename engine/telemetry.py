@@ -349,10 +349,8 @@ class Telemetry:
                 "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and e.device.type == "cuda" else False,
             }
             if t.null_slot is not None:  # per-layer placement: the device tier's layers [N, L) sit in host memory
-                n = pool.sizes.dev_layers
-                tiers[t.tier.name.lower()].update(device_layers=n, host_layers_bytes=sum(
-                    x.numel() * x.element_size() for parts in (t.k, t.v) for layers in parts.values()
-                    for x in layers[n:] if x is not None))
+                tiers[t.tier.name.lower()].update(device_layers=pool.sizes.dev_layers,
+                                                  host_layers_bytes=pool.sizes.spilled_bytes)
         vm = psutil.virtual_memory()
         out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
                "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}

@@ -21,19 +21,14 @@ from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool,
 _FILL = {"lid": -1, "owner": -1}  # metadata defaults of an empty slot (the rest: 0)
 
 
-def capacities(pool: BlockPool, config: CacheConfig) -> tuple[int, int]:
-    sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
-    return sizes.dev_cap, sizes.host_cap
-
-
 def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
-    dev_cap, host_cap = capacities(pool, config)
+    sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
+    dev_cap, host_cap = sizes.dev_cap, sizes.host_cap
     dev, host = pool.tiers
     owned = sum(int(np.count_nonzero((t.lid >= 0) & (t.ref > 0))) for t in pool.tiers)
     if owned > dev_cap + host_cap:
         raise CacheFull(f"sequences own {owned} blocks but the new budgets hold {dev_cap} + {host_cap}")
-    pool.config = config
-    pool.sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
+    pool.config, pool.sizes = config, sizes
     for t, cap in ((dev, dev_cap), (host, host_cap)):
         if cap > t.capacity:  # growing tiers first: room for what the shrinking one hands over
             _realloc(pool, t, cap)
