@@ -154,7 +154,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
           f"{k['waiting']}, preempted {k['preemptions']}, promotion stall {k['promote_stall_s']:.3f} s, promoted / "
           f"demoted {show(k['promoted_mb_per_token'], '{:.3f}')} / {show(k['demoted_mb_per_token'], '{:.3f}')} MB per "
           f"token, device hit rate (keys read) {show(k['device_hit_rate'], '{:.3f}')}, streamed from host "
-          f"{show(k['streamed_share'], '{:.3f}')}")
+          f"{show(k['streamed_share'], '{:.3f}')} of keys, {show(k['streamed_mb_per_token'], '{:.3f}')} MB per token "
+          "copied as stored")
     s = res["step_split"]
     print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
           f"({100 * s['bookkeeping_fraction']:.1f} %)")

@@ -7,7 +7,9 @@ It checks: greedy tokens equal transformers `generate` on CUDA (the triton paged
 with a device tier smaller than the requests' KV, blocks migrate between CUDA memory and pinned host memory on a
 side stream and tokens stay equal; every lossy format runs; decode through CUDA graphs (replayed, re-captured
 after a block-size change, tokens equal; kernel launches per decode step with and without); bf16 weights + bf16
-KV against transformers in bf16; tests/test_cuda.py (2 MiB blocks migrated under a busy stream, every byte);
+KV against transformers in bf16; tests/test_cuda.py (2 MiB blocks migrated under a busy stream, every byte) and
+tests/test_host_stream.py (host blocks streamed a layer ahead on the side stream, every staged byte); the wall
+time of host_reads=stream with the copies a layer ahead vs at the read (`stream_overlap`);
 NVML and torch allocator readings; and `bench --compare hf` on CUDA. Prints one JSON object.
 """
 
@@ -181,6 +183,42 @@ def _tier_checks(model, prompts, refs, sp, device: str, checks: dict, report: di
     checks["relayout_live_equal"] = [eng.seqs[i].output for i in ids] == refs
 
 
+def _stream_overlap(path: str, device: str, checks: dict, report: dict) -> None:
+    """host_reads=stream on the full-size geometry with a device tier of a few blocks: wall time of the same
+    generation with each layer's host blocks copied a layer ahead (side stream, overlapping compute) and copied
+    when the layer reads them (no overlap); tokens equal either way."""
+    import torch
+
+    from engine.config import CacheConfig, EngineOptions
+    from engine.engine import Engine
+    from engine.loader import load_model
+    from engine.sequence import SamplingParams
+
+    model = load_model(path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 4096, (n,), generator=g).tolist() for n in (900, 1000, 1100, 1200)]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out, rep = {}, {}
+    for ahead in (False, True):
+        for dtype in ("fp16", "int8"):
+            eng = Engine(model, CacheConfig(block_size=16, kv_dtype=dtype, device_budget_mb=4, host_budget_mb=2048,
+                                            host_reads="stream"), EngineOptions(device=device))
+            eng.runner.stream.ahead = ahead
+            eng.generate([prompts[0][:64]], SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm up
+            sync()
+            t0 = time.perf_counter()
+            got = eng.generate(prompts, sp)
+            sync()
+            key = f"{dtype}_{'ahead' if ahead else 'at_read'}"
+            rep[key] = {"wall_s": time.perf_counter() - t0, "steps": eng.counters.steps,
+                        "streamed_mb": eng.counters.streamed_bytes / 2**20,
+                        "staging_mb": eng.runner.stream.nbytes() / 2**20}
+            out.setdefault(dtype, got)
+            checks[f"stream_{key}_same_tokens"] = got == out[dtype]
+    report["stream_overlap"] = rep
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -258,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
     _bf16_check(tiny, model.spec, prompts[:3], args.device, checks, report)
     # 2 MiB blocks demoted and promoted while the compute stream is busy: every byte must come back.
     checks["migration_bytes_equal"] = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
+         "tests/test_host_stream.py", "-k", "cuda"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
         timeout=300).returncode == 0
     report["checks"] = checks
@@ -267,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, bos_token_id=1,
                     eos_token_id=2, tie_word_embeddings=True)
 
+    try:
+        _stream_overlap(big, args.device, checks, report)
+    except Exception as e:  # report it, run the rest
+        report["stream_overlap"] = {"error": f"{type(e).__name__}: {e}"}
     if args.no_bench:
         report["bench"] = "skipped (--no-bench)"
     else:

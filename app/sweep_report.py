@@ -42,6 +42,7 @@ def row_of(r: RunResult) -> dict:
         "promoted_mb_per_token": c["promoted_bytes"] / 2**20 / r.generated if r.generated else float("nan"),
         "demoted_mb_per_token": c["demoted_bytes"] / 2**20 / r.generated if r.generated else float("nan"),
         "streamed_share": c.get("read_tokens_streamed", 0) / c["read_tokens"] if c.get("read_tokens") else float("nan"),
+        "streamed_mb_per_token": c.get("streamed_bytes", 0) / 2**20 / r.generated if r.generated else float("nan"),
     }
     for k in RESIDENCY:
         row[f"{k}_p50_s"] = _pct(r.residency[k], 50)
@@ -109,7 +110,7 @@ TABLE = (  # header (units in it), cell
     ("TTFT p50/p95 ms", lambda r: f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}"),
     ("ITL p50/p95 ms", lambda r: f"{_ms(r['itl_p50_ms'])} / {_ms(r['itl_p95_ms'])}"),
     ("dev hit %", lambda r: _pc(r["device_hit_rate"])),
-    ("streamed %", lambda r: _pc(r["streamed_share"])),
+    ("streamed %, MB/tok", lambda r: f"{_pc(r['streamed_share'])}, {_f3(r['streamed_mb_per_token'])}"),
     ("prefix hit %", lambda r: _pc(r["prefix_hit_rate"])),
     ("evict", lambda r: str(r["evictions"])),
     ("promote n/MB", lambda r: f"{r['promotions']} / {_mb(r['promoted_bytes'])}"),

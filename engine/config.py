@@ -148,8 +148,9 @@ KNOBS: dict[str, Knob] = {
         Knob("evict_batch", int, 1, 4096, unit="blocks", help="cold blocks evicted at once"),
         Knob("host_reads", str, choices=HOST_READS,
              help="how attention reads a block on the host tier: promote (copied to the device tier first, as room "
-                  "allows; blocks that cannot fit are streamed), stream (read where it is, one layer at a time; "
-                  "only blocks being written are promoted), compute (attended where it is, on the host CPU, and "
+                  "allows; blocks that cannot fit are streamed), stream (read where it is, one layer at a time: copied "
+                  "as stored to staging on the compute device, the next layer's copy running while this layer "
+                  "computes; only blocks being written are promoted), compute (attended where it is, on the host CPU, and "
                   "merged with the device tier's part by log-sum-exp: only queries and partial results cross; "
                   "only blocks being written are promoted)"),
         Knob("device_layers", int, 0, 4096, unit="layers",

@@ -21,6 +21,7 @@ class Counters:
     # tier when the step began (promoted since, or read there) or written to the host tier
     read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no
     # room), or attended there with host_reads=compute
+    streamed_bytes: int = 0  # bytes of host blocks copied as stored to the compute device's staging, a layer ahead
     promote_stall_s: float = 0.0  # seconds steps waited on copies of their blocks to the device tier
     evictions: int = 0
     promotions: int = 0

@@ -66,8 +66,9 @@ class Engine(SequenceOps):
         self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype)
         self.model.use_attention(self.options.attention)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
+        self.counters = Counters()
         self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
-                                  self.context_limit)
+                                  self.context_limit, self.counters)
         self.shadow = Shadow(self)  # lossless reference steps, sampled (engine/shadow.py)
         self.lock = threading.RLock()
         self.step_lock = threading.RLock()
@@ -75,7 +76,6 @@ class Engine(SequenceOps):
         # Waiting changes are counted here, and step() lets them go first.
         self._turn = threading.Condition()
         self._changes_waiting = 0
-        self.counters = Counters()
         self.telemetry = Telemetry(self)
         self.seqs: dict[int, Sequence] = {}
         self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)

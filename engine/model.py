@@ -62,12 +62,13 @@ class AttnGroup:
     on_host: torch.Tensor | None = None  # [B, NB] bool: blocks read from the host tier (PagedBatch.on_host)
     host_table: torch.Tensor | None = None  # [B, NB] their host-tier slots (a CPU tensor)
     host_compute: bool = False  # host_reads="compute": attention over the host blocks runs on the host (split)
+    staged_table: torch.Tensor | None = None  # [B, NB] each host block's row in the step's staging (streamed)
 
     def paged(self) -> PagedBatch:
         """The group as an attention backend reads it."""
         ctx = self.ctx if self.ctx is not None else self.kvalid.sum(1)
         return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos,
-                          on_host=self.on_host, host_table=self.host_table)
+                          on_host=self.on_host, host_table=self.host_table, staged_table=self.staged_table)
 
     def split(self, block_size: int) -> TierSplit | None:
         """The group's device and host parts when its host blocks are attended on the host, else None (streamed)."""

@@ -11,8 +11,10 @@ import numpy as np
 import torch
 
 from engine.attention import PagedKV, read_blocks
+from engine.attention.host_stream import HostStream, StepStream
 from engine.block_pool import BlockPool, Tier, blocks_for
 from engine.codecs import Appends
+from engine.counters import Counters
 from engine.decode_graphs import DecodeGraphs
 from engine.kv_error import KVErrors, StepProbe
 from engine.model import AttnGroup, ForwardBatch, LlamaFamily
@@ -25,6 +27,7 @@ class StepKV:
     def __init__(self, pool: BlockPool, appends: Appends, host: tuple[torch.Tensor, Appends] | None = None,
                  probe: StepProbe | None = None):
         self.pool = pool
+        self.stream: StepStream | None = None  # host blocks read through staging (set by ModelRunner.build)
         self.probe = probe  # measures what the step writes (engine/kv_error.py); None: nothing measured
         self.dev = pool.tiers[Tier.DEVICE]
         self.appends = appends  # slot_mapping (slot, offset) of every new token, and the blocks they extend
@@ -36,6 +39,8 @@ class StepKV:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v [T, kv_heads, head_dim]: appended in place, one scatter per part; no block is re-encoded."""
         kc, vc, probe = self.pool.kcodec, self.pool.vcodec, self.probe
+        if self.stream is not None:
+            self.stream.at_layer(layer)  # the next layer's host blocks start copying while this one computes
         if probe is not None:
             probe.keys(layer, k)
         if self.host is None:
@@ -50,6 +55,8 @@ class StepKV:
         hk, hv = k[rows].to(ht.k["data"].device), v[rows].to(ht.v["data"].device)
         kc.append(ht.k, layer, happ, hk)
         vc.append(ht.v, layer, happ, hv)
+        if self.stream is not None:  # written after this layer's copy was issued: staged again
+            self.stream.refresh(layer, happ.wslots)
         if probe is not None:
             probe.measure(layer, 1, ht.k, ht.v, happ, hk, hv)
         if self.appends is not None:
@@ -77,7 +84,12 @@ class StepKV:
     def paged(self) -> PagedKV:
         host = self.pool.tiers[Tier.HOST]
         dtype = self.pool.config.kv_dtype
-        return PagedKV(k=self.dev.k, v=self.dev.v, dtype=dtype, host=PagedKV(k=host.k, v=host.v, dtype=dtype))
+        staged = None
+        if self.stream is not None:
+            sk, sv = self.stream.sides
+            staged = PagedKV(k=sk, v=sv, dtype=dtype)
+        return PagedKV(k=self.dev.k, v=self.dev.v, dtype=dtype, host=PagedKV(k=host.k, v=host.v, dtype=dtype),
+                       staged=staged)
 
 
 class StepInputs:
@@ -117,12 +129,14 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: LlamaFamily, device: torch.device, max_batch: int = 16, graphs: str = "off",
-                 context_limit: int = 1 << 30):
+                 context_limit: int = 1 << 30, counters: Counters | None = None):
         self.model = model
         self.device = device
         self.inputs = StepInputs(device)
         self.context_limit = context_limit
         self.graphs = DecodeGraphs(model, device, max_batch, graphs)
+        self.stream = HostStream(device)  # staging for host blocks streamed a layer ahead
+        self.counters = counters or Counters()
         spec = model.spec
         self.errors = KVErrors(spec.num_layers, spec.num_kv_heads, spec.head_dim, device)  # eager steps measure
 
@@ -136,7 +150,12 @@ class ModelRunner:
         batch, kv, writes = self.build(pool, sched)
 
         def run() -> torch.Tensor:
-            logits = self.model.forward(batch, kv)
+            try:
+                logits = self.model.forward(batch, kv)
+            finally:
+                if kv.stream is not None:
+                    kv.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
+                    self.counters.streamed_bytes += kv.stream.bytes
             kv.probe.finish()  # what the step wrote, measured (engine/kv_error.py)
             return logits
 
@@ -149,6 +168,7 @@ class ModelRunner:
         decode_rows, decode = [], []
         groups: list[AttnGroup] = []
         logit_rows = []
+        hosts: list[tuple[AttnGroup, str, np.ndarray, np.ndarray]] = []  # groups with host blocks (see _group)
         row = 0
         for seq, n in sched:
             lo, hi = seq.num_cached, seq.num_cached + n
@@ -161,11 +181,12 @@ class ModelRunner:
                 decode.append(seq)
                 decode_rows.append(row)
             else:
-                groups.append(self._group(pool, [seq], [row], q_len=n, ctx=[hi], qpos=[pos[-1]], name=f"p{len(groups)}"))
+                groups.append(self._group(pool, [seq], [row], q_len=n, ctx=[hi], qpos=[pos[-1]], name=f"p{len(groups)}",
+                                          hosts=hosts))
             row += n
             logit_rows.append(row - 1)
         if decode:
-            groups.insert(0, self._group(pool, decode, decode_rows, name="decode"))
+            groups.insert(0, self._group(pool, decode, decode_rows, name="decode", hosts=hosts))
         lids_np, offs_np = np.concatenate(lids), np.concatenate(offs)
         on_host = pool.tier[lids_np] == Tier.HOST
         wl = np.unique(lids_np)
@@ -182,10 +203,23 @@ class ModelRunner:
             dev = self._appends(pool, lids_np[dev_rows], offs_np[dev_rows], "", device=True, rows=dev_rows) if len(dev_rows) else None
             kv = StepKV(pool, dev, host, probe=self.errors.probe(
                 pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])]))
+        if hosts and pool.config.host_reads != "compute":
+            kv.stream = self._stream(pool, hosts)
         put = self.inputs.put
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
         return batch, kv, (wl, new_fill)
+
+    def _stream(self, pool: BlockPool, hosts: list[tuple[AttnGroup, str, np.ndarray, np.ndarray]]) -> StepStream:
+        """The step's host blocks streamed through staging: their distinct slots, copied a layer ahead for the
+        layers the device tier keeps on the compute device, and each group's table of staging rows."""
+        slots = np.unique(np.concatenate([table[mask] for _, _, mask, table in hosts]))
+        dev, host = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
+        layers = [li for li, t in enumerate(dev.k["data"]) if t.device.type == self.device.type]
+        step = self.stream.begin(host.k, host.v, slots, layers)
+        for g, name, mask, table in hosts:
+            g.staged_table = self.inputs.put(name + ".staged", np.where(mask, step.staged_rows(table), 0))
+        return step
 
     def _appends(self, pool: BlockPool, lids: np.ndarray, offs: np.ndarray, prefix: str, device: bool,
                  rows: np.ndarray | None = None) -> Appends:
@@ -206,8 +240,10 @@ class ModelRunner:
                           t(prev_fill), max_rank)
 
     def _group(self, pool: BlockPool, seqs: list[Sequence], first_rows: list[int], q_len: int = 1,
-               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None, name: str = "g") -> AttnGroup:
-        """Sequences attended together, their block tables padded to the longest with the null block (masked)."""
+               ctx: list[int] | None = None, qpos: list[np.ndarray] | None = None, name: str = "g",
+               hosts: list | None = None) -> AttnGroup:
+        """Sequences attended together, their block tables padded to the longest with the null block (masked).
+        A group with blocks on the host tier is added to `hosts` as (group, name, mask [B, NB], host slots)."""
         bs = pool.geom.block_size
         ctx = ctx or [s.num_cached + 1 for s in seqs]
         nb = max(blocks_for(c, bs) for c in ctx)
@@ -234,15 +270,19 @@ class ModelRunner:
         # Key positions for the backends only when some row's differ from their indices (after a context shift,
         # seq_add, seq_div): else None, and a backend may skip blocks wholly after the queries or before a window.
         key_pos = kpos_t if any(seq.repositioned for seq in seqs) else None
-        on_host = host_table = None
+        on_host = host_table = host_np = None
         if host.any():  # blocks read where they are on the host tier: the device table points at the null block
-            host_table = torch.from_numpy(np.where(host, table, 0))
+            host_np = np.where(host, table, 0)
+            host_table = torch.from_numpy(host_np)
             table = np.where(host, null, table)
             on_host = put(name + ".on_host", host)
-        return AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
-                         kpos=kpos_t, kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp),
-                         ctx=put(name + ".ctx", ctx_np), key_pos=key_pos, on_host=on_host, host_table=host_table,
-                         host_compute=pool.config.host_reads == "compute")
+        g = AttnGroup(rows=put(name + ".rows", rows), q_len=q_len, table=put(name + ".table", table),
+                      kpos=kpos_t, kvalid=put(name + ".kvalid", kvalid), qpos=put(name + ".qpos", qp),
+                      ctx=put(name + ".ctx", ctx_np), key_pos=key_pos, on_host=on_host, host_table=host_table,
+                      host_compute=pool.config.host_reads == "compute")
+        if host_np is not None and hosts is not None:
+            hosts.append((g, name, host, host_np))
+        return g
 
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:

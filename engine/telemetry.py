@@ -98,7 +98,8 @@ class Telemetry:
         the device tier before they could run (on CUDA: issuing the side-stream copies; the compute stream's wait
         for them is not timed); promoted_mb_per_token / demoted_mb_per_token: MB moved between tiers
         per generated token; streamed_share: keys attention read from the host tier where they are, as a share of
-        all keys read."""
+        all keys read; streamed_mb_per_token: MB of host blocks copied as stored to the compute device's staging to
+        be read there (host_reads=stream, or promote's overflow), per generated token."""
         c, e = self.engine.counters, self.engine
         t = np.asarray(self.ttfts, dtype=np.float64)
         per_tok = (lambda b: b / 2**20 / c.generated) if c.generated else (lambda b: float("nan"))
@@ -109,6 +110,7 @@ class Telemetry:
             "promote_stall_s": c.promote_stall_s,
             "promoted_mb_per_token": per_tok(c.promoted_bytes), "demoted_mb_per_token": per_tok(c.demoted_bytes),
             "streamed_share": c.read_tokens_streamed / c.read_tokens if c.read_tokens else float("nan"),
+            "streamed_mb_per_token": per_tok(c.streamed_bytes),
         }
 
     def ttft(self, seconds: float) -> None:
@@ -353,6 +355,8 @@ class Telemetry:
                                                   host_layers_bytes=pool.sizes.spilled_bytes)
         vm = psutil.virtual_memory()
         out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
+               # buffers host blocks are streamed through, on the compute device (engine/attention/host_stream.py)
+               "stream_staging_bytes": e.runner.stream.nbytes(),
                "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
         return out
 

@@ -14,7 +14,7 @@ from PySide6 import QtCore, QtWidgets
 from engine.snapshot import Snapshot
 from ui import kv_cost
 
-BASE = ("read_tokens", "read_tokens_missed", "read_tokens_streamed", "promoted_bytes", "demoted_bytes", "generated",
+BASE = ("read_tokens", "read_tokens_missed", "read_tokens_streamed", "streamed_bytes", "promoted_bytes", "demoted_bytes", "generated",
         "preemptions", "promote_stall_s", "steps", "shadow_steps", "shadow_flips", "shadow_kld_sum")
 
 # (label, tooltip): what each row counts.
@@ -23,7 +23,9 @@ ROWS = (
                           "step began, or written there), as a share of all keys read; a block promoted for the "
                           "step, or read or written on the host tier, is a miss for each of its keys"),
     ("streamed from host", "keys attention read from the host tier where they are (not promoted first), as a share "
-                           "of all keys read"),
+                           "of all keys read; then the MB of host blocks copied, as stored, to the compute device's "
+                           "staging a layer ahead to be read there, per generated token (none with host_reads = "
+                           "compute: those keys are attended on the host)"),
     ("promoted MB / token", "MB copied host -> device per generated token"),
     ("demoted MB / token", "MB copied device -> host per generated token"),
     ("promotion stall", "seconds steps spent copying their blocks to the device tier before running (on CUDA: "
@@ -56,7 +58,9 @@ def cells(c: dict) -> list[str]:
     """One column: the rows' values from counters (or counter differences) c."""
     return [
         _pct(1 - _ratio(c["read_tokens_missed"], c["read_tokens"])) if c["read_tokens"] else "—",
-        _pct(_ratio(c["read_tokens_streamed"], c["read_tokens"])),
+        _pct(_ratio(c["read_tokens_streamed"], c["read_tokens"])) + (
+            f" · {_ratio(c['streamed_bytes'] / 2**20, c['generated']):.2f} MB/tok"
+            if c.get("streamed_bytes") and c["generated"] else ""),
         _f(_ratio(c["promoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["demoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["promote_stall_s"] * 1e3, c["steps"]), ".2f") + (" ms/step" if c["steps"] else ""),

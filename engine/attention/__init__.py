@@ -20,7 +20,8 @@ i < context_lens[b], key_pos[b, i] <= p and, with a window, key_pos[b, i] > p - 
 see at least one key (a row with none is undefined: NaN in the reference).
 
 Blocks on the host tier (PagedBatch.on_host) are read in one of two ways (the host_reads knob): streamed
-(`read_blocks` fetches them from the host tier's parts and copies them to the compute device per layer), or
+(copied as stored to a staging buffer on the compute device one layer ahead, host_stream.py, and read there by
+`read_blocks`), or
 attended where they are (host_reads="compute", host_compute.py): each backend's `partial` returns (output, lse)
 over one tier's keys, the host part runs on the CPU, and the two are merged by log-sum-exp. A partial is defined
 for every row: one with no visible key gives output 0 and lse -inf.
@@ -71,6 +72,9 @@ class PagedKV:
     v: Parts
     dtype: KVDtype
     host: "PagedKV | None" = None  # the host tier, for tables with entries there (PagedBatch.on_host)
+    # The step's host blocks staged on the compute device a layer ahead (host_stream.py), read through
+    # PagedBatch.staged_table; None: host blocks are read from `host` directly.
+    staged: "PagedKV | None" = None
 
     @property
     def block_size(self) -> int:
@@ -93,6 +97,7 @@ class PagedBatch:
     # host_table [B, NB] holds their slots in kv.host (any valid slot elsewhere). None: every block on the device.
     on_host: torch.Tensor | None = None
     host_table: torch.Tensor | None = None
+    staged_table: torch.Tensor | None = None  # [B, NB] on the device: each host block's row in kv.staged
 
 
 class AttentionBackend(Protocol):
@@ -141,8 +146,9 @@ def read_blocks(kv: PagedKV, side: str, batch: PagedBatch, cols: slice, fetch, h
     """fetch(parts, slots [B, c]) of block columns `cols` of the table, from the tier each block is in; the
     result is [B, Hkv, c, ...] when `head_major`, else [B, c, ...].
 
-    Host blocks are fetched from the host tier's parts (pinned memory on CUDA) and copied to the compute
-    device: one layer's blocks at a time, the per-layer streaming of an offloaded cache.
+    Host blocks are read from the step's staging buffer on the compute device (kv.staged: copied there as
+    stored, one layer ahead, by host_stream.py), or, without one (a layer kept in host memory, attended there),
+    fetched from the host tier's parts and copied to the compute device.
     """
     dev_parts = kv.k if side == "k" else kv.v
     out = fetch(dev_parts, batch.block_table[:, cols].long())
@@ -151,8 +157,11 @@ def read_blocks(kv: PagedKV, side: str, batch: PagedBatch, cols: slice, fetch, h
     mask = batch.on_host[:, cols]
     if not bool(mask.any()):
         return out
-    host_parts = kv.host.k if side == "k" else kv.host.v
-    from_host = fetch(host_parts, batch.host_table[:, cols].long().cpu()).to(out.device, non_blocking=True)
+    if kv.staged is not None and batch.staged_table is not None and kv.staged.k["data"].device.type == out.device.type:
+        from_host = fetch(kv.staged.k if side == "k" else kv.staged.v, batch.staged_table[:, cols].long())
+    else:
+        host_parts = kv.host.k if side == "k" else kv.host.v
+        from_host = fetch(host_parts, batch.host_table[:, cols].long().cpu()).to(out.device, non_blocking=True)
     mask = mask[:, None] if head_major else mask  # [B, 1, c] or [B, c]
     mask = mask.reshape(mask.shape + (1,) * (out.dim() - mask.dim()))
     return torch.where(mask.to(out.device), from_host, out)
