@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 # Shared with app.commands and app.sweep, which import app.options rather than this module (no import cycle).

@@ -55,7 +55,6 @@ def _encode(engine, text: str, chat: bool) -> list[int]:
 
 
 def _stats(engine, seq) -> dict:
-    c = engine.counters
     ttft = seq.ttft
     decode_s = (seq.finished_at or engine.clock()) - (seq.first_token_at or seq.arrival)
     return {

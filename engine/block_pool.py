@@ -9,7 +9,6 @@ are a `TierPool` (engine/tiers.py); this module holds `BlockPool`, which owns bo
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import numpy as np
@@ -19,14 +18,6 @@ from engine.codecs import Codec, Geometry, codecs_for
 from engine.config import CacheConfig
 from engine.eviction import EvictionPolicy, make_policy
 from engine.tiers import NO_HASH, CacheFull, Tier, TierPool, copy_slots, tier_sizes
-
-
-def chain_hash(parent: int, tokens: np.ndarray) -> int:
-    """Hash of a full block: its parent's hash and its token ids. Never 0 (0 means "no hash")."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(int(parent).to_bytes(8, "little"))
-    h.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
-    return int.from_bytes(h.digest(), "little") or 1
 
 
 RESERVED = 2  # device-tier slots past the blocks: the null block and the sink (see _make_tier)

@@ -35,6 +35,7 @@ from engine.scheduler import Scheduled, Scheduler
 from engine.seq_ops import SequenceOps
 from engine.shadow import Shadow
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
+from engine.clock import PausableClock
 from engine.counters import Counters
 from engine.telemetry import Event, Telemetry
 from engine.tiers import tier_sizes
@@ -381,30 +382,3 @@ class Engine(SequenceOps):
 def _label(value) -> str:
     """A knob value as events show it: a dtype by its name ("int8-kivi", not "6")."""
     return value.label if isinstance(value, KVDtype) else str(value)
-
-
-class PausableClock:
-    """A clock that stops while paused: ages, idle times (the demotion rule) and heat decay count only running
-    time, so the first step after a long pause does not find every block idle and demote it."""
-
-    def __init__(self, base: Callable[[], float]):
-        self.base = base
-        self._held_at: float | None = None
-        self._held = 0.0  # total time spent paused
-
-    def __call__(self) -> float:
-        t = self._held_at if self._held_at is not None else self.base()
-        return t - self._held
-
-    def pause(self) -> None:
-        if self._held_at is None:
-            self._held_at = self.base()
-
-    def resume(self) -> None:
-        if self._held_at is not None:
-            self._held += self.base() - self._held_at
-            self._held_at = None
-
-    @property
-    def paused(self) -> bool:
-        return self._held_at is not None

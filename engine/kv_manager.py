@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for, chain_hash
-from engine.tiers import tier_sizes
+from engine.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for
+from engine.tiers import chain_hash, tier_sizes
 from engine.config import CacheConfig, ConfigError, KVDtype
 from engine.residency import DEVICE, HOST, Residency
 from engine.sequence import Sequence

@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.block_pool import BlockPool, Tier, blocks_for, chain_hash
+from engine.block_pool import BlockPool, Tier, blocks_for
+from engine.tiers import chain_hash
 from engine.config import CacheConfig
 from engine.errors import ConfigError
 from engine.kv_manager import KVManager

@@ -8,6 +8,7 @@ of cached slots (O(1) each); `copy_slots` copies blocks between tiers (on CUDA, 
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,6 +17,14 @@ import torch
 from engine.codecs import Parts
 
 NO_HASH = np.uint64(0)
+
+
+def chain_hash(parent: int, tokens: np.ndarray) -> int:
+    """Hash of a full block: its parent's hash and its token ids. Never 0 (0 means "no hash")."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(int(parent).to_bytes(8, "little"))
+    h.update(np.ascontiguousarray(tokens, dtype=np.int32).tobytes())
+    return int.from_bytes(h.digest(), "little") or 1
 HIST_K = 2  # LRU-K depth: the last K access times of each block
 
 

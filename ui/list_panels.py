@@ -305,7 +305,6 @@ class _EventList(QtWidgets.QListWidget):
         p.setFont(self.font())
         colours = {k: QtGui.QColor(v) for k, v in self.COLOURS.items()}
         text = pal.color(QtGui.QPalette.Text)
-        width = self.viewport().width()
         flags = QtCore.Qt.AlignLeft | QtCore.Qt.AlignVCenter
         current = self.currentRow() if self.selectionModel().hasSelection() else -1
         for r in _visible_rows(self, self.count()):
