@@ -83,7 +83,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
         # Rates with nothing counted are null ("no data"), not 0 and not NaN (which is not JSON).
         **{k: (None if isinstance(c[k], float) and c[k] != c[k] else c[k])
            for k in ("device_hit_rate", "prefix_hit_rate", "read_tokens", "read_tokens_missed", "read_tokens_streamed",
-                     "block_reads", "block_misses", "promotions", "demotions", "promoted_bytes", "demoted_bytes",
+                     "streamed_bytes", "block_reads", "block_misses", "promotions", "demotions", "promoted_bytes",
+                     "demoted_bytes",
                      "evictions", "preemptions", "cow_copies", "context_shifts", "steps")},
         "forward_s": c["forward_s"],
         "bookkeeping_s": c["bookkeeping_s"],

@@ -183,6 +183,8 @@ def _memory(x: Any) -> dict:
     out = _rest(m, "memory", ("tiers", "block_bytes", "rss_bytes", "system_total_bytes", "system_used_bytes", "gpu"))
     for k in ("block_bytes", "rss_bytes", "system_total_bytes", "system_used_bytes"):
         out[k] = _num(m[k], f"memory.{k}", lo=0)
+    if "stream_staging_bytes" in m:  # read by the memory panel; older snapshots have none
+        out["stream_staging_bytes"] = _num(m["stream_staging_bytes"], "memory.stream_staging_bytes", lo=0)
     tiers = _obj(m["tiers"], "memory.tiers", TIER_NAMES)
     out["tiers"] = _rest(tiers, "memory.tiers", TIER_NAMES)
     nums = ("k_bytes", "v_bytes", "scale_bytes", "metadata_bytes", "capacity_bytes", "capacity_blocks", "used_blocks")

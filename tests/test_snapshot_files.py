@@ -169,6 +169,8 @@ CASES = [
     ("bad-base64", _edit(lambda d: _snap(d)["tiers"][0]["hashed"].update(
         b64="!" * len(_snap(d)["tiers"][0]["hashed"]["b64"]))), r"tiers\[0\]\.hashed\.b64: not valid base64"),
     ("unknown-field", _edit(lambda d: _snap(d).update(bogus=1)), r"snapshot: unknown field\(s\) 'bogus'"),
+    ("staging-bytes", _edit(lambda d: _snap(d)["memory"].update(stream_staging_bytes="3 MiB")),
+     r"memory\.stream_staging_bytes: expected a number, got a string"),
 ]
 assert len({c[0] for c in CASES}) == len(CASES) >= 13
 

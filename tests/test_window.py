@@ -312,7 +312,19 @@ def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama
     panel.update_snapshot(eng.snapshot())
     hit, streamed = panel.values[0], panel.values[1]
     assert hit[0].text().endswith("%") and float(hit[0].text()[:-2]) < 100
-    assert float(streamed[0].text()[:-2]) > 0 and hit[1].text() == hit[0].text()
+    share, mb = streamed[0].text().split(" · ")  # "70.6 % · 1.40 MB/tok": keys, then bytes copied to staging
+    c = eng.counters
+    assert float(share[:-2]) > 0 and hit[1].text() == hit[0].text()
+    assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.2f} MB/tok" and c.streamed_bytes > 0
+    assert "staging a layer ahead" in streamed[0].toolTip()
+    from ui.panels import MemoryPanel
+
+    mem = MemoryPanel()
+    qtbot.addWidget(mem)
+    mem.update_snapshot(eng.snapshot())
+    want = eng.runner.stream.nbytes() / 2**20
+    assert want > 0 and f"stream staging {want:.1f} MiB" in mem.text.text()
+    assert "stream staging: the buffers" in mem.text.toolTip()
     assert "keys attention read" in hit[0].toolTip()
     eng.reconfigure(host_reads="promote")
     panel.update_snapshot(eng.snapshot())

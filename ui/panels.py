@@ -155,6 +155,8 @@ class MemoryPanel(QtWidgets.QWidget):
                 f"<td>{t['metadata_bytes'] / MB:.2f}</td><td>{t['device']}{' pinned' if t.get('pinned') else ''}</td></tr>")
         rss = (f"process RSS {snap.memory['rss_bytes'] / MB:,.0f} MiB; system "
                f"{snap.memory['system_used_bytes'] / 2**30:.1f}/{snap.memory['system_total_bytes'] / 2**30:.1f} GiB")
+        if snap.memory.get("stream_staging_bytes"):  # host blocks streamed through it (host_reads=stream)
+            rss += f"; stream staging {snap.memory['stream_staging_bytes'] / MB:.1f} MiB"
         if gpu.get("available"):
             gline = (f"GPU {gpu.get('name', '')}: NVML {gpu.get('nvml_used_bytes', 0) / 2**30:.2f}/"
                      f"{gpu.get('nvml_total_bytes', 0) / 2**30:.1f} GiB; torch allocated "
@@ -164,6 +166,8 @@ class MemoryPanel(QtWidgets.QWidget):
             gline = rss
         self.text.setToolTip(
             "tiers: blocks in use / capacity, and the bytes of their K, V, scales and metadata\n"
+            "stream staging: the buffers on the compute device that host-tier blocks are copied into, a layer "
+            "ahead, to be read there (host_reads=stream); not part of either tier's budget\n"
             + ("" if gpu.get("available") else f"{gpu.get('reason', 'no GPU')}\n")
             + "sizing: the KV of a batch of 8 sequences at the context limit, in the live block format "
               "(B = bytes per K or V value, scales included)")
