@@ -32,8 +32,8 @@ class TeacherRunner(ModelRunner):
     """A model runner that records each step's logits and returns forced tokens instead of sampling."""
 
     def __init__(self, base: ModelRunner, forced: dict[int, list[int]]):
-        super().__init__(base.model, base.device)
-        self.inputs = base.inputs
+        super().__init__(base.model, base.device, counters=base.counters)
+        self.inputs, self.stream = base.inputs, base.stream
         self.forced = forced  # sequence id -> the tokens to append, in order
         self.logits: dict[int, list[torch.Tensor]] = {sid: [] for sid in forced}
 
@@ -55,13 +55,13 @@ def run_forced(engine, prompts: list[list[int]], continuations: list[list[int]])
     ids = []
     for p, c in zip(prompts, continuations):
         ids.append(engine.add_request(p, SamplingParams(max_new_tokens=len(c), ignore_eos=True) if c else sp))
-    teacher = TeacherRunner(engine.runner, dict(zip(ids, continuations)))
+    base = engine.runner
+    teacher = TeacherRunner(base, dict(zip(ids, continuations)))
     engine.runner = teacher
     try:
         engine.run_until_done()
     finally:
-        engine.runner = ModelRunner(teacher.model, teacher.device)
-        engine.runner.inputs = teacher.inputs
+        engine.runner = base  # its CUDA graphs, context limit and counters as they were
     return [torch.stack(teacher.logits[i]) for i in ids]
 
 
