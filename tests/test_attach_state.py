@@ -154,3 +154,24 @@ def test_family_snapshot_names_the_biggest_families_with_their_root_tokens():
     assert blocks == 5 and n2 == 1 and toks == tuple(range(8)) and toks2 == (7,) * 8
     tab = cl.groups[(0, 0, "GPU", 0)]
     assert snap.groups[0].codes[tab.index[5]] == big % codes.N_CATEGORICAL
+
+
+def test_a_block_lands_in_the_same_cell_in_every_process():
+    """Placement does not depend on Python's per-process hash salt (bytes and str hashes): two processes with
+    different PYTHONHASHSEED put the same blocks in the same cells, so maps of two runs can be compared."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("from engine.attach.block_state import BlockTable\n"
+            "t = BlockTable()\n"
+            "keys = [bytes([i % 256, i // 256]) * 16 if i % 3 else f'h{i}' for i in range(300)]\n"
+            "for h in keys:\n"
+            "    t.store(h, -1, None, 0, 0, [], 0, 1.0, None)\n"
+            "print([t.index[h] for h in keys])\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
+    cells = [json.loads(out) for out in outs]
+    assert cells[0] == cells[1] and len(set(cells[0])) == 300

@@ -16,6 +16,7 @@ subscriber thread, whole-array reads for snapshots.
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import msgspec
@@ -25,6 +26,15 @@ MIN_CELLS = 1024
 KEEP_TOKENS = 8  # token ids a tooltip shows per block
 _M64 = (1 << 64) - 1
 _FIB = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads consecutive keys over the table
+
+
+def _key(h) -> int:
+    """A block hash as an int that is the same in every process, so a block lands in the same cell run after
+    run (Python's hash() of bytes and str is salted per process: the map's layout, and which blocks collide,
+    changed between runs)."""
+    if isinstance(h, int):
+        return h
+    return int.from_bytes(hashlib.blake2b(h.encode() if isinstance(h, str) else h, digest_size=8).digest(), "little")
 _TOKENS = msgspec.msgpack.Decoder(list[int])
 
 
@@ -77,7 +87,7 @@ class BlockTable:
 
     def _free_cell(self, h) -> int:
         occ, mask = self._occ, self.cells - 1
-        c = ((hash(h) & _M64) * _FIB & _M64) >> self._shift
+        c = ((_key(h) & _M64) * _FIB & _M64) >> self._shift
         while occ[c]:
             c = (c + 1) & mask
         return c
