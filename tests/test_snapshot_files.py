@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import copy
 import json
 import os
 import subprocess
