@@ -56,12 +56,6 @@ class HostStream:
         """Bytes held for staging (device buffers, and pinned bounce buffers on CUDA)."""
         return sum(t.numel() * t.element_size() for d in (self._bufs, self._bounce) for t in d.values())
 
-    def release(self) -> None:
-        """Drop the buffers (a geometry change makes them the wrong shape; they are rebuilt on the next step)."""
-        self._bufs.clear()
-        self._bounce.clear()
-        self._bounce_free.clear()
-
     def begin(self, host_k: Parts, host_v: Parts, slots: np.ndarray, layers: list[int]) -> "StepStream":
         """A step's stream of host-tier slots `slots` (sorted, distinct) for `layers` (ascending)."""
         names = {(side, name) for side, parts in (("k", host_k), ("v", host_v)) for name in parts}
@@ -99,12 +93,6 @@ class StagedParts:
     def __getitem__(self, name: str) -> "_StagedPart":
         return _StagedPart(self._step, self._side, name)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._step.src[self._side]
-
-    def keys(self):
-        return self._step.src[self._side].keys()
-
 
 class _StagedPart:
     def __init__(self, step: "StepStream", side: str, name: str):
@@ -114,10 +102,6 @@ class _StagedPart:
     def shape(self) -> tuple[int, ...]:
         src = self._step.src[self._side][self._name]
         return (len(src), self._step.n, *src.shape[2:])
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._step.src[self._side][self._name].dtype
 
     @property
     def device(self) -> torch.device:
