@@ -161,7 +161,8 @@ def _summary_text(res: dict) -> str:
         lines.append(f"{s['label']}: {s['events']:,} events in {s['batches']:,} batches "
                      f"(stored {s['stored_blocks']:,} blocks, removed {s['removed_blocks']:,}); malformed "
                      f"{s['malformed'] + s['bad_events']:,}; gaps {s['gaps']:,} ({s['recovered']:,} batches "
-                     f"recovered, {s['lost']:,} lost); history {s['history']:,} got, {s['history_missing']:,} gone")
+                     f"recovered, {s['lost']:,} lost); history {s['history']:,} got, {s['history_missing']:,} gone; "
+                     f"behind {s['behind_s']:.1f} s ({s['queued']:,} frames queued, {s['shed']:,} shed)")
     for label, n in res["caches"].items():
         lines.append(f"  {label}: {n:,} blocks resident")
     return "\n".join(lines) if lines else "no events received"

@@ -111,7 +111,11 @@ class MetricsPanel(QtWidgets.QWidget):
                 self._cell(1 + i, c, NO_DATA if h is None or not h.count else
                            f"{_s(h.quantile(0.5))} / {_s(h.quantile(0.9))}", f"{h.count:,.0f} samples" if h else "")
         bad = [f"{lab}: {e}" for lab, e in zip(self.labels, errors) if e]
-        self.status.setText(("scrape failing — " + "; ".join(bad)) if bad else "")
+        odd = [f"{lab}: {'; '.join(s.notes)}" for lab, s in zip(self.labels, latest) if s is not None and s.notes]
+        text = ("scrape failing — " + "; ".join(bad)) if bad else ""
+        if odd:
+            text += ("\n" if text else "") + f"{NO_DATA} (values that cannot be true) — " + "; ".join(odd)
+        self.status.setText(text)
 
     def _cell(self, r: int, c: int, text: str, tip: str = "") -> None:
         it = self.table.item(r, c)
@@ -150,8 +154,23 @@ SOURCE_COLUMNS = (
     ("gaps", "jumps in the sequence numbers / batches recovered from the replay socket / batches lost "
              "(not in the replay buffer any more, or no replay endpoint): their events are missing"),
     ("history", "batches published before we attached: got from the replay buffer / no longer there"),
+    ("behind", "how far behind the live stream this source is: how long the oldest frame received and not yet "
+               "applied has waited, and how many are queued (frames wait while a replay request is open, at most "
+               "its deadline). Past 60 s or 200,000 frames the oldest are shed (dropped unread, counted lost); "
+               "'replay resting': the replay socket did not answer, gaps are counted lost unasked for 30 s"),
     ("last frame", "time since the last live frame"),
 )
+
+
+def behind_text(s: SourceStatus) -> str:
+    """'0.0 s, 0 queued', with shedding and a resting replay socket said."""
+    text = f"{s.behind_s:.1f} s, {s.queued:,} queued"
+    if s.shed:
+        recent = s.shed_age_s is not None and s.shed_age_s < 10.0
+        text += f"; {'SHEDDING: ' if recent else ''}{s.shed:,} shed"
+    if s.replay_state == "backoff":
+        text += "; replay resting"
+    return text
 
 
 class SourcesPanel(QtWidgets.QTableWidget):
@@ -171,7 +190,8 @@ class SourcesPanel(QtWidgets.QTableWidget):
         for r, s in enumerate(statuses):
             age = "never" if s.last_frame_age_s is None else f"{s.last_frame_age_s:.1f} s ago"
             row = (s.label, f"{s.frames:,}", f"{s.batches:,}", f"{events[r]:,}", f"{s.malformed + bad_events[r]:,}",
-                   f"{s.gaps:,} / {s.recovered:,} / {s.lost:,}", f"{s.history:,} / {s.history_missing:,}", age)
+                   f"{s.gaps:,} / {s.recovered:,} / {s.lost:,}", f"{s.history:,} / {s.history_missing:,}",
+                   behind_text(s), age)
             for c, text in enumerate(row):
                 it = self.item(r, c)
                 if it is None:
@@ -187,11 +207,11 @@ class AttachEventsPanel(EventsPanel):
     """Notable events one by one (gaps, replays, malformed frames, clears), the block traffic as one line per
     source per second (tens of thousands of events a second cannot be read one by one)."""
 
-    KINDS = ("all", "stored", "removed", "cleared", "gap", "replay", "malformed", "source", "error")
+    KINDS = ("all", "stored", "removed", "cleared", "gap", "replay", "shed", "malformed", "source", "error")
 
     def __init__(self):
         super().__init__()
-        self.list.COLOURS = {"removed": "#e57373", "gap": "#ff5252", "malformed": "#ff8a65", "error": "#ff5252",
+        self.list.COLOURS = {"removed": "#e57373", "gap": "#ff5252", "shed": "#ff5252", "malformed": "#ff8a65", "error": "#ff5252",
                              "cleared": "#ffd54f", "replay": "#4fc3f7", "stored": "#81c784", "source": "#aab0b8"}
         self.setToolTip("stored / removed: one line per source per second with the blocks and events of that second")
 

@@ -153,17 +153,22 @@ class BlockTable:
             self.high_water = len(self.index)
         return cell
 
-    def remove(self, h, t: float | None = None) -> bool:
+    def remove(self, h, t: float | None = None) -> int | None:
+        """Remove a resident block; returns its family (None: the hash was not resident here)."""
         cell = self.index.pop(h, None)
         if cell is None:
             self.removed_unknown += 1
-            return False
+            return None
         if t is not None and self.on_evict is not None and not self.removed & 7:  # sampled: 1 in 8
             self.on_evict(t - self._st[cell], t - self._tt[cell])
         self._occ[cell] = 0
         self.hash_at[cell] = self.phash_at[cell] = self.tok_at[cell] = None
         self.removed += 1
-        return True
+        return self._fam[cell]
+
+    def resident_families(self) -> list[int]:
+        """The family of every resident block (one entry per block)."""
+        return self.a["family"][self.a["occ"].astype(bool)].tolist()
 
     def clear(self) -> int:
         n = len(self.index)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from engine.attach import codes
+from engine.attach import bounds, codes
 from engine.attach.block_state import BlockTable, token_list
 from engine.attach.events import KIND_REMOVED, KIND_STORED, MEDIUM_GPU, EventBatch, medium_of
 
@@ -90,8 +90,14 @@ class ClusterState:
         self.groups: dict[GroupKey, BlockTable] = {}
         self._offset: dict[int, float] = {}
         self._act = [dict.fromkeys(SourceActivity.__dataclass_fields__, 0) for _ in self.labels]
-        self.family_of_root: dict = {}  # root hash (or the hash of a parent never seen) -> family id
-        self.family_tokens: list[tuple] = []  # family id -> (token ids of its root's event, block index, size)
+        # Families with a resident block, and only those (a family whose last block went is forgotten, so a
+        # stream of new prefixes does not grow these): root hash (or the hash of a parent never seen) -> id,
+        # id -> (root hash, token ids of its root's event, block index, size), id -> resident blocks.
+        self.family_of_root: dict = {}
+        self.family_tokens: dict[int, tuple] = {}
+        self._family_blocks: dict[int, int] = {}
+        self._next_family = 0
+        self._refused_groups = 0  # events not applied because they would have made one map too many
         self.notes: deque[tuple[float, str, str]] = deque(maxlen=2000)  # (t, kind, text) for the events panel
         self.recorder = None  # an engine.attach.recorder.Recorder, given every applied batch
         # The latest lifetimes / idle times of removed blocks and gaps between touches, from events alone
@@ -112,13 +118,23 @@ class ClusterState:
         """The source restarted: its caches are empty and its clock offset is taken afresh."""
         with self.lock:
             for k in [k for k in self.groups if k[0] == source]:
-                del self.groups[k]
+                self._forget(self.groups.pop(k).resident_families())
             self._offset.pop(source, None)
 
-    def _group(self, source: int, rank: int, medium: str, gidx: int) -> BlockTable:
+    def _group(self, source: int, rank: int, medium: str, gidx: int) -> BlockTable | None:
+        """The block table of a cache, made on first use; None when that would be one map too many."""
         key = (source, rank, medium, gidx)
         g = self.groups.get(key)
         if g is None:
+            mine = sum(1 for k in self.groups if k[0] == source)
+            if len(self.groups) >= bounds.MAX_GROUPS or mine >= bounds.MAX_GROUPS_PER_SOURCE:
+                self._refused_groups += 1
+                if self._refused_groups in (1, 10, 100) or not self._refused_groups % 10_000:
+                    self.note("malformed", f"{self.labels[source]}: rank {rank} {medium} group {gidx} not shown: "
+                                           f"{len(self.groups):,} caches ({mine:,} of this endpoint) is the limit "
+                                           f"({bounds.MAX_GROUPS:,}, {bounds.MAX_GROUPS_PER_SOURCE} per endpoint); "
+                                           f"{self._refused_groups:,} events skipped so far")
+                return None
             g = self.groups[key] = BlockTable(half_life_s=self.half_life_s)
             if medium == MEDIUM_GPU:
                 g.on_evict, g.on_reuse = self._evicted, self.rings["reuse_gap"].add
@@ -127,18 +143,71 @@ class ClusterState:
     def _family(self, root_hash, tokens, i: int, bs: int) -> int:
         fid = self.family_of_root.get(root_hash)
         if fid is None:
-            fid = self.family_of_root[root_hash] = len(self.family_tokens)
-            self.family_tokens.append((tokens, i, bs))
+            fid = self._next_family
+            while fid in self.family_tokens:  # ids wrap at 2^31 (an int32 column); skip the ones still alive
+                fid = (fid + 1) & 0x7FFFFFFF
+            self._next_family = (fid + 1) & 0x7FFFFFFF
+            self.family_of_root[root_hash] = fid
+            self.family_tokens[fid] = (root_hash, tokens, i, bs)
+            self._family_blocks[fid] = 0
         return fid
 
+    def _forget(self, families) -> None:
+        """Blocks of these families (one entry per block) are no longer resident."""
+        counts = self._family_blocks
+        for fid in families:
+            n = counts.get(fid)
+            if n is None:
+                continue
+            if n > 1:
+                counts[fid] = n - 1
+            else:
+                self._drop_family(fid)
+
+    def _drop_family(self, fid: int) -> None:
+        self._family_blocks.pop(fid, None)
+        f = self.family_tokens.pop(fid, None)
+        if f is not None and self.family_of_root.get(f[0]) == fid:
+            del self.family_of_root[f[0]]
+
     def family_text_ids(self, fid: int) -> list[int]:
-        """The first token ids of a family's root block (decoded now)."""
-        tokens, i, bs = self.family_tokens[fid]
+        """The first token ids of a family's root block (decoded now); [] for a family no longer resident."""
+        f = self.family_tokens.get(fid)
+        if f is None:
+            return []
+        _, tokens, i, bs = f
         return list(token_list(tokens)[i * bs: i * bs + min(bs, 8)])
 
     def apply(self, source: int, batch: EventBatch, default_rank: int = 0) -> None:
         with self.lock:
             self._apply(source, batch, default_rank)
+
+    def _checked(self, source: int, batch: EventBatch, rank) -> list:
+        """The batch's events that can be applied (engine/attach/bounds.py); the others are counted bad, and
+        their reason noted. Every event counts in `events` either way, so sent and received still compare."""
+        why = bounds.batch_problem(batch.ts, rank)
+        if why is not None:
+            bad, events = list(batch.events), []
+        else:
+            bad, events = [], batch.events
+            problem = bounds.event_problem
+            for i, ev in enumerate(events):
+                if problem(ev) is not None:  # rare: only then is the list copied
+                    keep = events[:i]
+                    for e in events[i:]:
+                        p = problem(e)
+                        if p is None:
+                            keep.append(e)
+                        else:
+                            bad.append(e)
+                            why = why or p
+                    events = keep
+                    break
+        if bad:
+            self._act[source]["bad_events"] += len(bad)
+            self.note("malformed", f"{self.labels[source]}: {len(bad):,} of {len(batch.events):,} event(s) of a "
+                                   f"batch skipped ({why})")
+        return events
 
     def _apply(self, source: int, batch: EventBatch, default_rank: int) -> None:
         act = self._act[source]
@@ -147,29 +216,50 @@ class ClusterState:
         act["bad_events"] += batch.bad_events
         act["unknown_events"] += batch.unknown_events
         rank = default_rank if batch.data_parallel_rank is None else batch.data_parallel_rank
+        events = self._checked(source, batch, rank)
+        if not events:
+            return
         t = batch.ts + self._offset.get(source, 0.0)
-        if self.recorder is not None:
-            self.recorder.add(source, rank, t, batch)
-        for ev in batch.events:
+        applied = []
+        for ev in events:
             kind = ev.KIND
             if kind == KIND_STORED:
                 g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
+                if g is None:
+                    act["bad_events"] += 1
+                    continue
                 self._store(g, ev, t)
                 act["stored_events"] += 1
                 act["stored_blocks"] += len(ev.block_hashes)
             elif kind == KIND_REMOVED:
                 g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
-                remove = g.remove
+                if g is None:
+                    act["bad_events"] += 1
+                    continue
+                remove, gone = g.remove, []
                 for h in ev.block_hashes:
-                    remove(h, t)
+                    f = remove(h, t)
+                    if f is not None:
+                        gone.append(f)
+                if gone:
+                    self._forget(gone)
                 act["removed_events"] += 1
                 act["removed_blocks"] += len(ev.block_hashes)
             else:
                 # It carries no medium: vLLM sends it when the GPU prefix cache is reset.
-                n = sum(g.clear() for k, g in self.groups.items()
-                        if k[0] == source and k[1] == rank and k[2] == MEDIUM_GPU)
+                n = 0
+                for k, g in self.groups.items():
+                    if k[0] == source and k[1] == rank and k[2] == MEDIUM_GPU:
+                        self._forget(g.resident_families())
+                        n += g.clear()
                 act["cleared"] += 1
                 self.note("cleared", f"{self.labels[source]} rank {rank}: all blocks cleared ({n:,} resident)")
+            applied.append(ev)
+        if self.recorder is not None:  # what was applied, and only that: the recording and the maps agree
+            self.recorder.add(source, rank, t, applied)
+            if self.recorder.full_note:
+                self.note("error", self.recorder.full_note)
+                self.recorder.full_note = None
 
     def _evicted(self, lifetime: float, idle: float) -> None:
         self.rings["lifetime"].add(lifetime)
@@ -196,13 +286,19 @@ class ClusterState:
         else:  # the parent was never seen (stored before we attached) or is gone: name the family after it
             depth, family = -1, self._family(parent, toks, 0, bs)
         lora = ev.lora_id
+        counts = self._family_blocks
         for i, h in enumerate(hashes):
             if family is None:
                 family = self._family(h, toks, i, bs)
+            before = g.stored
             pcell = g.store(h, pcell, parent, depth, family, toks, i, t, lora)
+            if g.stored != before:  # placed (not a hash already resident, which keeps its own family)
+                counts[family] = counts.get(family, 0) + 1
             parent = h
             if depth >= 0:
                 depth += 1
+        if family is not None and not counts.get(family):  # made for blocks that were all resident already
+            self._drop_family(family)
 
     # -- reading (the window) --------------------------------------------------------------------------
     def sorted_keys(self) -> list[GroupKey]:
@@ -246,7 +342,7 @@ class ClusterState:
         with self.lock:
             g = self.groups.get(key)
             info = None if g is None else g.info(cell, now)
-            if info is not None and 0 <= info["family"] < len(self.family_tokens):
+            if info is not None and info["family"] in self.family_tokens:
                 info["family_tokens"] = self.family_text_ids(info["family"])
             if info is not None:
                 info["block_size"] = g.block_size

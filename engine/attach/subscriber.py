@@ -1,14 +1,21 @@
-"""One publisher, read on its own thread: a ZMQ SUB for the live stream and a DEALER for the replay socket.
+"""One publisher, read on its own thread: a ZMQ SUB for the live stream and a DEALER for the replay socket,
+both on one poller, so the replay socket never holds up reading the live stream.
 
-Frames are (topic, 8-byte big-endian sequence number, msgpack batch). Sequence numbers say what was missed:
+Frames are (topic, 8-byte big-endian sequence number, msgpack batch). The servers count from 0 and send the
+number as a signed 64-bit value's bytes (their end marker is -1), so it is read signed: a negative one is a
+malformed frame, never a jump of 1.8e19. Sequence numbers say what was missed:
 - at the first frame (seq S > 0) the batches published before we attached are asked for (history);
-- a frame whose seq jumps past last+1 is a gap: the missing range is asked for;
-- seq <= last is a duplicate (a replayed batch arriving live too) and is skipped; seq 0 after a higher one is
-  a publisher restart (its cache is empty again).
-The replay protocol is vLLM's and SGLang's: send the start seq as 8 big-endian bytes to the ROUTER (a DEALER
-sends an empty delimiter first, as REQ would); receive (seq, payload) frames for every buffered batch from
-start on, then (seq -1, empty). What the replay buffer no longer holds is counted as lost (a gap) or as
-unavailable history, never made up. A frame that cannot be decoded is counted as malformed and skipped.
+- a frame whose seq jumps past last+1 is a gap: the missing range is asked for (engine/attach/replay.py);
+- seq == last is a duplicate and is skipped; a seq 0 after a higher one, or one more than a few below the
+  last, is a publisher restart (its cache is empty again; its history is asked for afresh).
+What the replay buffer no longer holds is counted as lost (a gap) or as unavailable history, never made up.
+A frame that cannot be decoded is counted as malformed and skipped.
+
+Live frames are read off the socket as they come into a queue of our own, and applied from it. While a replay
+request is open the queue is held (a replayed batch must be applied before the live ones after it), for at
+most the replay client's deadline. How far behind a source is, is the age of the oldest frame still queued
+and how many are queued; past `StreamLimits` (frames, bytes, seconds behind) the oldest queued frames are shed:
+dropped unread, counted and said, as a gap that is not asked for.
 
 Nothing here listens: both sockets connect. The thread never touches the window; it applies batches to the
 ClusterState (its own lock) and appends notes there.
@@ -25,9 +32,24 @@ import zmq
 
 from engine.attach.cluster import ClusterState
 from engine.attach.events import DecodeError, EventBatch, decode_batch
+from engine.attach.replay import END_SEQ, ReplayClient  # noqa: F401  (END_SEQ: the protocol's, re-exported)
 from engine.attach.source import SourceSpec
 
-END_SEQ = -1
+RESTART_BELOW = 16  # a seq this far or more below the last one is a restarted publisher, not a duplicate
+MAX_FRAME_BYTES = 64 << 20  # a live frame's payload larger than this is refused (a batch is KBs to a few MB)
+
+
+@dataclass(frozen=True)
+class StreamLimits:
+    replay_timeout_s: float = 2.0  # a replay reply must come this soon after the request or the previous one
+    replay_deadline_s: float = 10.0  # one replay request at most, all replies together
+    replay_max_batches: int = 20_000  # batches asked for per request (the newest of a longer gap)
+    replay_backoff_s: float = 30.0  # after a replay socket failed to answer, gaps are counted lost this long
+    max_queued_frames: int = 200_000  # live frames read but not applied yet, before the oldest are shed
+    max_queued_bytes: int = 256 << 20
+    max_behind_s: float = 60.0  # the oldest queued frame's age, before the oldest are shed
+    read_budget_s: float = 0.01  # per turn of the loop: reading the live socket ...
+    apply_budget_s: float = 0.02  # ... then applying queued frames
 
 
 @dataclass(frozen=True)
@@ -36,12 +58,12 @@ class SourceStatus:
     endpoint: str
     replay: str | None
     frames: int  # multipart messages received live
-    malformed: int  # frames skipped: wrong frame count, a sequence number that is not 8 bytes, not a batch
+    malformed: int  # frames skipped: wrong frame count, a bad sequence number, over the size limit, not a batch
     batches: int  # batches applied (live + replayed)
     duplicates: int
     gaps: int  # jumps in the sequence
     recovered: int  # batches of gaps recovered from the replay socket
-    lost: int  # batches of gaps the replay socket could not give: their events are missing
+    lost: int  # batches of gaps the replay socket could not give (or that were shed): their events are missing
     history: int  # batches before the first live one, got from the replay socket
     history_missing: int  # batches before the first live one that the replay buffer no longer held
     first_seq: int | None
@@ -49,24 +71,43 @@ class SourceStatus:
     restarts: int
     last_frame_age_s: float | None  # seconds since the last live frame
     lost_ranges: tuple[tuple[int, int], ...]  # the latest few [first, last] seqs lost
+    queued: int = 0  # live frames received and not applied yet
+    queued_bytes: int = 0
+    behind_s: float = 0.0  # how long the oldest of them has waited (0: keeping up)
+    shed: int = 0  # live frames dropped unread because the source was too far behind (counted in lost too)
+    shed_age_s: float | None = None  # seconds since frames were last shed (None: never)
+    replay_state: str = "idle"  # none | idle | waiting | backoff (not answering: gaps counted lost meanwhile)
+    replay_timeouts: int = 0  # replay requests given up on (no answer in time, or too slow)
 
 
 class Subscriber(threading.Thread):
     def __init__(self, spec: SourceSpec, index: int, cluster: ClusterState, ctx: zmq.Context,
-                 replay_timeout_s: float = 2.0, hwm: int = 500_000):
+                 replay_timeout_s: float | None = None, hwm: int = 500_000, limits: StreamLimits | None = None):
         super().__init__(name=f"kvscope-attach-{spec.label}", daemon=True)
         self.spec, self.index, self.cluster, self.ctx = spec, index, cluster, ctx
-        self.replay_timeout_s = replay_timeout_s
+        lim = limits or StreamLimits()
+        if replay_timeout_s is not None:
+            lim = StreamLimits(**{**lim.__dict__, "replay_timeout_s": replay_timeout_s})
+        self.limits = lim
         self.hwm = hwm
         self._stop_ev = threading.Event()
         self.c = dict(frames=0, malformed=0, batches=0, duplicates=0, gaps=0, recovered=0, lost=0, history=0,
-                      history_missing=0, restarts=0)
+                      history_missing=0, restarts=0, shed=0)
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self.last_frame_t: float | None = None
+        self.shed_t: float | None = None
         self.lost_ranges: deque[tuple[int, int]] = deque(maxlen=8)
-        self._dealer = None
+        self.queue: deque[tuple[float, list[bytes]]] = deque()  # (monotonic receive time, frames)
+        self.queued_bytes = 0
+        self._held: tuple[int, EventBatch | None] | None = None  # the live frame a replay request waits under
+        self.replay = ReplayClient(ctx, spec.replay, timeout_s=lim.replay_timeout_s, deadline_s=lim.replay_deadline_s,
+                                   max_batches=lim.replay_max_batches, backoff_s=lim.replay_backoff_s)
         self.error: str | None = None
+
+    @property
+    def replay_timeout_s(self) -> float:
+        return self.limits.replay_timeout_s
 
     # -- control ---------------------------------------------------------------------------------------
     def stop(self, timeout: float = 3.0) -> None:
@@ -76,14 +117,24 @@ class Subscriber(threading.Thread):
 
     def status(self) -> SourceStatus:
         now = time.monotonic()
+        q = self.queue
+        try:
+            behind = now - q[0][0] if q else 0.0
+        except IndexError:  # emptied meanwhile by the thread
+            behind = 0.0
         return SourceStatus(self.spec.label, self.spec.endpoint, self.spec.replay, first_seq=self.first_seq,
                             last_seq=self.last_seq, lost_ranges=tuple(self.lost_ranges),
                             last_frame_age_s=None if self.last_frame_t is None else now - self.last_frame_t,
-                            **self.c)
+                            queued=len(q), queued_bytes=self.queued_bytes, behind_s=max(0.0, behind),
+                            shed_age_s=None if self.shed_t is None else now - self.shed_t,
+                            replay_state=self.replay.state, replay_timeouts=self.replay.timeouts,
+                            malformed=self.c["malformed"] + self.replay.malformed,
+                            **{k: v for k, v in self.c.items() if k != "malformed"})
 
     # -- the thread ------------------------------------------------------------------------------------
     def run(self) -> None:
         sub = self.ctx.socket(zmq.SUB)
+        lim = self.limits
         try:
             sub.setsockopt(zmq.RCVHWM, self.hwm)
             sub.setsockopt(zmq.LINGER, 0)
@@ -91,22 +142,109 @@ class Subscriber(threading.Thread):
             sub.connect(self.spec.endpoint)
             self.cluster.note("source", f"{self.spec.label}: subscribed to {self.spec.endpoint}"
                               + (f", replay {self.spec.replay}" if self.spec.replay else ", no replay endpoint"))
+            poller = zmq.Poller()
+            poller.register(sub, zmq.POLLIN)
+            dealer = None
             while not self._stop_ev.is_set():
-                if not sub.poll(100):
-                    continue
-                for _ in range(256):  # drain what is queued, then look at the stop flag again
-                    try:
-                        parts = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    self._on_frame(parts)
+                if self.replay.sock is not dealer:  # a new replay socket (or none)
+                    if dealer is not None:
+                        poller.unregister(dealer)
+                    dealer = self.replay.sock
+                    if dealer is not None:
+                        poller.register(dealer, zmq.POLLIN)
+                busy = bool(self.queue) and self.replay.req is None
+                ready = dict(poller.poll(0 if busy else 50))
+                if sub in ready:
+                    self._read_live(sub, lim.read_budget_s)
+                if dealer is not None and dealer in ready:
+                    self._read_replay(dealer, lim.apply_budget_s)
+                now = time.monotonic()
+                if self.replay.check(now) == "timeout":
+                    self._replay_done(complete=False, now=now)
+                self._shed_if_behind(now)
+                self._apply_queued(lim.apply_budget_s)
         except zmq.ZMQError as e:
             self.error = str(e)
             self.cluster.note("error", f"{self.spec.label}: {e}")
         finally:
             sub.close(0)
-            if self._dealer is not None:
-                self._dealer.close(0)
+            self.replay.close()
+
+    def _read_live(self, sub, budget_s: float) -> None:
+        end = time.monotonic() + budget_s
+        q = self.queue
+        for i in range(1 << 30):
+            try:
+                parts = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            now = time.monotonic()
+            q.append((now, parts))
+            self.queued_bytes += sum(map(len, parts))
+            self.c["frames"] += 1
+            self.last_frame_t = now
+            if not i & 63 and now > end:
+                break
+
+    def _read_replay(self, dealer, budget_s: float) -> None:
+        end = time.monotonic() + budget_s
+        while self.replay.sock is dealer and time.monotonic() < end:
+            try:
+                parts = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            now = time.monotonic()
+            r = self.replay.on_reply(parts, now)
+            if r is None:
+                continue
+            kind, _, payload = r
+            if kind == "done":
+                self._replay_done(complete=True, now=now)
+                return
+            batch = self._decode(payload)
+            if batch is not None:
+                self._apply(batch)
+
+    def _apply_queued(self, budget_s: float) -> None:
+        end = time.monotonic() + budget_s
+        q = self.queue
+        n = 0
+        while q and self.replay.req is None:
+            recv_t, parts = q.popleft()
+            self.queued_bytes -= sum(map(len, parts))
+            self._on_frame(parts, recv_t)
+            n += 1
+            if not n & 15 and time.monotonic() > end:
+                return
+
+    def _shed_if_behind(self, now: float) -> None:
+        lim, q = self.limits, self.queue
+        if not q or (len(q) <= lim.max_queued_frames and self.queued_bytes <= lim.max_queued_bytes
+                     and now - q[0][0] <= lim.max_behind_s):
+            return
+        if self.replay.req is not None:  # nothing may wait for a replay while frames are being dropped
+            self._replay_done(complete=False, now=now, why="the source is too far behind")
+        n, first, last = 0, None, None
+        while q and (len(q) > lim.max_queued_frames * 3 // 4 or self.queued_bytes > lim.max_queued_bytes * 3 // 4
+                     or now - q[0][0] > lim.max_behind_s / 2):
+            _, parts = q.popleft()
+            self.queued_bytes -= sum(map(len, parts))
+            n += 1
+            seq = _seq_of(parts)
+            if seq is not None:
+                first = seq if first is None else first
+                last = seq if last is None else max(last, seq)
+        self.c["shed"] += n
+        self.shed_t = now
+        if last is not None and self.last_seq is not None and last > self.last_seq:
+            # The shed frames are a gap that is not asked for (asking would put us further behind).
+            lost = last - self.last_seq
+            self.c["lost"] += lost
+            self.lost_ranges.append((self.last_seq + 1, last))
+            self.last_seq = last
+        self.cluster.note("shed", f"{self.spec.label}: falling behind: {n:,} queued frames dropped unread"
+                                  + (f" (seq {first:,}..{last:,}); their events are lost" if first is not None else "")
+                                  + f"; {len(q):,} still queued")
 
     def _malformed(self, why: str) -> None:
         self.c["malformed"] += 1
@@ -114,9 +252,11 @@ class Subscriber(threading.Thread):
             self.cluster.note("malformed", f"{self.spec.label}: frame skipped ({why}); "
                                            f"{self.c['malformed']:,} so far")
 
-    def _on_frame(self, parts: list[bytes]) -> None:
-        self.c["frames"] += 1
-        self.last_frame_t = time.monotonic()
+    def _on_frame(self, parts: list[bytes], recv_t: float | None = None) -> None:
+        """One live frame, in order (tests call it directly, frames and all)."""
+        if recv_t is None:
+            self.c["frames"] += 1
+            self.last_frame_t = recv_t = time.monotonic()
         if len(parts) == 3:
             _, seq_b, payload = parts
         elif len(parts) == 2:  # a publisher with no topic frame
@@ -125,37 +265,36 @@ class Subscriber(threading.Thread):
             return self._malformed(f"{len(parts)} frames, expected topic, sequence, payload")
         if len(seq_b) != 8:
             return self._malformed(f"a {len(seq_b)}-byte sequence number")
-        seq = int.from_bytes(seq_b, "big")
+        if len(payload) > MAX_FRAME_BYTES:
+            return self._malformed(f"a {len(payload):,}-byte payload, over the {MAX_FRAME_BYTES >> 20} MB limit")
+        seq = int.from_bytes(seq_b, "big", signed=True)
+        if seq < 0:
+            return self._malformed(f"sequence number {seq} (the servers count from 0)")
         last = self.last_seq
-        if last is not None and seq == 0 and last > 0:
+        if last is not None and (seq == 0 < last or seq <= last - RESTART_BELOW):
             self.c["restarts"] += 1
-            self.cluster.note("source", f"{self.spec.label}: the publisher restarted (sequence back to 0)")
+            self.cluster.note("source", f"{self.spec.label}: the publisher restarted (sequence {last:,} -> {seq:,})")
             self.cluster.reset_source(self.index)
             last = self.last_seq = None
         if last is not None and seq <= last:
             self.c["duplicates"] += 1
             return
         batch = self._decode(payload)
+        now = time.monotonic()
         if last is None:
-            if batch is not None:
-                self.cluster.set_offset(self.index, batch.ts)
+            if batch is not None:  # the clock offset from when the frame arrived, not when it was applied
+                self.cluster.set_offset(self.index, batch.ts, now=time.time() - (now - recv_t))
             self.first_seq = seq
+            if seq > 0 and self._ask(0, seq, True, batch, now):
+                return
             if seq > 0:
-                got = self._replay(0, seq, history=True)
-                self.c["history"] += got
-                self.c["history_missing"] += seq - got
+                self.c["history_missing"] += seq
         elif seq > last + 1:
             self.c["gaps"] += 1
-            got = self._replay(last + 1, seq, history=False)
-            self.c["recovered"] += got
-            missing = seq - (last + 1) - got
-            if missing:
-                self.c["lost"] += missing
-                self.cluster.note("gap", f"{self.spec.label}: {missing:,} batches lost (seq {last + 1:,}.."
-                                         f"{seq - 1:,}; {got:,} recovered from the replay socket)")
-            else:
-                self.cluster.note("replay", f"{self.spec.label}: gap of {got:,} batches (seq {last + 1:,}.."
-                                            f"{seq - 1:,}) recovered from the replay socket")
+            if self._ask(last + 1, seq, False, batch, now):
+                return
+            self._count_lost(last + 1, seq, 0, why="no replay endpoint" if not self.replay.available else
+                             "the replay socket is not answering; not asked")
         self.last_seq = seq
         if batch is not None:
             self._apply(batch)
@@ -165,6 +304,9 @@ class Subscriber(threading.Thread):
             return decode_batch(payload)
         except DecodeError as e:
             self._malformed(str(e))
+            return None
+        except (RecursionError, MemoryError, ValueError, TypeError) as e:  # a decoder bug must not end the thread
+            self._malformed(f"{type(e).__name__} decoding the batch")
             return None
 
     def _apply(self, batch: EventBatch) -> None:
@@ -178,56 +320,65 @@ class Subscriber(threading.Thread):
                                            f"({'; '.join(batch.notes)})")
 
     # -- replay ----------------------------------------------------------------------------------------
-    def _dealer_socket(self):
-        if self._dealer is None:
-            d = self.ctx.socket(zmq.DEALER)
-            d.setsockopt(zmq.LINGER, 0)
-            d.connect(self.spec.replay)
-            self._dealer = d
-        return self._dealer
+    def _ask(self, start: int, end: int, history: bool, batch: EventBatch | None, now: float) -> bool:
+        """Ask the replay socket for [start, end) and hold the live frame `end` until it answers; False when
+        it cannot be asked (none, or resting after it failed)."""
+        if not self.replay.can_ask(now):
+            return False
+        req = self.replay.ask(start, end, history, now)
+        self._held = (end, batch)
+        if req.start > start:  # longer than one request may ask for: the oldest part is not asked for
+            self._count_lost(start, req.start, 0, history, why="more than one replay request asks for")
+        return True
 
-    def _replay(self, start: int, end: int, history: bool) -> int:
-        """Ask for batches [start, end) and apply the ones that come, in order; returns how many did."""
-        if self.spec.replay is None or end <= start:
-            if not history and end > start:
-                self.lost_ranges.append((start, end - 1))
-            return 0
-        d = self._dealer_socket()
-        d.send_multipart([b"", start.to_bytes(8, "big")])
-        got, expected = 0, start
-        deadline = time.monotonic() + self.replay_timeout_s
-        finished = False
-        while not self._stop_ev.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0 or not d.poll(int(left * 1000) + 1):
-                break
-            parts = d.recv_multipart()
-            if parts and parts[0] == b"":
-                parts = parts[1:]
-            if len(parts) != 2 or len(parts[0]) != 8:
-                self._malformed("a replay reply that is not (sequence, payload)")
-                continue
-            rseq = int.from_bytes(parts[0], "big", signed=True)
-            if rseq == END_SEQ or not parts[1]:
-                finished = True
-                break
-            if rseq < expected or rseq >= end:
-                continue  # already applied, or at/after the live frame that will follow
-            if rseq > expected and not history:
-                self.lost_ranges.append((expected, rseq - 1))
-            expected = rseq + 1
-            batch = self._decode(parts[1])
-            got += 1
+    def _count_lost(self, start: int, end: int, got: int, history: bool = False, why: str = "") -> None:
+        missing = end - start - got
+        if history:
+            self.c["history_missing"] += missing
+            return
+        if missing > 0:
+            self.c["lost"] += missing
+            self.lost_ranges.append((start + got, end - 1) if got == 0 else (start, end - 1))
+            self.cluster.note("gap", f"{self.spec.label}: {missing:,} batches lost (seq {start:,}..{end - 1:,}; "
+                                     f"{got:,} recovered from the replay socket{'; ' + why if why else ''})")
+
+    def _replay_done(self, complete: bool, now: float, why: str = "") -> None:
+        req = self.replay.finish(complete, now)
+        if req is None:
+            return
+        if not complete:
+            self.cluster.note("replay", f"{self.spec.label}: replay request for seq {req.start:,}..{req.end - 1:,} "
+                                        f"given up after {now - req.t0:.1f} s with {req.got:,} batches ("
+                              + (why or ("no answer" if not req.replies else "too slow"))
+                              + f"); gaps in the next {self.limits.replay_backoff_s:g} s are counted lost unasked")
+        if req.history:
+            self.c["history"] += req.got
+            self.c["history_missing"] += req.end - req.start - req.got
+        else:
+            self.c["recovered"] += req.got
+            missing = req.end - req.start - req.got
+            if missing:
+                for r in req.holes:
+                    self.lost_ranges.append(r)
+                if req.expected < req.end:
+                    self.lost_ranges.append((req.expected, req.end - 1))
+                self.c["lost"] += missing
+                self.cluster.note("gap", f"{self.spec.label}: {missing:,} batches lost (seq {req.start:,}.."
+                                         f"{req.end - 1:,}; {req.got:,} recovered from the replay socket)")
+            else:
+                self.cluster.note("replay", f"{self.spec.label}: gap of {req.got:,} batches (seq {req.start:,}.."
+                                            f"{req.end - 1:,}) recovered from the replay socket")
+        held, self._held = self._held, None
+        if held is not None:
+            seq, batch = held
+            self.last_seq = seq
             if batch is not None:
                 self._apply(batch)
-            deadline = time.monotonic() + self.replay_timeout_s  # a long replay is fine while it flows
-        if not finished:
-            # Replies to this request may still arrive; a fresh socket makes sure they are never taken for
-            # the answer to a later one.
-            self._dealer.close(0)
-            self._dealer = None
-            self.cluster.note("replay", f"{self.spec.label}: the replay socket did not finish answering within "
-                                        f"{self.replay_timeout_s:g} s")
-        if expected < end and not history:
-            self.lost_ranges.append((expected, end - 1))
-        return got
+
+
+def _seq_of(parts: list[bytes]) -> int | None:
+    seq_b = parts[-2] if len(parts) in (2, 3) else b""
+    if len(seq_b) != 8:
+        return None
+    seq = int.from_bytes(seq_b, "big", signed=True)
+    return seq if seq >= 0 else None
