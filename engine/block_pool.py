@@ -57,6 +57,7 @@ class BlockPool:
         # Side stream for tier copies on CUDA, so migrations overlap compute.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.listener = None  # callable(kind, **fields) for events and counters
+        self.journal: list | None = None  # block copies of a resize in progress (engine/tier_undo.py)
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -316,7 +317,10 @@ class BlockPool:
         return len(lids)
 
     def _copy(self, src: TierPool, src_slots: np.ndarray, dst: TierPool, dst_slots: np.ndarray) -> None:
-        """Copy slots between tiers (or pools), every part; on CUDA on the side stream (see tiers.copy_slots)."""
+        """Copy slots between tiers (or pools), every part; on CUDA on the side stream (see tiers.copy_slots). Inside
+        a resize each copy is journaled, so that the resize can be undone (engine/tier_undo.py)."""
+        if self.journal is not None:
+            self.journal.append((src, np.array(src_slots, dtype=np.int64), dst, np.array(dst_slots, dtype=np.int64)))
         copy_slots(src, src_slots, dst, dst_slots, self.copy_stream, self.device)
 
     def copy_block(self, src_lid: int, dst_lid: int) -> None:

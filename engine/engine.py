@@ -228,11 +228,19 @@ class Engine(SequenceOps):
                 self.kv.resize(new, self.clock())
             except CacheFull as e:
                 raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # undone by engine/tier_undo.py before it got here
+                raise ConfigError(f"resizing the tiers failed ({_why(e)}); the change was undone, nothing was changed") from e
         elif layout:
             try:
                 held = relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
             except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
                 raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # the plan only builds the new pool; the copy phase undoes itself (relayout.py)
+                raise ConfigError(f"re-laying the cache failed ({_why(e)}); nothing was changed") from e
         else:
             self.kv.set_policy(new)
         self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
@@ -377,6 +385,11 @@ class Engine(SequenceOps):
                 assert len(s.blocks) == blocks_for(s.num_cached, self.config.block_size) or s.state == SeqState.RUNNING, (
                     f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
                 assert len(s.blocks) == len(s.hashes)
+
+
+def _why(e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _label(value) -> str:

@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 class EvictionPolicy(Protocol):
     """Hooks (all optional beyond `victims`): the pool calls on_insert when it allocates a slot, on_access
-    when blocks are read, and on_move when blocks change tier (so per-slot state can follow them)."""
+    when blocks are read, and on_move when blocks change slot (another tier, or the same tier when a resize
+    packs a shrinking tier: per-slot state follows them). A tier's capacity can change under a policy (a budget
+    change resizes it in place, the first slots kept): per-slot state must follow `tier.capacity`, never assume
+    it fixed. A policy holds no reference to a tier, so a resize can checkpoint it with copy.deepcopy."""
 
     name: str
 
@@ -96,6 +99,24 @@ class _S3State:
         used = np.flatnonzero(self.live)
         self.pos[used[np.argsort(tier.born[used], kind="stable")]] = np.arange(len(used)) - len(used)
 
+    @property
+    def capacity(self) -> int:
+        return len(self.freq)
+
+    def resize(self, n: int) -> None:
+        """The tier now has n slots (a budget change in place): the first min(old, n) slots keep their state and
+        their place in the queues, new slots are free, and the queue targets follow the new size (the ghost keeps
+        its newest entries)."""
+        keep = min(n, self.capacity)
+        for name in ("freq", "in_main", "pos", "live", "checked"):
+            old = getattr(self, name)
+            new = np.zeros(n, dtype=old.dtype)
+            new[:keep] = old[:keep]
+            setattr(self, name, new)
+        self.small, self.ghost_len = s3fifo_sizes(n)
+        while len(self.ghost) > self.ghost_len:
+            self.ghost.popitem(last=False)
+
 
 class S3FIFO:
     """S3-FIFO (Yang et al., SOSP 2023): a small probationary FIFO, a main FIFO with second chance, a ghost.
@@ -124,16 +145,17 @@ class S3FIFO:
     name = "s3fifo"
 
     def __init__(self):
-        self._states: dict[int, tuple["TierPool", _S3State]] = {}
+        self._states: dict[int, _S3State] = {}  # by tier (Tier value): a pool's tiers are resized, never replaced
         self._tick = 0
 
     # -- state --------------------------------------------------------------------------------
     def _state(self, tier: "TierPool") -> _S3State:
-        got = self._states.get(id(tier))
-        if got is None or got[0] is not tier:
-            got = (tier, _S3State(tier))
-            self._states[id(tier)] = got
-        return got[1]
+        st = self._states.get(int(tier.tier))
+        if st is None:
+            st = self._states[int(tier.tier)] = _S3State(tier)
+        elif st.capacity != tier.capacity:  # the tier was resized in place (engine/tier_resize.py)
+            st.resize(tier.capacity)
+        return st
 
     def _ticks(self, n: int) -> np.ndarray:
         out = np.arange(self._tick, self._tick + n, dtype=np.int64)
@@ -187,6 +209,12 @@ class S3FIFO:
         dst_slots = np.asarray(dst_slots, dtype=np.int64)
         b.freq[dst_slots] = a.freq[src_slots]
         b.in_main[dst_slots] = a.in_main[src_slots]
+        if a is b:  # packed into other slots of its tier (a resize): it keeps its place in its queue
+            b.pos[dst_slots] = a.pos[src_slots]
+            b.live[dst_slots] = a.live[src_slots]
+            b.checked[dst_slots] = a.checked[src_slots]
+            a.live[src_slots] = False
+            return
         b.pos[dst_slots] = self._ticks(len(dst_slots))  # a block entering a tier joins its queue's tail
         b.live[dst_slots] = True
         b.checked[dst_slots] = False

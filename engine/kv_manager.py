@@ -107,11 +107,12 @@ class KVManager(Residency):
         resize(self.pool, config, now)
 
     def set_policy(self, config: CacheConfig) -> None:
-        """A change that keeps the geometry: the pool keeps its blocks, the policy starts afresh."""
+        """A change that keeps the geometry and the budgets: the pool keeps its blocks; the policy keeps its state
+        unless the change names another one (which starts from the blocks as they are)."""
         from engine.eviction import make_policy
 
-        self.pool.config = config
-        self.pool.policy = make_policy(config.policy, config.decay)
+        policy = self.pool.policy if config.policy == self.pool.config.policy else make_policy(config.policy, config.decay)
+        self.pool.config, self.pool.policy = config, policy
 
     # -- queries ------------------------------------------------------------------------------
     def capacity(self, tier: Tier) -> int:
@@ -173,6 +174,25 @@ class KVManager(Residency):
         dev = lids[p.tier[lids] == DEVICE]
         pinned = int(np.count_nonzero(p._meta("ref", dev) == 0)) if match else 0
         return p.reclaimable(Tier.DEVICE) - pinned >= need + on_host
+
+    def free_blocks(self) -> int:
+        """Blocks both tiers can still give without touching one a sequence owns: free and cached ones."""
+        return self.pool.reclaimable(Tier.DEVICE) + self.pool.reclaimable(Tier.HOST)
+
+    def still_needs(self, seq: Sequence, tokens: int, match: list[int] | None = None) -> int:
+        """Blocks the sequence still takes out of `free_blocks()` to hold K/V for `tokens` tokens: those it does not
+        hold yet, and a copy of a shared partial tail it will write into. With `match` (a prefix a sequence holding
+        no blocks is about to take): the blocks past it, and those of it that are cached (unowned: taking them
+        takes them out of the free ones; owned ones are counted already, once however many share them)."""
+        p = self.pool
+        bs = self.config.block_size
+        held = seq.blocks if match is None else match
+        need = max(blocks_for(tokens, bs) - len(held), 0)
+        if match:
+            need += int(np.count_nonzero(p._meta("ref", np.asarray(match, dtype=np.int64)) == 0))
+        elif match is None and seq.num_cached % bs and seq.blocks and p.ref_of(seq.blocks[seq.num_cached // bs]) > 1:
+            need += 1
+        return need
 
     def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:
         """Reference the matched blocks and count the reuse."""

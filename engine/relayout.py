@@ -223,10 +223,12 @@ class _Copier:
                 for side in ("k", "v"):
                     self._layer(self.old, self.new, self.tmap, layer, side)
                     done.append((layer, side))
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+        except Exception as e:  # torch.OutOfMemoryError is a RuntimeError; anything else is undone the same way
             self._revert(done, plan)
-            raise ConfigError(f"re-laying the cache ran out of memory at layer {len(done) // 2}: "
-                              f"{str(e).splitlines()[0]}; the change was undone and nothing else changed") from None
+            what = "ran out of memory" if isinstance(e, (RuntimeError, MemoryError)) else f"failed ({type(e).__name__})"
+            raise ConfigError(f"re-laying the cache {what} at layer {len(done) // 2}: "
+                              f"{(str(e) or type(e).__name__).splitlines()[0]}; the change was undone and nothing else "
+                              "changed") from None
         return {"peak_extra_bytes": int(self.peak - max(self.old_bytes, self.new_bytes)),
                 "old_tier_bytes": int(self.old_bytes), "new_tier_bytes": int(self.new_bytes)}
 

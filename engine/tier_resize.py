@@ -3,10 +3,13 @@
 Shrinking the device tier demotes its coldest blocks to the host tier (owned ones too: attention reads them
 there), dropping cached ones the host tier cannot take; shrinking the host tier evicts its coldest cached blocks
 and promotes owned ones the device tier has room for. Blocks left in slots past a tier's new capacity move down
-into free ones, then each part is reallocated at the new size a layer at a time and the kept slots copied over. Sequences, prefix
-hashes, heat and ages are untouched; only the eviction policy's per-slot state starts afresh.
+into free ones, then each part is reallocated at the new size a layer at a time and the kept slots copied over.
+Sequences, prefix hashes, heat, ages and the eviction policy's state (S3-FIFO's queues too) are kept.
 
 Refused (CacheFull, before anything moves) when the blocks sequences own cannot fit both tiers' new capacities.
+Any exception inside the change (a full GPU while a tier grows, a defect) undoes it (engine/tier_undo.py): the
+pool is as it was, the exception is re-raised for the engine to turn into a refusal. A shrinking tier's storage
+is cut last, after the change has committed; should that allocation fail it keeps a view of the first slots.
 """
 
 from __future__ import annotations
@@ -15,8 +18,8 @@ import numpy as np
 
 from engine.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig
-from engine.eviction import make_policy
-from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, copy_slots, tier_sizes
+from engine.tier_undo import ResizeUndo, resize_storage
+from engine.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, tier_sizes
 
 _FILL = {"lid": -1, "owner": -1}  # metadata defaults of an empty slot (the rest: 0)
 
@@ -28,10 +31,20 @@ def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
     owned = sum(int(np.count_nonzero((t.lid >= 0) & (t.ref > 0))) for t in pool.tiers)
     if owned > dev_cap + host_cap:
         raise CacheFull(f"sequences own {owned} blocks but the new budgets hold {dev_cap} + {host_cap}")
+    with ResizeUndo(pool):
+        _resize(pool, config, sizes, now)
+    for t in (dev, host):  # committed: shrinking tiers' storage cut to size (a grown one is already)
+        resize_storage(pool, t, t.capacity, view_on_failure=True)
+
+
+def _resize(pool: BlockPool, config: CacheConfig, sizes, now: float) -> None:
+    dev_cap, host_cap = sizes.dev_cap, sizes.host_cap
+    dev, host = pool.tiers
     pool.config, pool.sizes = config, sizes
     for t, cap in ((dev, dev_cap), (host, host_cap)):
         if cap > t.capacity:  # growing tiers first: room for what the shrinking one hands over
-            _realloc(pool, t, cap)
+            resize_storage(pool, t, cap, view_on_failure=False)
+            _resize_meta(t, cap)
     # The device tier down to its new capacity: coldest blocks to the host tier (which makes room by evicting its
     # own coldest cached blocks, but must keep room for the owned blocks it has to hold).
     over = dev.used - dev_cap
@@ -60,9 +73,9 @@ def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
         if t.used > cap:  # cannot happen after the check above; never leave a half-resized tier silently
             raise AssertionError(f"{t.tier.name} tier still holds {t.used} blocks for {cap} slots")
         _compact(pool, t, cap)
-        _realloc(pool, t, cap)
+        if cap < t.capacity:
+            _resize_meta(t, cap)  # the storage is cut once the change has committed
     _grow_lids(pool, dev_cap + host_cap)
-    pool.policy = make_policy(config.policy, config.decay)
     pool.moves += 1
 
 
@@ -80,8 +93,9 @@ def _compact(pool: BlockPool, t: TierPool, cap: int) -> None:
     if len(high) == 0:
         return
     low = np.asarray(sorted(s for s in t.free_slots if s < cap)[:len(high)], dtype=np.int64)
-    copy_slots(t, high, t, low, pool.copy_stream, pool.device)
+    pool._copy(t, high, t, low)
     t.copy_meta(t, high, low)
+    pool.policy.on_move(t, high, t, low)
     for s_old, s_new in zip(high.tolist(), low.tolist()):
         lid = int(t.lid[s_new])
         pool.slot[lid] = s_new
@@ -95,21 +109,10 @@ def _compact(pool: BlockPool, t: TierPool, cap: int) -> None:
     t.free_slots = [s for s in t.free_slots if s not in taken] + high.tolist()
 
 
-def _realloc(pool: BlockPool, t: TierPool, cap: int) -> None:
-    """Parts and per-slot metadata at the new capacity, the first min(old, new) slots kept."""
-    if cap == t.capacity:
-        return
+def _resize_meta(t: TierPool, cap: int) -> None:
+    """Per-slot metadata at the new capacity, the first min(old, new) slots kept (the policy's state follows the
+    capacity on its next use: engine/eviction.py)."""
     keep = min(cap, t.capacity)
-    reserved = RESERVED if t.null_slot is not None else 0
-    for parts, codec in ((t.k, pool.kcodec), (t.v, pool.vcodec)):
-        for layer in range(pool.geom.layers):  # a layer at a time: each old layer is freed before the next is made
-            device = parts["data"][layer].device
-            pin = device.type == "cpu" and parts["data"][layer].is_pinned()
-            fresh = {name: [None] * pool.geom.layers for name in parts}
-            codec.alloc_layer(fresh, pool.geom, cap + reserved, layer, device, pin)
-            for name, layers in parts.items():
-                fresh[name][layer][:keep] = layers[layer][:keep]
-                layers[layer] = fresh[name][layer]
     for name in TierPool.META + ("hist", "tokens"):
         old = getattr(t, name)
         new = np.full((cap,) + old.shape[1:], _FILL.get(name, 0), dtype=old.dtype)

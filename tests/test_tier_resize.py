@@ -116,3 +116,25 @@ def test_a_block_size_change_rebuilds_the_prefix_cache(llama_model, llama_ref, b
     assert eng.counters.prompt_reused - before == 48  # the whole shared prompt, in blocks of the new size
     assert out[0] == llama_ref.greedy(shared + [9], 6)
     eng.check_invariants()
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat", "s3fifo"])
+def test_a_budget_change_with_the_host_tier_full_keeps_the_engine_working(llama_model, llama_ref, policy):
+    """Issue 18 item 1: under s3fifo, shrinking the device tier to 0 with the host tier full raised IndexError
+    out of reconfigure (the policy's per-tier state was still sized for the old capacity), left the new config
+    applied and broke every later step."""
+    eng = _engine(llama_model, 20, 20, policy=policy)
+    ps = prompts(36, [30, 44, 23, 37, 51, 40, 33, 45, 51, 19])
+    for p in ps[:8]:  # cached prompts fill both tiers
+        eng.generate([p], SamplingParams(max_new_tokens=2, ignore_eos=True))
+    ids = [eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True)) for p in ps[8:]]
+    eng.step()
+    assert eng.pool.tiers[Tier.HOST].used >= 16 and eng.pool.tiers[Tier.DEVICE].used >= 12  # both (nearly) full
+    for dev, host in ((0, 64), (6, 30), (0, 12), (30, 8), (2, 40), (20, 20)):
+        eng.reconfigure(device_budget_mb=_mb(llama_model, dev + RESERVED), host_budget_mb=_mb(llama_model, host))
+        assert eng.pool.tiers[Tier.DEVICE].capacity == dev and eng.pool.tiers[Tier.HOST].capacity == host
+        eng.check_invariants()
+        eng.step()
+    eng.run_until_done()
+    assert [eng.seqs[i].output for i in ids] == [llama_ref.greedy(p, N) for p in ps[8:]]
+    eng.check_invariants()
