@@ -1,7 +1,8 @@
 """`kvscope attach`: the inspector on running vLLM / SGLang servers, read-only (KV events over ZMQ, /metrics
 over HTTP). Needs no torch: this module and everything it imports are Qt + numpy + pyzmq + msgpack +
-prometheus_client. `--soak` is the bench (app/attach_soak.py); `--demo` attaches to fake publishers started
-here, for trying the window without a server."""
+prometheus_client. `--soak` is the bench (app/attach_soak.py), `--bench-decode` the decoder's
+(engine/attach/decode_bench.py); `--demo` attaches to fake publishers started here, for trying the window
+without a server."""
 
 from __future__ import annotations
 
@@ -47,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--soak-publishers", type=int, default=3)
     ap.add_argument("--soak-rate", type=float, default=20_000.0, help="events/s per publisher (20000)")
     ap.add_argument("--soak-seconds", type=float, default=60.0)
+    ap.add_argument("--bench-decode", action="store_true",
+                    help="the decoder's bench: events/s decoding payloads shaped as vLLM 0.33 and SGLang 0.5 send "
+                         "them (and the older layouts), alone and applied to the block maps; no sockets")
+    ap.add_argument("--bench-seconds", type=float, default=2.0, metavar="SECONDS",
+                    help="with --bench-decode: seconds per shape and measure (2)")
     ap.add_argument("--in-process", action="store_true",
                     help="decode events on threads of the window's process instead of an ingest process (debugging)")
     ap.add_argument("--json", action="store_true", help="print one JSON object (headless summary, soak)")
@@ -84,6 +90,13 @@ def _summary(session) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.bench_decode:
+        from engine.attach.decode_bench import run
+
+        res = run(max(args.bench_seconds, 0.1), say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
+        if args.json:
+            print(json.dumps(res))
+        return 0
     if args.soak:
         from app.attach_soak import run_soak
 

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from engine.attach.block_state import token_list
 from engine.attach.events import (KIND_CLEARED, KIND_REMOVED, KIND_STORED, AllBlocksCleared, BlockRemoved,
-                                  BlockStored, DecodeError, decode_batch, encode_batch, medium_of)
+                                  MAX_FRAME_BYTES, REASONS, BlockStored, DecodeError, decode_batch, encode_batch,
+                                  medium_of)
 
 
 # vLLM's own declarations (vllm/distributed/kv_events.py): array-like up to 0.10, maps with more fields since.
@@ -150,3 +151,85 @@ def test_any_msgpack_value_decodes_or_raises_decode_error(obj):
         decode_batch(msgpack.packb(obj, use_bin_type=True))
     except DecodeError:
         pass
+
+
+# -- a hostile or broken peer: only DecodeError leaves the decoder ---------------------------------------------
+_DEEP = b"\x91" * 100_000 + b"\xc0"  # an array in an array ... 100k deep
+_DEEP_MAP = b"\x81\xa1k" * 100_000 + b"\xc0"
+_TS = b"\xcb" + bytes(8)
+_TAGGED_STORED = b"\x93" + _TS + b"\x91\x83\xa4type\xabBlockStored\xacblock_hashes\x91\x01"
+
+
+@pytest.mark.parametrize("payload", [
+    _DEEP,
+    _TAGGED_STORED + b"\xaaextra_keys" + _DEEP + b"\x00",  # today's layout, nested extra_keys
+    _TAGGED_STORED + b"\xaaextra_keys" + _DEEP_MAP + b"\x00",
+    _TAGGED_STORED + b"\xa9token_ids" + _DEEP + b"\x00",  # nested token_ids
+    b"\x82\xa2ts" + _TS + b"\xa6events\x91\x83\xa4type\xabBlockStored\xacblock_hashes\x91\x01\xa9token_ids" + _DEEP,
+    b"\x93" + _TS + b"\x91\x99\xabBlockStored\x91\x01\xc0\x90\x10\xc0\xc0\xc0" + _DEEP,  # array-like extra_keys
+    b"\x83\xa2ts" + _TS + b"\xa6events\x90\xa1x" + _DEEP,  # a field nobody knows
+], ids=["top", "tagged-extra-keys", "tagged-extra-keys-maps", "tagged-token-ids", "map-batch-token-ids",
+        "array-extra-keys", "unknown-field"])
+def test_a_frame_nested_100k_deep_is_a_decode_error_not_a_recursion_error(payload):
+    with pytest.raises(DecodeError) as e:
+        decode_batch(payload)
+    assert e.value.reason in REASONS
+
+
+def test_a_nested_frame_on_a_thread_leaves_the_thread_running():
+    """The subscriber decodes on its own thread: what it can catch there is what counts."""
+    import threading
+
+    out = []
+
+    def work():
+        for p in (_TAGGED_STORED + b"\xaaextra_keys" + _DEEP + b"\x00", encode_batch(1.0, [AllBlocksCleared()])):
+            try:
+                out.append(len(decode_batch(p).events))
+            except DecodeError as e:
+                out.append(e.reason)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join(60)
+    assert out == ["too_deep", 1]
+
+
+def test_a_frame_over_the_size_limit_is_refused_with_its_reason():
+    big = msgpack.packb([1.0, [{"type": "AllBlocksCleared", "pad": b"x" * MAX_FRAME_BYTES}], 0])
+    assert len(big) > MAX_FRAME_BYTES
+    with pytest.raises(DecodeError) as e:
+        decode_batch(big)
+    assert e.value.reason == "too_large"
+    ok = msgpack.packb([1.0, [{"type": "AllBlocksCleared", "pad": b"x" * 1000}], 0])
+    assert len(decode_batch(ok).events) == 1
+
+
+def _real_shaped(flavor: str, layout: str) -> bytes:
+    from engine.attach.decode_bench import payloads
+
+    return payloads(flavor, layout, "int64" if flavor == "sglang" else "bytes", batches=1, per_batch=6)[0][0]
+
+
+_SEEDS = [_real_shaped("vllm", "tagged"), _real_shaped("sglang", "tagged"), _real_shaped("vllm", "array")]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.sampled_from(_SEEDS), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)), max_size=8),
+       st.integers(0, 3), st.integers(0, 3000), st.integers(0, 10_000))
+def test_mutated_real_frames_decode_or_raise_decode_error(seed, flips, cut, depth, at):
+    """Real-shaped frames with bytes changed, cut short, or deep nesting spliced in: DecodeError or a batch."""
+    b = bytearray(seed)
+    for i, v in flips:
+        b[i % len(b)] = v
+    if cut:
+        b = b[: len(b) * cut // 4]
+    if depth:
+        i = at % (len(b) + 1)
+        b[i:i] = (b"\x91" if depth % 2 else b"\x81\xa1k") * depth + b"\xc0"
+    try:
+        out = decode_batch(bytes(b))
+    except DecodeError as e:
+        assert e.reason in REASONS
+        return
+    assert all(e.KIND in (KIND_STORED, KIND_REMOVED, KIND_CLEARED) for e in out.events)

@@ -8,7 +8,10 @@ turn by turn, a new turn and a few decoded blocks. Each request looks its prefix
 one block per decode step, each naming its parent), and the least recently used blocks are removed when the
 cache is over capacity. With `cpu_capacity` the removed blocks are offloaded to a CPU tier (stored there with
 medium CPU) and later removed from it too. Hashes chain like vLLM's: blake2b(parent hash, token ids), as
-bytes (newer vLLM) or as a 63-bit int (older vLLM, SGLang).
+bytes (newer vLLM), a 63-bit int (older vLLM) or a signed int64 (SGLang's hash_str_to_int64).
+
+`flavor` fills in what that server adds to every event: vLLM 0.33 names the KV-cache group of each store and
+removal (0) and the group's kind ("full_attention"); SGLang calls its host tier CPU_PINNED.
 """
 
 from __future__ import annotations
@@ -25,10 +28,12 @@ from engine.attach.events import BlockRemoved, BlockStored, Event
 
 class FakeCache:
     def __init__(self, capacity: int = 4000, block_size: int = 16, families: int = 12, seed: int = 0,
-                 hash_kind: str = "bytes", cpu_capacity: int = 0, prefill_chunk: int = 8):
+                 hash_kind: str = "bytes", cpu_capacity: int = 0, prefill_chunk: int = 8, flavor: str | None = None):
         self.rng = random.Random(seed)
         self.capacity, self.block_size, self.hash_kind = capacity, block_size, hash_kind
         self.cpu_capacity, self.prefill_chunk = cpu_capacity, prefill_chunk
+        self.flavor = flavor
+        self.cpu_medium = "CPU_PINNED" if flavor == "sglang" else "CPU"
         self.gpu: OrderedDict = OrderedDict()  # hash -> [stored_t, last_t]; LRU order, oldest first
         self.cpu: OrderedDict = OrderedDict()
         self._seed = seed
@@ -53,10 +58,13 @@ class FakeCache:
     def _hash(self, parent, tokens: list[int]):
         h = hashlib.blake2b(digest_size=32)
         if parent is not None:
-            h.update(parent if isinstance(parent, bytes) else parent.to_bytes(8, "little"))
+            h.update(parent if isinstance(parent, bytes) else parent.to_bytes(8, "little", signed=parent < 0))
         h.update(np.asarray(tokens, np.int32).tobytes())
         d = h.digest()
-        return d if self.hash_kind == "bytes" else int.from_bytes(d[:8], "little") >> 1
+        if self.hash_kind == "bytes":
+            return d
+        return int.from_bytes(d[:8], "little", signed=True) if self.hash_kind == "int64" else \
+            int.from_bytes(d[:8], "little") >> 1
 
     def _chain(self, parent, n: int) -> list:
         out = []
@@ -119,6 +127,9 @@ class FakeCache:
             tier[h] = [t, t]
             tier.move_to_end(h)
         toks = [x for _, tk in blocks for x in tk]
+        if self.flavor == "vllm":
+            return BlockStored([h for h, _ in blocks], parent, toks, self.block_size, None, medium, group_idx=0,
+                               kv_cache_spec_kind="full_attention")
         return BlockStored([h for h, _ in blocks], parent, toks, self.block_size, None, medium)
 
     def _evict(self, t: float) -> list[Event]:
@@ -130,15 +141,18 @@ class FakeCache:
                 gone.append(h)
                 self.lifetimes.append(t - st)
                 self.idle.append(t - lt)
-            out.append(BlockRemoved(gone, "GPU"))
+            out.append(self._removed(gone, "GPU"))
             if self.cpu_capacity:
-                out.append(self._store([(h, []) for h in gone], None, t, "CPU"))
+                out.append(self._store([(h, []) for h in gone], None, t, self.cpu_medium))
         if self.cpu_capacity and len(self.cpu) > self.cpu_capacity:
             gone = []
             while len(self.cpu) > self.cpu_capacity:
                 gone.append(self.cpu.popitem(last=False)[0])
-            out.append(BlockRemoved(gone, "CPU"))
+            out.append(self._removed(gone, self.cpu_medium))
         return out
+
+    def _removed(self, hashes: list, medium: str) -> BlockRemoved:
+        return BlockRemoved(hashes, medium, 0 if self.flavor == "vllm" else None)
 
     def usage(self, t: float) -> float:
         """What vllm:kv_cache_usage_perc would say: blocks held by running requests (a cached block nobody
