@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import math
 import threading
+import time
 
 import pytest
 
@@ -146,3 +147,111 @@ def test_the_fake_publishers_exposition_parses_with_every_metric():
 def test_metrics_sample_without_data_is_empty():
     s = MetricsSample(1.0, error="URLError: refused")
     assert s.values == {} and s.histograms == {}
+
+
+# -- a server that is broken or hostile (real http.server servers on 127.0.0.1) ------------------------------
+
+class _Hostile(http.server.BaseHTTPRequestHandler):
+    """What each path does: /trickle a byte every 0.2 s, /big an endless body, /huge a 200 MB Content-Length,
+    /redirect a 302 to another port, /odd values that cannot be true."""
+
+    stop = threading.Event()
+    other = ""  # where /redirect points
+    hits = {"other": 0}
+
+    def do_GET(self):
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", self.other)
+            self.end_headers()
+            return
+        if self.path == "/target":
+            _Hostile.hits["other"] += 1
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        if self.path == "/huge":
+            self.send_header("Content-Length", str(200 << 20))
+        self.end_headers()
+        try:
+            if self.path == "/trickle":
+                while not self.stop.wait(0.2):
+                    self.wfile.write(b"#")
+                    self.wfile.flush()
+            elif self.path in ("/big", "/huge"):
+                line = b"vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n" * 1000
+                while not self.stop.is_set():
+                    self.wfile.write(line)
+            elif self.path == "/odd":
+                self.wfile.write(ODD.encode())
+            else:
+                self.wfile.write(VLLM.encode())
+        except OSError:  # the scraper hung up: what it should do
+            pass
+
+    def log_message(self, *a):
+        pass
+
+
+ODD = """\
+vllm:kv_cache_usage_perc{engine="0"} -3.5
+sglang:cache_hit_rate{tp_rank="0"} 5.0
+vllm:num_preemptions_total{engine="0"} -1e308
+vllm:prefix_cache_queries_total{engine="0"} 100.0
+vllm:prefix_cache_hits_total{engine="0"} 50.0
+vllm:cache_config_info{num_gpu_blocks="1000000000000000"} 1.0
+vllm:kv_block_lifetime_seconds_bucket{le="1.0"} 5.0
+vllm:kv_block_lifetime_seconds_bucket{le="+Inf"} 2.0
+vllm:kv_block_lifetime_seconds_count 2.0
+vllm:kv_block_lifetime_seconds_sum 1.0
+"""
+
+
+@pytest.fixture
+def hostile():
+    _Hostile.stop.clear()
+    srvs = [http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hostile) for _ in range(2)]
+    for s in srvs:
+        threading.Thread(target=s.serve_forever, daemon=True).start()
+    _Hostile.other = f"http://127.0.0.1:{srvs[1].server_port}/target"
+    _Hostile.hits["other"] = 0
+    yield f"http://127.0.0.1:{srvs[0].server_port}"
+    _Hostile.stop.set()
+    for s in srvs:
+        s.shutdown()
+        s.server_close()
+
+
+def test_a_server_trickling_a_byte_at_a_time_fails_the_scrape_at_its_deadline(hostile):
+    x = Scraper(hostile + "/trickle", "slow", deadline_s=1.0)
+    t0 = time.monotonic()
+    s = x.scrape_once()
+    assert s.error and "deadline" in s.error and x.failures == 1
+    assert time.monotonic() - t0 < 10  # a bound, not a measurement: urllib's per-read timeout never ends
+
+
+def test_a_body_past_the_cap_is_refused_without_reading_or_parsing_it_all(hostile):
+    s = Scraper(hostile + "/big", "big", max_body=1 << 20).scrape_once()
+    assert s.error and "limit" in s.error and not s.values
+    s = Scraper(hostile + "/huge", "huge").scrape_once()  # a Content-Length of 200 MB: refused at once
+    assert s.error and "209,715,200-byte body" in s.error
+
+
+def test_a_redirect_is_not_followed(hostile):
+    s = Scraper(hostile + "/redirect", "r").scrape_once()
+    assert s.error and "302" in s.error and "not followed" in s.error
+    assert _Hostile.hits["other"] == 0
+
+
+def test_values_that_cannot_be_true_are_no_data_with_a_note(hostile):
+    s = Scraper(hostile + "/odd", "odd").scrape_once()
+    assert s.error is None
+    assert s.values == {"prefix_queries": 100.0, "prefix_hits": 50.0}  # the only believable ones
+    assert s.histograms == {}
+    text = " ".join(s.notes)
+    for word in ("usage -3.5", "sglang_hit_rate 5", "preemptions -1e+308", "num_gpu_blocks 1e+15", "lifetime"):
+        assert word in text
+    r = rates(None, s)
+    assert math.isnan(r.usage) and math.isnan(r.hit_rate) and math.isnan(r.preemptions_per_s)
+    assert parse_metrics(VLLM).notes == ()  # a sane exposition has none
+    more = parse_metrics(VLLM.replace("300.0", "3000.0"))  # more hits than queries
+    assert "prefix_hits" not in more.values and more.notes

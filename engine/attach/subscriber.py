@@ -36,7 +36,6 @@ from engine.attach.replay import END_SEQ, ReplayClient  # noqa: F401  (END_SEQ: 
 from engine.attach.source import SourceSpec
 
 RESTART_BELOW = 16  # a seq this far or more below the last one is a restarted publisher, not a duplicate
-MAX_FRAME_BYTES = 64 << 20  # a live frame's payload larger than this is refused (a batch is KBs to a few MB)
 
 
 @dataclass(frozen=True)
@@ -58,7 +57,7 @@ class SourceStatus:
     endpoint: str
     replay: str | None
     frames: int  # multipart messages received live
-    malformed: int  # frames skipped: wrong frame count, a bad sequence number, over the size limit, not a batch
+    malformed: int  # frames skipped: wrong frame count, a bad sequence number, not a batch (or too big)
     batches: int  # batches applied (live + replayed)
     duplicates: int
     gaps: int  # jumps in the sequence
@@ -265,8 +264,6 @@ class Subscriber(threading.Thread):
             return self._malformed(f"{len(parts)} frames, expected topic, sequence, payload")
         if len(seq_b) != 8:
             return self._malformed(f"a {len(seq_b)}-byte sequence number")
-        if len(payload) > MAX_FRAME_BYTES:
-            return self._malformed(f"a {len(payload):,}-byte payload, over the {MAX_FRAME_BYTES >> 20} MB limit")
         seq = int.from_bytes(seq_b, "big", signed=True)
         if seq < 0:
             return self._malformed(f"sequence number {seq} (the servers count from 0)")

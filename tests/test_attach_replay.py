@@ -1,0 +1,193 @@
+"""The replay socket as the real servers run it, and as a broken one does, with real ZMQ sockets on 127.0.0.1.
+
+The server side here is a few lines that do what vLLM 0.33.0's and SGLang 0.5.23's `ZmqEventPublisher` do
+(vllm/distributed/kv_events.py `_publisher_thread` / `_service_replay`; the same code in
+sglang/srt/disaggregation/kv_events.py): live frames (topic, seq as 8 big-endian bytes, payload); a replay
+request (identity, "", start) answered with (identity, "", topic, seq, payload) for every buffered batch with
+seq >= start, then (identity, "", "", -1 as 8 signed big-endian bytes, ""). The layout before vLLM 0.26 (no
+topic frame) is read too. Payloads are the real shape: an array batch of tag-keyed maps.
+
+A replay socket that never answers costs one wait, not one per gap; one that trickles is given up on at its
+deadline; while a request is open the live frames queue (and say so); past the limits they are shed, counted.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from engine.attach.cluster import ClusterState
+from engine.attach.source import SourceSpec
+from engine.attach.subscriber import StreamLimits, Subscriber
+
+END = (-1).to_bytes(8, "big", signed=True)
+TOPIC = b"kv-events"
+
+
+def payload(seq: int) -> bytes:
+    """One batch as vLLM 0.33 encodes it: [ts, [BlockStored map], rank], defaults omitted."""
+    ev = {"type": "BlockStored", "block_hashes": [1000 + seq], "parent_block_hash": None,
+          "token_ids": list(range(16)), "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None}
+    return msgpack.packb([time.time(), [ev], 0], use_bin_type=True)
+
+
+class Server:
+    """PUB + ROUTER on 127.0.0.1 (the test plays the server); `mode`: how the ROUTER answers."""
+
+    def __init__(self, mode: str = "vllm"):
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub_port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.SNDHWM, 100_000)
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.mode, self.buffer, self.requests, self.seq = mode, [], 0, 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def spec(self, replay: bool = True) -> SourceSpec:
+        return SourceSpec("vllm", f"tcp://127.0.0.1:{self.pub_port}",
+                          f"tcp://127.0.0.1:{self.replay_port}" if replay else None, "", 0, "srv")
+
+    def publish(self, n: int, live: bool = True, withhold=()) -> None:
+        for _ in range(n):
+            seq, self.seq = self.seq, self.seq + 1
+            buf = payload(seq)
+            with self._lock:
+                self.buffer.append((seq, buf))
+            if live and seq not in withhold:
+                self.pub.send_multipart((TOPIC, seq.to_bytes(8, "big"), buf))
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            client, _, start_b = self.router.recv_multipart()
+            self.requests += 1
+            start = int.from_bytes(start_b, "big")
+            with self._lock:
+                todo = [(s, b) for s, b in self.buffer if s >= start]
+            if self.mode == "silent":
+                continue
+            for s, b in todo:
+                if self.mode == "trickle":  # one batch at a time, forever (the same ones again)
+                    while not self._stop.wait(0.15):
+                        self.router.send_multipart((client, b"", TOPIC, s.to_bytes(8, "big"), b))
+                    return
+                if self.mode == "old":
+                    self.router.send_multipart((client, b"", s.to_bytes(8, "big"), b))
+                else:
+                    self.router.send_multipart((client, b"", TOPIC, s.to_bytes(8, "big"), b))
+            self.router.send_multipart((client, b"", END, b"") if self.mode == "old" else (client, b"", b"", END, b""))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.pub.close(0)
+        self.router.close(0)
+        self.ctx.term()
+
+
+def _wait(pred, timeout=30.0, what="condition"):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"timed out waiting for {what() if callable(what) else what}")
+
+
+@pytest.fixture
+def attach():
+    made = []
+
+    def make(server: Server, replay: bool = True, limits: StreamLimits | None = None):
+        cl = ClusterState(["srv"])
+        ctx = zmq.Context()
+        sub = Subscriber(server.spec(replay), 0, cl, ctx, limits=limits)
+        sub.start()
+        made.append((sub, ctx))
+        time.sleep(0.3)  # the SUB connects (frames before that are history, asked for too)
+        return sub, cl
+
+    yield make
+    for sub, ctx in made:
+        sub.stop()
+        ctx.term()
+
+
+@pytest.mark.parametrize("mode", ["vllm", "old"])
+def test_history_and_a_gap_are_recovered_in_the_servers_reply_layout(attach, mode):
+    srv = Server(mode)
+    try:
+        srv.publish(40, live=False)  # before we attached: only in the replay buffer
+        sub, cl = attach(srv)
+        srv.publish(60, withhold=range(70, 75))
+        _wait(lambda: sub.status().batches == 100, 20, lambda: f"100 batches (have {sub.status()})")
+        st = sub.status()
+        assert st.first_seq >= 40 and st.history == st.first_seq and st.history_missing == 0
+        assert st.gaps == 1 and st.recovered == 5 and st.lost == 0 and st.malformed == 0
+        assert len(cl.groups[(0, 0, "GPU", 0)]) == 100 and srv.requests == 2
+    finally:
+        srv.close()
+
+
+def test_a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap(attach):
+    srv = Server("silent")
+    try:
+        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=0.3))
+        srv.publish(1)  # seq 0: no history to ask for
+        _wait(lambda: sub.status().batches == 1, 10, "the first batch")
+        gaps = [50 * k + 10 for k in range(1, 11)]  # a batch withheld every 50
+        srv.publish(550, withhold=gaps)
+        _wait(lambda: sub.status().batches == 551 - len(gaps), 20, lambda: f"the live batches (have {sub.status()})")
+        st = sub.status()
+        assert st.gaps == 10 and st.lost == 10 and st.recovered == 0
+        assert srv.requests == 1 and st.replay_timeouts == 1 and st.replay_state == "backoff"
+        notes = [t for _, k, t in cl.take_notes() if k == "replay"]
+        assert any("no answer" in t and "counted lost" in t for t in notes)
+    finally:
+        srv.close()
+
+
+def test_a_trickling_replay_is_given_up_at_its_deadline_and_the_wait_is_visible(attach):
+    srv = Server("trickle")
+    try:
+        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=1.0, replay_deadline_s=1.5))
+        srv.publish(1)
+        _wait(lambda: sub.status().batches == 1, 10, "the first batch")
+        srv.publish(200, withhold=(5,))  # a gap: the request trickles one batch every 0.15 s
+        _wait(lambda: sub.status().queued > 0 and sub.status().replay_state == "waiting", 10, "frames queued")
+        assert sub.status().behind_s > 0
+        _wait(lambda: sub.status().batches + sub.status().lost == 201, 20, lambda: f"the live batches (have {sub.status()})")
+        st = sub.status()
+        assert st.replay_timeouts == 1 and st.recovered + st.lost == 1 and st.queued == 0
+        assert any("too slow" in t for _, k, t in cl.take_notes() if k == "replay")
+    finally:
+        srv.close()
+
+
+def test_a_source_too_far_behind_sheds_its_oldest_frames_and_says_so(attach, monkeypatch):
+    srv = Server("vllm")
+    try:
+        sub, cl = attach(srv, replay=False, limits=StreamLimits(max_queued_frames=100))
+        slow = cl.apply
+
+        def apply(*a, **kw):  # an ingest process that cannot keep up
+            time.sleep(0.002)
+            slow(*a, **kw)
+        monkeypatch.setattr(cl, "apply", apply)
+        srv.publish(3000)
+        _wait(lambda: sub.status().batches + sub.status().shed == 3000, 30, lambda: f"every frame (have {sub.status()})")
+        st = sub.status()
+        assert st.shed > 0 and st.lost >= st.shed and st.shed_age_s is not None
+        assert st.frames == 3000 and st.malformed == 0
+        assert any("falling behind" in t for _, k, t in cl.take_notes() if k == "shed")
+    finally:
+        srv.close()
