@@ -4,7 +4,8 @@ N fake publishers (separate processes on 127.0.0.1, vLLM- and SGLang-shaped, arr
 send R events/s for S seconds; one session attaches to all of them and the window redraws every 100 ms as it
 does live. Reported: the frame time (refresh + painting the map and every visible dock into images, as Qt paints
 dirty widgets into the backing store) p50 / p99 / max, the event loop's longest stall (a 5 ms probe timer),
-and per publisher the events it sent against the events the session applied. Counts must match: an event that
+and per publisher the events it sent against the events the session applied, with how far behind the live
+stream it fell at worst (seconds and queued frames) and how many frames it shed. Counts must match: an event that
 was sent and not applied is a failure (exit status 1). Timing is reported, never asserted.
 """
 
@@ -62,6 +63,13 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
     last = [time.perf_counter()]
 
     parts: dict[str, list[float]] = {"refresh": [], **{type(w).__name__: [] for w in panels}}
+    worst: dict[int, list[float]] = {}  # source -> [seconds behind, frames queued], the most seen
+
+    def behind() -> None:
+        fr = win.last_frame
+        for i, st in enumerate(fr.statuses if fr is not None else ()):
+            w = worst.setdefault(i, [0.0, 0])
+            w[0], w[1] = max(w[0], st.behind_s), max(w[1], st.queued)
 
     def frame() -> None:
         t0 = time.perf_counter()
@@ -78,6 +86,7 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
             w.render(img)
             parts[type(w).__name__].append(1e3 * (time.perf_counter() - t2))
         frames.append(1e3 * (time.perf_counter() - t0))
+        behind()  # not timed: the soak's own bookkeeping
 
     def probe() -> None:
         now = time.perf_counter()
@@ -132,7 +141,8 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
                     "events_sent": s["events"], "events_per_s_sent": s["events_per_s"],
                     "events_received": a.events, "batches_sent": s["batches"], "batches_received": st.batches,
                     "malformed": st.malformed, "gaps": st.gaps, "recovered": st.recovered, "lost": st.lost,
-                    "history": st.history, "history_missing": st.history_missing})
+                    "history": st.history, "history_missing": st.history_missing, "shed": st.shed,
+                    "behind_max_s": worst.get(i, [0.0, 0])[0], "queued_max": worst.get(i, [0.0, 0])[1]})
     g = np.asarray(gaps[20:]) - 5.0 if len(gaps) > 20 else np.zeros(1)
     res = {"publishers": publishers, "rate_per_publisher": rate, "seconds": seconds, "batch": batch,
            "frame": _stats(frames), "frame_parts_p50_ms": {k: float(np.median(v)) for k, v in parts.items() if v}, "max_stall_ms": float(g.max()), "p99_stall_ms": float(np.percentile(g, 99)),
@@ -148,7 +158,8 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
     for p in per:
         say(f"[attach-soak] {p['publisher']}: sent {p['events_sent']:,} events ({p['events_per_s_sent']:,.0f}/s), "
             f"received {p['events_received']:,}; gaps {p['gaps']} ({p['recovered']} batches recovered, "
-            f"{p['lost']} lost); malformed {p['malformed']}")
+            f"{p['lost']} lost); malformed {p['malformed']}; at worst {p['behind_max_s']:.1f} s behind "
+            f"({p['queued_max']:,} frames queued), {p['shed']:,} shed")
     say(f"[attach-soak] total: sent {res['events_sent']:,}, received {res['events_received']:,} -> "
         f"{'counts match' if res['counts_match'] else 'COUNTS DIFFER'} (drained in {drain_s:.1f} s after the "
         f"publishers stopped); load average at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")

@@ -159,7 +159,7 @@ def test_a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap(attac
 def test_a_trickling_replay_is_given_up_at_its_deadline_and_the_wait_is_visible(attach):
     srv = Server("trickle")
     try:
-        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=1.0, replay_deadline_s=1.5))
+        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=1.0, replay_deadline_s=1.5, behind_note_s=0.3))
         srv.publish(1)
         _wait(lambda: sub.status().batches == 1, 10, "the first batch")
         srv.publish(200, withhold=(5,))  # a gap: the request trickles one batch every 0.15 s
@@ -168,7 +168,12 @@ def test_a_trickling_replay_is_given_up_at_its_deadline_and_the_wait_is_visible(
         _wait(lambda: sub.status().batches + sub.status().lost == 201, 20, lambda: f"the live batches (have {sub.status()})")
         st = sub.status()
         assert st.replay_timeouts == 1 and st.recovered + st.lost == 1 and st.queued == 0
-        assert any("too slow" in t for _, k, t in cl.take_notes() if k == "replay")
+        notes = []
+        _wait(lambda: notes.extend(cl.take_notes()) or any("caught up" in t for _, _, t in notes), 10, "caught up")
+        assert any("too slow" in t for _, k, t in notes if k == "replay")
+        behind = [t for _, k, t in notes if k == "behind"]
+        assert "behind the live stream" in behind[0] and "replay request is open" in behind[0]
+        assert "caught up" in behind[-1]
     finally:
         srv.close()
 
@@ -189,5 +194,42 @@ def test_a_source_too_far_behind_sheds_its_oldest_frames_and_says_so(attach, mon
         assert st.shed > 0 and st.lost >= st.shed and st.shed_age_s is not None
         assert st.frames == 3000 and st.malformed == 0
         assert any("falling behind" in t for _, k, t in cl.take_notes() if k == "shed")
+    finally:
+        srv.close()
+
+
+REAL = __import__("pathlib").Path(__file__).parent / "data" / "attach" / "real_frames.json"
+
+
+@pytest.mark.parametrize("server", ["vllm", "sglang"])
+def test_the_real_servers_replay_replies_byte_for_byte_give_the_history(attach, server):
+    """The frames vLLM 0.33.0's and SGLang 0.5.23's own replay ROUTER sent (tests/data/attach/real_frames.json,
+    captured with the real packages), answered verbatim to our request; the live frame is the last one they
+    published, so everything before it is history."""
+    import base64
+    import json
+
+    if not REAL.exists():
+        pytest.skip("tests/data/attach/real_frames.json not captured here")
+    rank = json.loads(REAL.read_text())[server]["ranks"][0]
+    live = [[base64.b64decode(f) for f in fr] for fr in rank["live"]]
+    (answer,) = [[[base64.b64decode(f) for f in fr] for fr in r["replies"]] for r in rank["replay"] if r["start"] == 0]
+    assert answer[-1][1:] == [b"", END, b""]  # the layout this reads: ("", topic, seq, payload) ... end marker
+    srv = Server("silent")
+    try:
+        srv._stop.set()  # answer here instead, with the real bytes
+        srv._thread.join(2)
+        sub, cl = attach(srv)
+        srv.pub.send_multipart(live[-1])
+        assert srv.router.poll(10_000)
+        client, _, start = srv.router.recv_multipart()
+        assert int.from_bytes(start, "big") == 0
+        for fr in answer:
+            srv.router.send_multipart([client] + fr)
+        n = int.from_bytes(live[-1][1], "big")
+        _wait(lambda: sub.status().batches == n + 1, 20, lambda: f"{n + 1} batches (have {sub.status()})")
+        st = sub.status()
+        assert st.history == n and st.history_missing == 0 and st.malformed == 0
+        assert cl.activity()[0].bad_events == 0 and cl.activity()[0].stored_events > 0
     finally:
         srv.close()

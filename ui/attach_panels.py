@@ -207,11 +207,12 @@ class AttachEventsPanel(EventsPanel):
     """Notable events one by one (gaps, replays, malformed frames, clears), the block traffic as one line per
     source per second (tens of thousands of events a second cannot be read one by one)."""
 
-    KINDS = ("all", "stored", "removed", "cleared", "gap", "replay", "shed", "malformed", "source", "error")
+    KINDS = ("all", "stored", "removed", "cleared", "gap", "replay", "behind", "shed", "malformed", "source", "error")
 
     def __init__(self):
         super().__init__()
-        self.list.COLOURS = {"removed": "#e57373", "gap": "#ff5252", "shed": "#ff5252", "malformed": "#ff8a65", "error": "#ff5252",
+        self.list.COLOURS = {"removed": "#e57373", "gap": "#ff5252", "shed": "#ff5252", "behind": "#ffb74d",
+                             "malformed": "#ff8a65", "error": "#ff5252",
                              "cleared": "#ffd54f", "replay": "#4fc3f7", "stored": "#81c784", "source": "#aab0b8"}
         self.setToolTip("stored / removed: one line per source per second with the blocks and events of that second")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import zmq
 
+from engine.attach import bounds
 from engine.attach.cluster import ClusterSnapshot, ClusterState, GroupKey
 from engine.attach.metrics import MetricsSample, Rates, Scraper
 from engine.attach.recorder import Recorder
@@ -58,6 +59,9 @@ class AttachSession:
                  replay_timeout_s: float = 2.0, scrape_interval_s: float = 1.0, record: bool = False):
         if not specs and not metrics_urls:
             raise ValueError("nothing to attach to: give at least one --vllm / --sglang endpoint or --metrics URL")
+        if len(specs) > bounds.MAX_SOURCES or len(metrics_urls) > bounds.MAX_SOURCES:
+            raise ValueError(f"{len(specs):,} endpoints and {len(metrics_urls):,} /metrics URLs: at most "
+                             f"{bounds.MAX_SOURCES:,} of each in one session")
         self.specs = list(specs)
         self.cluster = ClusterState([s.label for s in self.specs], half_life_s=half_life_s)
         self.recorder = Recorder(self.cluster.labels) if record else None

@@ -47,7 +47,8 @@ class StreamLimits:
     max_queued_frames: int = 200_000  # live frames read but not applied yet, before the oldest are shed
     max_queued_bytes: int = 256 << 20
     max_behind_s: float = 60.0  # the oldest queued frame's age, before the oldest are shed
-    read_budget_s: float = 0.01  # per turn of the loop: reading the live socket ...
+    behind_note_s: float = 2.0  # a note when the oldest queued frame is this old (again every 10 s), and on catching up
+    read_budget_s: float = 0.02  # per turn of the loop: reading the live socket ...
     apply_budget_s: float = 0.02  # ... then applying queued frames
 
 
@@ -96,6 +97,7 @@ class Subscriber(threading.Thread):
         self.last_seq: int | None = None
         self.last_frame_t: float | None = None
         self.shed_t: float | None = None
+        self._behind_note_t: float | None = None  # when we last said we were behind (None: not behind)
         self.lost_ranges: deque[tuple[int, int]] = deque(maxlen=8)
         self.queue: deque[tuple[float, list[bytes]]] = deque()  # (monotonic receive time, frames)
         self.queued_bytes = 0
@@ -161,6 +163,7 @@ class Subscriber(threading.Thread):
                 if self.replay.check(now) == "timeout":
                     self._replay_done(complete=False, now=now)
                 self._shed_if_behind(now)
+                self._say_if_behind(now)
                 self._apply_queued(lim.apply_budget_s)
         except zmq.ZMQError as e:
             self.error = str(e)
@@ -244,6 +247,19 @@ class Subscriber(threading.Thread):
         self.cluster.note("shed", f"{self.spec.label}: falling behind: {n:,} queued frames dropped unread"
                                   + (f" (seq {first:,}..{last:,}); their events are lost" if first is not None else "")
                                   + f"; {len(q):,} still queued")
+
+    def _say_if_behind(self, now: float) -> None:
+        q = self.queue
+        behind = now - q[0][0] if q else 0.0
+        if behind > self.limits.behind_note_s:
+            if self._behind_note_t is None or now - self._behind_note_t > 10.0:
+                self._behind_note_t = now
+                self.cluster.note("behind", f"{self.spec.label}: {behind:.1f} s behind the live stream, "
+                                            f"{len(q):,} frames ({self.queued_bytes / 1e6:.1f} MB) queued"
+                                  + (" while a replay request is open" if self.replay.req is not None else ""))
+        elif self._behind_note_t is not None and not q:
+            self._behind_note_t = None
+            self.cluster.note("behind", f"{self.spec.label}: caught up with the live stream")
 
     def _malformed(self, why: str) -> None:
         self.c["malformed"] += 1
