@@ -71,10 +71,10 @@ def _start_demo() -> tuple[list, list, list[str]]:
 
     # The vLLM one also withholds a few batches from its live stream (recovered from its replay socket) and
     # sends a junk frame now and then, so the Sources panel has something to show.
-    fakes = [FakeProcess("--flavor", "vllm", "--encoding", "map", "--dp", "2", "--cpu-offload", "1500",
+    fakes = [FakeProcess("--flavor", "vllm", "--dp", "2", "--cpu-offload", "1500",
                          "--rate", "1500", "--duration", "1e9", "--metrics-port", "0", "--kv-cache-metrics",
                          "--capacity", "2500", "--seed", "1", "--gap", "150:5", "--malformed-every", "200"),
-             FakeProcess("--flavor", "sglang", "--encoding", "array", "--rate", "800", "--duration", "1e9",
+             FakeProcess("--flavor", "sglang", "--rate", "800", "--duration", "1e9",
                          "--metrics-port", "0", "--capacity", "1800", "--seed", "2")]
     return fakes, [f"{fakes[0].pub},dp=2,name=fake-vllm,metrics={fakes[0].metrics}",
                    f"{fakes[1].pub},name=fake-sglang,metrics={fakes[1].metrics}"], []

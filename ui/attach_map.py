@@ -8,6 +8,7 @@ snapshots and a function that looks a block up.
 
 from __future__ import annotations
 
+import html
 import math
 import time
 from typing import Callable
@@ -19,11 +20,46 @@ from PySide6.QtGui import QFont, QPen
 from PySide6.QtWidgets import QComboBox, QGraphicsPathItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from engine.attach.cluster import MODES, ClusterSnapshot
+from engine.attach.events import plain
 from ui import palette as pal
 from ui.attach_codes import LOG_MODES, AttachCodes, mode_lut
 from ui.block_grid import grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
 from ui.block_map import frame_tiers
+
+def _short(v, n: int = 80) -> str:
+    t = v if isinstance(v, str) else repr(v)
+    return html.escape(t if len(t) <= n else t[: n - 1] + "…")
+
+
+def meta_lines(info: dict) -> list[str]:
+    """Tooltip lines (HTML, escaped) for what the block's event said beyond the map's columns: LoRA, session,
+    cache salt, locality / ownership, its own extra hash keys and lookahead tokens, a hash-only placeholder."""
+    m = info.get("meta") or {}
+    lines = []
+    lora = info.get("lora", -1)
+    if m.get("lora_name") or lora >= 0:
+        lines.append("LoRA " + " ".join(x for x in (_short(m["lora_name"]) if m.get("lora_name") else "",
+                                                     f"(id {lora})" if lora >= 0 else "") if x))
+    if m.get("session_id"):
+        lines.append(f"session {_short(m['session_id'])}")
+    if m.get("cache_salt"):
+        lines.append(f"cache salt {_short(m['cache_salt'])}")
+    where = [f"{k} {_short(m[k])}" for k in ("locality", "ownership") if m.get(k)]
+    if where:
+        lines.append(", ".join(where))
+    i = info.get("index", 0)
+    for key, what in (("extra_keys", "extra hash keys"), ("lookahead_token_ids", "lookahead tokens")):
+        v = plain(m.get(key))
+        if isinstance(v, list) and v:
+            v = v[i] if i < len(v) else None  # one entry per block of the event
+        if v:
+            lines.append(f"{what} {_short(v)}")
+    if m.get("placeholder"):
+        lines.append("<i>placeholder: the offloading connector published this block's hash only (no tokens, "
+                     "no parent)</i>")
+    return lines
+
 
 MODE_TIPS = {
     "age": "seconds since the block was stored (this residency)",
@@ -160,8 +196,10 @@ class AttachMap(QWidget):
         g = self._snap.groups[group]
         info = self.info_fn(g.key, cell) if self.info_fn else None
         if info is None:
-            return f"<b>{g.label}</b><br>no block at this hash position (not a free slot: slots are not published)"
-        return f"<b>{g.label}</b><br>" + (self.describe_fn(info) if self.describe_fn else str(info))
+            return f"<b>{html.escape(g.label)}</b><br>no block at this hash position (not a free slot: slots are " \
+                   f"not published)"
+        return f"<b>{html.escape(g.label)}</b><br>" + (self.describe_fn(info) if self.describe_fn
+                                                      else html.escape(str(info)))
 
     # -- drawing --------------------------------------------------------------------------------------
     def _aspect(self) -> float:

@@ -19,7 +19,7 @@ import numpy as np
 from PySide6 import QtCore, QtWidgets
 
 from engine.attach.session import LIMITS, Frame
-from ui.attach_map import AttachMap
+from ui.attach_map import AttachMap, meta_lines
 from ui.attach_panels import AttachEventsPanel, MetricsPanel, SourcesPanel, traffic_lines
 
 REFRESH_MS = 100
@@ -170,8 +170,7 @@ class AttachWindow(QtWidgets.QMainWindow):
             path = [t for blk in info["path_tokens"] for t in blk]
             lines.append(f"the {len(info['path_tokens'])} block(s) above (first tokens of each): "
                          + html.escape(self._text(path)))
-        if info["lora"] >= 0:
-            lines.append(f"LoRA {info['lora']}")
+        lines += meta_lines(info)
         lines.append("<i>slot, owner request and ref count: not in the events</i>")
         return "<br>".join(lines)
 

@@ -36,6 +36,7 @@ def _key(h) -> int:
         return h
     return int.from_bytes(hashlib.blake2b(h.encode() if isinstance(h, str) else h, digest_size=8).digest(), "little")
 _TOKENS = msgspec.msgpack.Decoder(list[int])
+_PAIRS = msgspec.msgpack.Decoder(list[tuple[int, int]])
 
 
 def token_list(src) -> list[int]:
@@ -44,7 +45,11 @@ def token_list(src) -> list[int]:
         return src
     try:
         return _TOKENS.decode(src)
-    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError):
+        pass
+    try:  # an EAGLE "bigram" page (SGLang): (token, next token) pairs; the block's tokens are the first of each
+        return [p[0] for p in _PAIRS.decode(src)]
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError, RecursionError):
         return []
 
 
@@ -67,6 +72,7 @@ class BlockTable:
         self.high_water = 0
         self.on_evict = None  # f(lifetime_s, idle_s) for every 8th removed block
         self.on_reuse = None  # f(gap_s) for about every 8th touch of a resident block
+        self.spec: tuple[str, int | None] | None = None  # the KV-cache group's kind and sliding window (vLLM)
         self._alloc(cells)
 
     # -- storage --------------------------------------------------------------------------------------
@@ -81,6 +87,7 @@ class BlockTable:
         self.hash_at: list = [None] * cells
         self.phash_at: list = [None] * cells  # the parent's hash: a parent cell is trusted only if it still holds it
         self.tok_at: list = [None] * cells  # (the event's token_ids, index of the block in the event)
+        self.meta_at: list = [None] * cells  # what else the event said, for the tooltip (events.event_meta)
 
     def __len__(self) -> int:
         return len(self.index)
@@ -94,7 +101,7 @@ class BlockTable:
 
     def _grow(self) -> None:
         old_a, old_cells = self.a, self.cells
-        old_lists = (self.hash_at, self.phash_at, self.tok_at)
+        old_lists = (self.hash_at, self.phash_at, self.tok_at, self.meta_at)
         self._alloc(old_cells * 2)
         occupied = np.flatnonzero(old_a["occ"]).tolist()
         new_cell = np.full(old_cells, -1, np.int64)
@@ -105,6 +112,7 @@ class BlockTable:
             new_cell[c] = n
             self.index[hash_at[c]] = n
             self.hash_at[n], self.phash_at[n], self.tok_at[n] = hash_at[c], old_lists[1][c], old_lists[2][c]
+            self.meta_at[n] = old_lists[3][c]
         src = np.asarray(occupied, np.int64)
         dst = new_cell[src]
         for name, _ in self.COLUMNS:
@@ -123,7 +131,7 @@ class BlockTable:
             self.on_reuse(gap)
 
     def store(self, h, parent_cell: int, parent_hash, depth: int, family: int, tokens, i: int, t: float,
-              lora: int | None) -> int:
+              lora: int | None, meta: dict | None = None) -> int:
         """Place a newly stored block (the i-th of an event whose token ids are `tokens`); returns its cell.
         A hash already resident is touched, not placed twice."""
         cell = self.index.get(h)
@@ -147,6 +155,7 @@ class BlockTable:
         self.hash_at[cell] = h
         self.phash_at[cell] = parent_hash
         self.tok_at[cell] = (tokens, i)
+        self.meta_at[cell] = meta
         self.index[h] = cell
         self.stored += 1
         if len(self.index) > self.high_water:
@@ -162,7 +171,7 @@ class BlockTable:
         if t is not None and self.on_evict is not None and not self.removed & 7:  # sampled: 1 in 8
             self.on_evict(t - self._st[cell], t - self._tt[cell])
         self._occ[cell] = 0
-        self.hash_at[cell] = self.phash_at[cell] = self.tok_at[cell] = None
+        self.hash_at[cell] = self.phash_at[cell] = self.tok_at[cell] = self.meta_at[cell] = None
         self.removed += 1
         return self._fam[cell]
 
@@ -227,4 +236,5 @@ class BlockTable:
                 "heat": float(a["heat"][cell] * math.exp2(-(now - a["touch_t"][cell]) / self.half_life_s)),
                 "named": int(a["named"][cell]), "depth": int(a["depth"][cell]), "family": int(a["family"][cell]),
                 "lora": int(a["lora"][cell]), "tokens": self.tokens(cell), "parent": self.phash_at[cell],
-                "path_tokens": [self.tokens(p) for p in reversed(path[:8])]}
+                "path_tokens": [self.tokens(p) for p in reversed(path[:8])], "meta": self.meta_at[cell],
+                "index": self.tok_at[cell][1] if self.tok_at[cell] is not None else 0}

@@ -20,7 +20,8 @@ import numpy as np
 
 from engine.attach import bounds, codes
 from engine.attach.block_state import BlockTable, token_list
-from engine.attach.events import KIND_REMOVED, KIND_STORED, MEDIUM_GPU, EventBatch, medium_of
+from engine.attach.events import (KIND_REMOVED, KIND_STORED, MEDIUM_GPU, EventBatch, event_meta, is_placeholder,
+                                  medium_of)
 
 MODES = ("age", "idle", "heat", "reuse", "family", "depth")
 _MEDIUM_ORDER = {"GPU": 0, "CPU": 1, "DISK": 2}
@@ -64,6 +65,12 @@ class ClusterSnapshot:
     families: int
     range: tuple[float, float]  # the colour bar's (low, high) for age / idle / heat / depth
     top_families: tuple[tuple[int, int, tuple[int, ...]], ...] = ()  # family mode: (id, blocks, root tokens)
+
+
+def spec_text(kind: str, window: int | None) -> str:
+    """A KV-cache group's kind as vLLM names it, for a map's title: "sliding window 4,096 tokens"."""
+    text = kind.replace("_", " ")
+    return text + (f" {window:,} tokens" if isinstance(window, int) and window > 0 else "")
 
 
 class _Ring:
@@ -271,9 +278,13 @@ class ClusterState:
         if isinstance(toks, msgspec.Raw):
             toks = toks.copy()  # just the token bytes: a view would keep the whole frame alive
         bs = ev.block_size
-        if bs <= 0:  # not given: what the token ids say
-            bs = max(1, len(token_list(toks)) // len(hashes))
-        g.block_size = bs
+        placeholder = is_placeholder(ev)  # vLLM's offloading connector: hashes only (the map shows them)
+        if bs <= 0:  # not given: what the token ids say (nothing, for a placeholder: the size stays as known)
+            bs = len(token_list(toks)) // len(hashes)
+        if bs > 0:
+            g.block_size = bs
+        if ev.kv_cache_spec_kind is not None:
+            g.spec = (ev.kv_cache_spec_kind[:32], ev.kv_cache_spec_sliding_window)
         parent = ev.parent_block_hash
         pcell = -1 if parent is None else g.index.get(parent, -1)
         if pcell >= 0:
@@ -281,17 +292,18 @@ class ClusterState:
             depth = int(g.a["depth"][pcell])
             depth = depth + 1 if depth >= 0 else -1
             family = int(g.a["family"][pcell])
-        elif parent is None:  # a root: its family is named after its own hash below
-            depth, family = 0, None
+        elif parent is None:  # a root: its family is named after its own hash below (a placeholder: depth unknown)
+            depth, family = -1 if placeholder else 0, None
         else:  # the parent was never seen (stored before we attached) or is gone: name the family after it
             depth, family = -1, self._family(parent, toks, 0, bs)
         lora = ev.lora_id
+        meta = event_meta(ev)
         counts = self._family_blocks
         for i, h in enumerate(hashes):
             if family is None:
                 family = self._family(h, toks, i, bs)
             before = g.stored
-            pcell = g.store(h, pcell, parent, depth, family, toks, i, t, lora)
+            pcell = g.store(h, pcell, parent, depth, family, toks, i, t, lora, meta)
             if g.stored != before:  # placed (not a hash already resident, which keeps its own family)
                 counts[family] = counts.get(family, 0) + 1
             parent = h
@@ -306,7 +318,9 @@ class ClusterState:
 
     def group_label(self, key: GroupKey) -> str:
         src, rank, medium, gidx = key
-        return f"{self.labels[src]}  rank {rank}  {medium}" + (f"  group {gidx}" if gidx else "")
+        g = self.groups.get(key)
+        spec = "" if g is None or g.spec is None else "  " + spec_text(*g.spec)
+        return f"{self.labels[src]}  rank {rank}  {medium}" + (f"  group {gidx}" if gidx else "") + spec
 
     def snapshot(self, mode: str = "age", now: float | None = None) -> ClusterSnapshot:
         if mode not in MODES:

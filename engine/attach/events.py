@@ -163,9 +163,42 @@ def is_placeholder(ev) -> bool:
     return ev.block_size <= 0 and ev.parent_block_hash is None and token_count(ev.token_ids) == 0
 
 
+_META_STR = ("lora_name", "session_id", "cache_salt", "locality", "ownership")
+_MAX_META_CHARS = 200
+
+
+def event_meta(ev) -> dict | None:
+    """What a stored event says beyond the block map's columns, for the tooltip of its blocks (None when it
+    says nothing more, as most do): the LoRA's name, the session, SGLang's cache salt, vLLM's locality and
+    ownership, the extra hash keys and lookahead tokens (copied: a view would keep the frame alive), and
+    whether it is a hash-only placeholder. Strings are cut to 200 characters."""
+    m = None
+    for k in _META_STR:
+        v = getattr(ev, k)
+        if v is not None:
+            if m is None:
+                m = {}
+            m[k] = v[:_MAX_META_CHARS] if isinstance(v, str) else str(v)[:_MAX_META_CHARS]
+    for k in ("extra_keys", "lookahead_token_ids"):
+        v = getattr(ev, k)
+        if v is None or (isinstance(v, msgspec.Raw) and _nil_raw(v)):
+            continue
+        if m is None:
+            m = {}
+        m[k] = v.copy() if isinstance(v, msgspec.Raw) else v
+    if is_placeholder(ev):
+        m = m or {}
+        m["placeholder"] = True
+    return m
+
+
+def _nil_raw(v: msgspec.Raw) -> bool:
+    return len(v) == 1 and memoryview(v)[0] == 0xC0
+
+
 def token_count(src) -> int:
     if isinstance(src, msgspec.Raw):
-        return 0 if bytes(src[:1]) in (b"\x90", b"\xc0") else -1  # -1: some (not counted here)
+        return 0 if len(src) == 1 and memoryview(src)[0] in (0x90, 0xC0) else -1  # -1: some (not counted here)
     return len(src) if src else 0
 
 

@@ -1,11 +1,16 @@
 """A fake vLLM / SGLang KV-event publisher, for tests, the soak bench and the README screenshot.
 
-`python -m engine.attach.fake_publisher --flavor vllm --encoding map --rate 2000` binds on 127.0.0.1 (this is
-the one thing in KV Scope that listens: it plays the server) exactly as those servers do: per data-parallel
-rank a PUB socket sending (topic, 8-byte big-endian seq, msgpack KVEventBatch) and a ROUTER replay socket
-answering "8-byte start seq" with (seq, payload) frames and (-1, b""), with ranks on consecutive ports and the
-replay ports right after them (so `--vllm tcp://127.0.0.1:PORT,dp=N` finds them). Optionally /metrics in
-Prometheus text (prometheus_client), vLLM- or SGLang-named.
+`python -m engine.attach.fake_publisher --flavor vllm --rate 2000` binds on 127.0.0.1 (this is the one thing in
+KV Scope that listens: it plays the server) exactly as those servers do: per data-parallel rank a PUB socket
+sending (topic, 8-byte big-endian seq, msgpack KVEventBatch) and a ROUTER replay socket answering "8-byte start
+seq" with (topic, seq, payload) frames and ("", -1, ""), as vLLM >= 0.26 and SGLang 0.5 do (`--replay-layout
+old`: (seq, payload) and (-1, ""), as older vLLM did). Ranks publish on consecutive ports and replay on
+consecutive ports from `--replay-port` (default: right after the publishers', so `--vllm
+tcp://127.0.0.1:PORT,dp=N` finds them), as the servers offset both by the rank. The batches are today's
+layout by default (`--encoding tagged`: byte for byte what vLLM 0.33 / SGLang 0.5 send, with their hash types
+and fields; tests/test_attach_real_bytes.py compares them with the real publishers' captures); `--encoding
+array` is the older array-like layout. Optionally /metrics in Prometheus text (prometheus_client), vLLM- or
+SGLang-named.
 
 Faults on request: `--gap SEQ:LEN` withholds batches from the live stream but keeps them for replay (a
 recoverable gap), `--lost SEQ:LEN` drops them from both (an unrecoverable one), `--malformed-every N` sends a
@@ -32,6 +37,34 @@ from engine.attach.events import encode_batch
 from engine.attach.fake_workload import FakeCache
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+ENCODINGS = ("tagged", "array", "map")
+REPLAY_LAYOUTS = ("topic", "old")  # topic: vLLM >= 0.26 and SGLang 0.5; old: vLLM before 0.26
+
+
+def default_hash(flavor: str, encoding: str) -> str:
+    """The block hash type each server sends: vLLM 0.33 sha256 bytes, SGLang signed int64, older vLLM ints."""
+    if encoding == "tagged":
+        return "int64" if flavor == "sglang" else "bytes"
+    return "int" if flavor == "sglang" or encoding == "array" else "bytes"
+
+
+def encode(events: list, ts: float, rank: int, flavor: str, encoding: str, extra_field: bool = False) -> bytes:
+    """One batch as the fake sends it. Today's servers name the rank in every batch (their publishers fill it
+    in); older vLLM did in its map twin only, older SGLang never (the subscriber takes it from the port)."""
+    named = encoding == "tagged" or (flavor == "vllm" and encoding == "map")
+    return encode_batch(ts, events, rank if named else None, encoding=encoding, flavor=flavor,
+                        extra_field=extra_field)
+
+
+def replay_frames(topic: bytes, buffer, start: int, layout: str = "topic") -> list[tuple[bytes, ...]]:
+    """The replay ROUTER's answer to "start" (without the client identity), as the servers send it."""
+    out = []
+    for seq, buf in buffer:
+        if seq >= start:
+            out.append((b"", topic, seq.to_bytes(8, "big"), buf) if layout == "topic" else
+                       (b"", seq.to_bytes(8, "big"), buf))
+    out.append((b"", b"", END_SEQ, b"") if layout == "topic" else (b"", END_SEQ, b""))
+    return out
 
 
 def _ranges(specs: list[str]) -> list[tuple[int, int]]:
@@ -47,9 +80,10 @@ class RankPublisher:
         self.pub, self.router = pub, router
         self.args, self.rank = args, rank
         self.topic = args.topic.encode()
-        hash_kind = args.hash or ("int" if args.flavor == "sglang" or args.encoding == "array" else "bytes")
+        hash_kind = args.hash or default_hash(args.flavor, args.encoding)
         self.cache = FakeCache(capacity=args.capacity, block_size=args.block_size, seed=args.seed + rank,
-                               hash_kind=hash_kind, cpu_capacity=args.cpu_offload)
+                               hash_kind=hash_kind, cpu_capacity=args.cpu_offload,
+                               flavor=args.flavor if args.encoding == "tagged" else None)
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=args.buffer_steps)
         self.seq = 0
         self.pending: list = []
@@ -77,11 +111,7 @@ class RankPublisher:
         return len(events), stored, removed
 
     def _encode(self, events: list, ts: float) -> bytes:
-        # Newer vLLM (map encoding) names the rank in every batch; older vLLM and SGLang do not, and the
-        # subscriber takes it from the port the batch came on.
-        rank = self.rank if self.args.flavor == "vllm" and self.args.encoding == "map" else None
-        return encode_batch(ts, events, rank, encoding=self.args.encoding, flavor=self.args.flavor,
-                            extra_field=self.args.extra_field)
+        return encode(events, ts, self.rank, self.args.flavor, self.args.encoding, self.args.extra_field)
 
     def fill(self, n: int, t: float) -> None:
         while len(self.pending) < n:
@@ -139,18 +169,19 @@ class RankPublisher:
             client, _, start_b = frames
             start = int.from_bytes(start_b, "big")
             self.s["replay_requests"] += 1
-            for seq, buf in list(self.buffer):
-                if seq >= start:
-                    self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), buf))
-            self.router.send_multipart((client, b"", END_SEQ, b""))
+            for frames in replay_frames(self.topic, list(self.buffer), start, self.args.replay_layout):
+                self.router.send_multipart((client,) + frames)
 
 
-def _bind(ctx: zmq.Context, n: int, port: int, hwm: int, tries: int = 50) -> tuple[int, list, list]:
-    """n PUB sockets on consecutive ports of 127.0.0.1 and n ROUTER sockets on the n ports after them, from
-    `port`, or from a random base when port is 0 (retried where one is taken)."""
+def _bind(ctx: zmq.Context, n: int, port: int, hwm: int, tries: int = 50,
+          replay_port: int = 0) -> tuple[int, int, list, list]:
+    """n PUB sockets on consecutive ports of 127.0.0.1 and n ROUTER sockets on consecutive ports from
+    `replay_port` (0: the n ports after the publishers'), from `port`, or from a random base when port is 0
+    (retried where one is taken). Returns both bases."""
     rng = random.Random()
     for _ in range(1 if port else tries):
         base = port or rng.randrange(20000, 60000 - 2 * n)
+        rbase = replay_port or base + n
         pubs, routers = [], []
         try:
             for i in range(n):
@@ -163,8 +194,8 @@ def _bind(ctx: zmq.Context, n: int, port: int, hwm: int, tries: int = 50) -> tup
                 s = ctx.socket(zmq.ROUTER)
                 s.setsockopt(zmq.LINGER, 0)
                 routers.append(s)
-                s.bind(f"tcp://127.0.0.1:{base + n + i}")
-            return base, pubs, routers
+                s.bind(f"tcp://127.0.0.1:{rbase + i}")
+            return base, rbase, pubs, routers
         except zmq.ZMQError:
             for s in pubs + routers:
                 s.close(0)
@@ -227,9 +258,16 @@ class _Metrics:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m engine.attach.fake_publisher", description=__doc__.split("\n")[0])
     ap.add_argument("--flavor", choices=("vllm", "sglang"), default="vllm")
-    ap.add_argument("--encoding", choices=("array", "map"), default="array")
-    ap.add_argument("--hash", choices=("int", "bytes"), help="block hash type (default: bytes for vllm maps)")
+    ap.add_argument("--encoding", choices=ENCODINGS, default="tagged",
+                    help="tagged: today's servers (default); array: array-like events (vLLM <= 0.10); map: a map "
+                         "batch (no server)")
+    ap.add_argument("--replay-layout", choices=REPLAY_LAYOUTS, default="topic",
+                    help="replay replies with a topic frame (vLLM >= 0.26, SGLang 0.5; default) or without (old)")
+    ap.add_argument("--hash", choices=("int", "int64", "bytes"),
+                    help="block hash type (default: the server's: vLLM 0.33 bytes, SGLang int64, older vLLM int)")
     ap.add_argument("--port", type=int, default=0, help="first PUB port (0: pick free ones)")
+    ap.add_argument("--replay-port", type=int, default=0,
+                    help="first replay port (0: right after the publishers')")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel ranks")
     ap.add_argument("--topic", default="kv-events")
     ap.add_argument("--rate", type=float, default=2000.0, help="events per second (all ranks together)")
@@ -259,11 +297,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     ctx = zmq.Context()
     n = args.dp
-    base, pubs, routers = _bind(ctx, n, args.port, args.hwm)
+    base, rbase, pubs, routers = _bind(ctx, n, args.port, args.hwm, replay_port=args.replay_port)
     ranks = [RankPublisher(pubs[r], routers[r], args, r) for r in range(n)]
     metrics = _Metrics(args.flavor, args.metrics_port, ranks, args.kv_cache_metrics) if args.metrics_port >= 0 else None
     print(json.dumps({"pub": [f"tcp://127.0.0.1:{base + r}" for r in range(n)],
-                      "replay": [f"tcp://127.0.0.1:{base + n + r}" for r in range(n)],
+                      "replay": [f"tcp://127.0.0.1:{rbase + r}" for r in range(n)],
                       "metrics": f"http://127.0.0.1:{metrics.port}/metrics" if metrics else None}), flush=True)
     per_batch = max(1, args.batch)
     if args.pregenerate:
