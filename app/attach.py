@@ -17,15 +17,30 @@ from engine.attach.cluster import MODES
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="kvscope attach",
-        description="Attach to running vLLM / SGLang servers (read-only) and draw their KV caches live. A server "
-                    "publishes events when started with --kv-events-config '{\"enable_kv_cache_events\":true,"
-                    "\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:5557\",\"replay_endpoint\":\"tcp://*:5558\","
-                    "\"topic\":\"kv-events\"}'.")
+        prog="kvscope attach", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Attach to running vLLM / SGLang servers (read-only) and draw their KV caches live.",
+        epilog="""on the server (vLLM 0.33 and SGLang 0.5 take the same flag and JSON):
+  vllm serve MODEL --kv-events-config \\
+    '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",
+      "replay_endpoint":"tcp://*:5558","topic":"kv-events"}'
+  python -m sglang.launch_server --model-path MODEL --kv-events-config '<the same JSON>' --enable-metrics
+then: kvscope attach --vllm tcp://SERVER:5557,topic=kv-events
+
+data-parallel ranks: each rank publishes on endpoint port + rank and replays on replay port + rank
+(vLLM --data-parallel-size N; SGLang --dp-size N, by attention-DP rank with --enable-dp-attention), so
+with N >= 2 the replay endpoint needs a base of its own, after the N publisher ports, e.g. for N = 4:
+  vllm serve MODEL --data-parallel-size 4 --kv-events-config \\
+    '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",
+      "replay_endpoint":"tcp://*:5600","topic":"kv-events"}'
+  kvscope attach --vllm tcp://SERVER:5557,dp=4,replay=5600
+(publishers 5557..5560, replay 5600..5603; with 5557 / 5558, rank 1's publisher and rank 0's replay socket
+would both bind 5558 on one node)""")
     ap.add_argument("--vllm", action="append", default=[], metavar="tcp://HOST:PORT[,opts]",
-                    help="a vLLM KV-event publisher; options after commas: replay=tcp://HOST:PORT (default: the port "
-                         "after the last rank's) or replay=none, topic=NAME, dp=N (ranks on PORT..PORT+N-1), "
-                         "name=LABEL, metrics=http://HOST:PORT/metrics (this server's /metrics)")
+                    help="a vLLM KV-event publisher (its endpoint's port; rank 0's with dp=N); options after "
+                         "commas: replay=PORT or replay=tcp://HOST:PORT (the server's replay_endpoint, rank 0's "
+                         "port; default: PORT+N, right after the N publishers) or replay=none, topic=NAME, dp=N "
+                         "(ranks publish on PORT..PORT+N-1 and replay on REPLAY..REPLAY+N-1, as the servers offset "
+                         "both), name=LABEL, metrics=http://HOST:PORT/metrics (this server's /metrics)")
     ap.add_argument("--sglang", action="append", default=[], metavar="tcp://HOST:PORT[,opts]",
                     help="an SGLang KV-event publisher (same options)")
     ap.add_argument("--metrics", action="append", default=[], metavar="http://HOST:PORT[/metrics]",

@@ -2,11 +2,21 @@
 
 `--vllm tcp://HOST:5557` is a server started with
 `--kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557",
-"replay_endpoint":"tcp://*:5558","topic":"kv-events"}'` (SGLang takes the same flag). Options follow commas:
-`replay=tcp://HOST:5558` (default: the port after the last rank's, i.e. 5558 for one rank; `replay=none` for
-none), `topic=kv-events` (default: every topic), `dp=N` (data-parallel ranks: vLLM and SGLang publish rank r on
-port+r and replay on replay port+r), `name=LABEL`, `metrics=http://HOST:PORT/metrics` (this server's
-Prometheus endpoint: scraped, and its num_gpu_blocks frames the GPU maps).
+"replay_endpoint":"tcp://*:5558","topic":"kv-events"}'` (SGLang takes the same flag and JSON). Options follow
+commas: `replay=PORT` or `replay=tcp://HOST:PORT` (the server's replay_endpoint; default: the port after the
+last rank's publisher, i.e. 5558 for one rank; `replay=none` for none), `topic=kv-events` (default: every
+topic), `dp=N` (data-parallel ranks), `name=LABEL`, `metrics=http://HOST:PORT/metrics` (this server's Prometheus
+endpoint: scraped, and its num_gpu_blocks frames the GPU maps).
+
+Ports per rank, as the servers assign them: each data-parallel rank r runs its own publisher and offsets
+*both* its endpoint's and its replay endpoint's port by r (vLLM 0.33 `ZmqEventPublisher.offset_endpoint_port`
+with the rank `parallel_config.data_parallel_index`; SGLang 0.5 the same with the attention-DP rank under
+`--enable-dp-attention`, else the DP rank). So with N ranks the publishers take PORT..PORT+N-1 and the replay
+sockets REPLAY..REPLAY+N-1, and the two ranges must not overlap: the usual 5557 / 5558 serves one rank only
+(rank 1's publisher would take rank 0's replay port, 5558). For N >= 2 the server needs a replay base of its
+own, e.g. `"replay_endpoint":"tcp://*:5600"`, given here as `replay=5600`; without it, attach assumes the
+replay base PORT+N (the ranges packed end to end). tests/test_attach_ports.py checks the derivation against
+the servers' own offsets (tests/data/attach/real_frames.json).
 """
 
 from __future__ import annotations
@@ -47,6 +57,11 @@ def _split(endpoint: str) -> tuple[str, int]:
     return host, port
 
 
+def rank_port(base: int, rank: int) -> int:
+    """The port data-parallel rank `rank` uses for a base port, as vLLM and SGLang offset it."""
+    return base + rank
+
+
 def parse_source(kind: str, text: str) -> list[SourceSpec]:
     """One `--vllm` / `--sglang` value: a list of endpoints (one per data-parallel rank)."""
     if kind not in KINDS:
@@ -70,17 +85,24 @@ def parse_source(kind: str, text: str) -> list[SourceSpec]:
         rhost, rport = host, port + dp
     elif replay.lower() == "none":
         rhost = rport = None
+    elif replay.isdigit():  # a port of the publisher's host
+        rhost, rport = _split(f"tcp://{host}:{replay}")
     else:
         rhost, rport = _split(replay)
-    if rport is not None and rhost == host and port <= rport < port + dp:
-        raise SourceError(f"--{kind} {text!r}: the replay port {rport} collides with a rank's publisher port "
-                          f"({port}..{port + dp - 1})")
+    if rank_port(port, dp - 1) > 65535 or (rport is not None and rank_port(rport, dp - 1) > 65535):
+        raise SourceError(f"--{kind} {text!r}: with dp={dp} the ranks' ports would run past 65535")
+    if rport is not None and rhost == host and rport < port + dp and port < rport + dp:
+        raise SourceError(
+            f"--{kind} {text!r}: the replay ports {rport}..{rank_port(rport, dp - 1)} overlap the publishers' "
+            f"{port}..{rank_port(port, dp - 1)}: the server offsets both by the data-parallel rank, so with dp={dp} "
+            f"its replay_endpoint needs a base of its own (e.g. \"replay_endpoint\":\"tcp://*:{port + dp}\" in "
+            f"--kv-events-config, then replay={port + dp} here)")
     name = o.get("name") or f"{host}:{port}"
     metrics = parse_metrics_url(o["metrics"]) if o.get("metrics") else None
     out = []
     for r in range(dp):
-        out.append(SourceSpec(kind, f"tcp://{host}:{port + r}",
-                              None if rport is None else f"tcp://{rhost}:{rport + r}",
+        out.append(SourceSpec(kind, f"tcp://{host}:{rank_port(port, r)}",
+                              None if rport is None else f"tcp://{rhost}:{rank_port(rport, r)}",
                               o.get("topic", ""), r, name if dp == 1 else f"{name}/dp{r}", name, metrics))
     return out
 
