@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from engine.attach.block_state import token_list
 from engine.attach.events import (KIND_CLEARED, KIND_REMOVED, KIND_STORED, AllBlocksCleared, BlockRemoved,
                                   MAX_FRAME_BYTES, REASONS, BlockStored, DecodeError, decode_batch, encode_batch,
-                                  medium_of)
+                                  event_meta, is_placeholder, medium_of, plain)
 
 
 # vLLM's own declarations (vllm/distributed/kv_events.py): array-like up to 0.10, maps with more fields since.
@@ -233,3 +233,58 @@ def test_mutated_real_frames_decode_or_raise_decode_error(seed, flips, cut, dept
         assert e.reason in REASONS
         return
     assert all(e.KIND in (KIND_STORED, KIND_REMOVED, KIND_CLEARED) for e in out.events)
+
+
+# -- today's servers' fields (vLLM 0.33, SGLang 0.5) -------------------------------------------------------
+def _tagged(*events, rank=0):
+    return msgpack.packb([5.0, list(events), rank], use_bin_type=True)
+
+
+_BIGRAM = {"type": "BlockStored", "block_hashes": [-(1 << 63)], "parent_block_hash": None,
+           "token_ids": [[t, t + 1] for t in range(40, 44)], "block_size": 4, "lora_id": None, "medium": "CPU_PINNED",
+           "cache_salt": "tenant-7", "session_id": "s-9"}
+
+
+@pytest.mark.parametrize("path", ["typed", "tolerant"])
+def test_an_eagle_bigram_page_and_sglangs_fields_decode_on_both_paths(path):
+    extra = [{"type": "BlockEvictedToMars"}] if path == "tolerant" else []  # an unknown kind: the slow path
+    b = decode_batch(_tagged(_BIGRAM, *extra))
+    (s,) = b.events
+    assert isinstance(s.token_ids, msgspec.Raw) == (path == "typed") and b.unknown_events == len(extra)
+    assert token_list(s.token_ids) == [40, 41, 42, 43] and b.bad_events == 0
+    assert s.block_hashes == [-(1 << 63)] and medium_of(s) == "CPU"
+    assert (s.cache_salt, s.session_id) == ("tenant-7", "s-9")
+    assert event_meta(s) == {"session_id": "s-9", "cache_salt": "tenant-7"}
+
+
+@pytest.mark.parametrize("medium,tier", [(None, "GPU"), ("GPU", "GPU"), ("gpu", "GPU"), ("CPU", "CPU"),
+                                         ("CPU_PINNED", "CPU"), ("DISK", "DISK"), ("STORAGE", "DISK"),
+                                         ("EXTERNAL", "EXTERNAL"), ("nvme-pool", "NVME-POOL")])
+def test_media_map_to_tiers(medium, tier):
+    b = decode_batch(_tagged({"type": "BlockRemoved", "block_hashes": [1], "medium": medium}))
+    assert medium_of(b.events[0]) == tier
+
+
+@pytest.mark.parametrize("path", ["typed", "tolerant"])
+def test_vllm_0_33_fields_and_an_offloading_placeholder_decode_on_both_paths(path):
+    full = {"type": "BlockStored", "block_hashes": [b"\x01" * 32], "parent_block_hash": None,
+            "token_ids": list(range(16)), "block_size": 16, "lora_id": 2, "medium": "GPU", "lora_name": "sql",
+            "extra_keys": [["sql", "salt"]], "group_idx": 1, "kv_cache_spec_kind": "sliding_window",
+            "kv_cache_spec_sliding_window": 4096, "locality": "LOCAL", "ownership": "tier-2",
+            "session_id": "chat-1", "lookahead_token_ids": [[16, 17]]}
+    hole = {"type": "BlockStored", "block_hashes": [b"\x02" * 32], "parent_block_hash": None, "token_ids": [],
+            "block_size": 0, "lora_id": None, "medium": "STORAGE", "lora_name": None, "group_idx": 0}
+    gone = {"type": "BlockRemoved", "block_hashes": [b"\x02" * 32], "medium": "STORAGE", "group_idx": 0,
+            "locality": "REMOTE", "ownership": "tier-2"}
+    extra = [{"type": "BlockEvictedToMars"}] if path == "tolerant" else []
+    b = decode_batch(_tagged(full, hole, gone, *extra, rank=3))
+    s, p, r = b.events
+    assert b.bad_events == 0 and b.data_parallel_rank == 3
+    assert (s.group_idx, s.kv_cache_spec_kind, s.kv_cache_spec_sliding_window) == (1, "sliding_window", 4096)
+    assert (s.lora_id, s.lora_name, s.locality, s.ownership, s.session_id) == (2, "sql", "LOCAL", "tier-2", "chat-1")
+    assert plain(s.extra_keys) == [["sql", "salt"]] and plain(s.lookahead_token_ids) == [[16, 17]]
+    assert not is_placeholder(s) and is_placeholder(p) and medium_of(p) == "DISK"
+    m = event_meta(s)
+    assert m["lora_name"] == "sql" and plain(m["extra_keys"]) == [["sql", "salt"]]
+    assert event_meta(p) == {"placeholder": True}
+    assert (r.locality, r.ownership, r.group_idx, medium_of(r)) == ("REMOTE", "tier-2", 0, "DISK")

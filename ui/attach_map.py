@@ -29,7 +29,7 @@ from ui.block_map import frame_tiers
 
 def _short(v, n: int = 80) -> str:
     t = v if isinstance(v, str) else repr(v)
-    return html.escape(t if len(t) <= n else t[: n - 1] + "…")
+    return html.escape(t if len(t) <= n else t[: n - 1] + "…", quote=False)
 
 
 def meta_lines(info: dict) -> list[str]:
