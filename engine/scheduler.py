@@ -1,15 +1,20 @@
 """The scheduler: which sequences run in a step, and how many tokens each computes.
 
-Admission in arrival order while the device tier has room for the blocks a sequence's first chunk writes;
-decodes first, then prompt chunks (chunked prefill) within the step's token budget; room for each scheduled
-sequence from idle sequences first, then by reading blocks on the host tier where they are and writing there
-(a device tier smaller than a sequence still serves), then by preempting the newest running ones. It decides;
-the KV manager moves blocks. It never touches the pool's arrays.
+Admission in arrival order, counted in blocks over both tiers: a sequence is admitted only when the blocks it
+still needs to reach its peak (prompt + max_new_tokens, or the context limit), with those every running sequence
+was promised, fit what the two tiers can still give (free and cached blocks; blocks shared with a running
+sequence count once). What does not fit waits, holding no block, and the queue's head blocks the rest (FIFO);
+while others run it also waits for device-tier room for its first chunk. Then decodes first, then prompt chunks
+(chunked prefill) within the step's token budget; room for each scheduled sequence from idle sequences first, then
+by reading blocks on the host tier where they are and writing there (a device tier smaller than a sequence still
+serves). It decides; the KV manager moves blocks. It never touches the pool's arrays.
 
-Progress: the oldest running sequence can always get every device block that no scheduled sequence holds
-(idle sequences are demoted or dropped, newer running ones preempted), so some sequence advances each
-step. Should nothing advance for `stall_steps` steps anyway, the newest stuck sequence is aborted with a
-reason instead of spinning.
+Progress: what running sequences were promised is always there, so every admitted sequence reaches its end
+without preempting another. Only something admission did not weigh (a fork, a longer max_new_tokens, smaller
+budgets, a re-lay) can break that promise; then idle sequences' K/V is dropped, then the newest running ones are
+preempted (recomputed later) until it holds again. A request larger than both tiers is refused when it is added.
+Should nothing advance for `stall_steps` steps anyway, the newest stuck sequence is aborted with a reason (what it
+needs, what is free) instead of spinning.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
+from engine.block_pool import blocks_for
 from engine.config import EngineOptions
 from engine.errors import RequestError
 from engine.kv_manager import KVManager
@@ -63,30 +69,92 @@ class Scheduler:
 
     # -- admission ----------------------------------------------------------------------------
     def admit(self, now: float) -> None:
-        """Admit waiting sequences in order while the device tier has room for their first chunk.
+        """Admit waiting sequences in order while the blocks they still need fit beside what the running ones were
+        promised (and, while others run, the device tier has room for their first chunk); the first that does not
+        fit waits, and so does everything behind it.
 
         A waiting sequence holds no reference it took while waiting: its prefix match is looked up here
         and taken only at admission. (Refs held by a waiting sequence pin blocks that the running ones
         need, and then the queue's head is admitted and preempted forever.)
         """
+        self.keep_promise(now)
+        promised = self.promised()
         for sid in list(self.waiting):
             if len(self.active()) >= self.options.max_batch:
                 return
             seq = self.seqs[sid]
             fresh = seq.num_cached == 0 and not seq.blocks
-            match: tuple[list[int], list[int]] = ([], [])
-            if fresh:
-                if self._prefix_in_flight(seq):
-                    continue  # a running prefill is computing this prompt's first block: reuse it next step
-                match = self.kv.find_prefix(seq)
+            if fresh and self._prefix_in_flight(seq):
+                continue  # a running prefill is computing this prompt's first block: reuse it next step
+            match = self._find_prefix(seq, fresh)
+            if promised + self.kv.still_needs(seq, self.peak(seq), match[0] if fresh else None) > self.kv.free_blocks():
+                # Nothing running: only idle sequences' K/V stands in the way (the head fits both tiers alone:
+                # refused when added otherwise); they recompute when they run again.
+                if self.active() or not self._drop_idle(
+                        lambda: self.kv.still_needs(seq, self.peak(seq), self._find_prefix(seq, fresh)[0]
+                                                    if fresh else None) <= self.kv.free_blocks(), spare=seq):
+                    return  # wait: running sequences finish and give their blocks back
+                match = self._find_prefix(seq, fresh)
             cached = len(match[0]) * self.kv.config.block_size if fresh else seq.num_cached
             first = min(len(seq.tokens) - cached, self.options.max_batched_tokens)
             if not self.kv.fits_admission(seq, match[0], first) and self.active():
-                return  # wait for room; running sequences will finish, shift or be preempted
+                return  # wait for device room; running sequences will finish or shift
             if fresh:
                 self.kv.take_prefix(seq, *match, now)
             self.waiting.remove(sid)
             self.add_running(seq)
+            promised += self.kv.still_needs(seq, self.peak(seq))
+
+    def peak(self, seq: Sequence) -> int:
+        """Tokens the sequence holds K/V for at most before it finishes (as Engine._check_fits counts them): its
+        tokens plus those it may still generate, at most the context limit (a shift keeps it under)."""
+        left = max(seq.sampling.max_new_tokens - len(seq.output), 0)
+        return min(len(seq.tokens) + left, max(self.context_limit, len(seq.tokens)))
+
+    def promised(self, running: list[Sequence] | None = None) -> int:
+        """Blocks the running sequences still need to reach their peaks."""
+        running = [self.seqs[s] for s in self.active()] if running is None else running
+        return sum(self.kv.still_needs(s, self.peak(s)) for s in running)
+
+    def _find_prefix(self, seq: Sequence, fresh: bool) -> tuple[list[int], list[int]]:
+        """The cached prefix a sequence holding no blocks would take ([] for one holding blocks). One past the
+        context limit is shifted before it computes: only the blocks the shift keeps (n_keep) are worth taking;
+        the rest would be re-laid into fresh blocks while still held (by this or another sequence)."""
+        if not fresh:
+            return [], []
+        lids, hashes = self.kv.find_prefix(seq)
+        if len(seq.tokens) > self.context_limit:
+            keep = self.options.n_keep // self.kv.config.block_size
+            lids, hashes = lids[:keep], hashes[:keep]
+        return lids, hashes
+
+    def keep_promise(self, now: float) -> None:
+        """Restore `promised() <= free` where something admission did not weigh broke it (a fork of a running
+        sequence, a longer max_new_tokens, smaller budgets, a re-lay): idle sequences' K/V is dropped first
+        (coldest first), then the newest running sequences are preempted and recompute later. The oldest is never
+        preempted here: alone it fits both tiers (checked when it was added, and at every budget change)."""
+        running = sorted((self.seqs[s] for s in self.active()), key=lambda s: s.arrival)
+
+        def kept() -> bool:
+            return self.promised(running) <= self.kv.free_blocks()
+
+        if kept() or self._drop_idle(kept):
+            return
+        while len(running) > 1 and not kept():
+            self.preempt(running.pop(), now, recompute=True)
+
+    def _drop_idle(self, fits: Callable[[], bool], spare: Sequence | None = None) -> bool:
+        """Drop the K/V of sequences that hold blocks but are not running (paused, preempted), coldest first,
+        until `fits()`; `spare` keeps its own."""
+        active = set(self.active())
+        idle = [s for s in self.seqs.values() if s.blocks and not s.done and s.id not in active and s is not spare]
+        for seq in sorted(idle, key=self.kv.last_read):
+            if fits():
+                return True
+            self.kv.drop_kv(seq)
+            seq.preemptions += 1
+            self.telemetry.emit("preempt", seq=seq.id, mode="recompute", reason="no room for the running sequences")
+        return fits()
 
     def _prefix_in_flight(self, seq: Sequence) -> bool:
         """Another sequence is prefilling the same first block right now (its hash is not registered yet)."""
@@ -111,8 +179,8 @@ class Scheduler:
             if len(seq.tokens) > self.context_limit:
                 try:
                     self.shift(seq)
-                except RequestError:  # no room to re-lay its tail now: wait, unchanged, until blocks free up
-                    self.preempt(seq, now)
+                except RequestError:  # no room to re-lay its tail while others share it: recompute it later
+                    self.preempt(seq, now, recompute=True)
                     continue
             n = min(seq.pending, budget) if seq.pending > 1 else seq.pending
             if n <= 0:
@@ -176,9 +244,14 @@ class Scheduler:
                 return True
         return self.kv.can_allocate(need)
 
-    def preempt(self, seq: Sequence, now: float) -> None:
-        """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later."""
-        mode = self.kv.swap_out(seq, now)
+    def preempt(self, seq: Sequence, now: float, recompute: bool = False) -> None:
+        """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later (always
+        with `recompute`: blocks kept anywhere would still take the room it was stopped for)."""
+        if recompute:
+            self.kv.drop_kv(seq)
+            mode = "recompute"
+        else:
+            mode = self.kv.swap_out(seq, now)
         seq.preemptions += 1
         self.counters.preemptions += 1
         self.running.remove(seq.id)
@@ -204,8 +277,12 @@ class Scheduler:
         if self.stalled < self.options.stall_steps:
             return
         victim = max(stuck, key=lambda s: s.arrival)
-        message = (f"sequence {victim.id} aborted: no sequence made progress in {self.stalled} steps "
-                   f"({self.kv.describe()}); raise the budgets or send fewer or shorter requests")
+        bs = self.kv.config.block_size
+        peak = self.peak(victim)
+        message = (f"sequence {victim.id} aborted: no sequence made progress in {self.stalled} steps; it needs "
+                   f"{blocks_for(peak, bs)} blocks of {bs} tokens at its peak ({peak} tokens), holds "
+                   f"{len(victim.blocks)}; {self.kv.free_blocks()} are free and running sequences were promised "
+                   f"{self.promised()} ({self.kv.describe()}); raise the budgets or send fewer or shorter requests")
         self.telemetry.emit("error", seq=victim.id, message=message)
         victim.error = message
         self.abort(victim, "stalled", now)
