@@ -58,7 +58,8 @@ def _timed(ps: list[bytes], n: int, seconds: float, step) -> tuple[float, int]:
             return done / el, done
 
 
-def run(seconds: float = 2.0, decode=decode_batch, shapes=SHAPES, say=print, batches: int = 400) -> dict:
+def run(seconds: float = 2.0, decode=decode_batch, shapes=SHAPES, say=print, batches: int = 400,
+        apply: bool = True) -> dict:
     """Per shape: decode alone, then decode + apply to a ClusterState (what the ingest process does per
     batch, the block map's bookkeeping included), each for `seconds`."""
     from engine.attach.cluster import ClusterState
@@ -70,7 +71,7 @@ def run(seconds: float = 2.0, decode=decode_batch, shapes=SHAPES, say=print, bat
         probe = decode(ps[0])
         decode_s, done = _timed(ps, n, seconds, decode)
         cluster = ClusterState(["bench"])
-        apply_s, _ = _timed(ps, n, seconds, lambda p: cluster.apply(0, decode(p)))
+        apply_s = _timed(ps, n, seconds, lambda p: cluster.apply(0, decode(p)))[0] if apply else float("nan")
         res[label] = {"events_per_s": decode_s, "with_apply_events_per_s": apply_s,
                       "mb_per_s": decode_s * size / n / 1e6, "bytes_per_event": size / n, "path": _path(probe),
                       "events_decoded": done}
