@@ -278,7 +278,7 @@ class ClusterState:
         if isinstance(toks, msgspec.Raw):
             toks = toks.copy()  # just the token bytes: a view would keep the whole frame alive
         bs = ev.block_size
-        placeholder = is_placeholder(ev)  # vLLM's offloading connector: hashes only (the map shows them)
+        placeholder = bs <= 0 and is_placeholder(ev)  # vLLM's offloading connector: hashes only (still shown)
         if bs <= 0:  # not given: what the token ids say (nothing, for a placeholder: the size stays as known)
             bs = len(token_list(toks)) // len(hashes)
         if bs > 0:

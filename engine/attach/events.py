@@ -186,7 +186,7 @@ def event_meta(ev) -> dict | None:
         if m is None:
             m = {}
         m[k] = v.copy() if isinstance(v, msgspec.Raw) else v
-    if is_placeholder(ev):
+    if ev.block_size <= 0 and is_placeholder(ev):
         m = m or {}
         m["placeholder"] = True
     return m
