@@ -175,46 +175,59 @@ REQUEST_KEYS = {"prompt", "max_new_tokens", "chat"}
 
 
 def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]:
-    """(line number, request) for each request line, checked for shape; read lazily (memory stays bounded)."""
+    """(line number, request) for each request line, checked for shape; read lazily (memory stays bounded).
+    The file must be a regular file of at most MAX_JSONL_BYTES (engine/user_file.py)."""
     from engine.engine import RequestError
     from engine.sequence import check_token_ids
+    from engine.user_file import json_lines
+    from engine.workloads import MAX_NEW_TOKENS
 
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise RequestError(f"{path}: {e.strerror}") from None
-    with f:
-        for n, raw in enumerate(f, 1):
+    lines = json_lines(path, "a prompt file")
+    while True:
+        try:
+            ln = next(lines, None)
+        except ValueError as e:  # the file itself: not a regular file, too large, grown past the cap
+            raise RequestError(str(e)) from None
+        if ln is None:
+            return
+        n, obj = ln.number, ln.value
+        if ln.problem is not None:
+            raise RequestError(f"{path}:{n}: {ln.problem}")
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), (str, list)):
+            raise RequestError(f'{path}:{n}: expected {{"prompt": "..." or [token ids], "max_new_tokens": N}}')
+        if unknown := sorted(set(obj) - REQUEST_KEYS):
+            raise RequestError(f"{path}:{n}: unknown key(s) {', '.join(k[:40] for k in unknown[:5])}; keys are "
+                               f"{', '.join(sorted(REQUEST_KEYS))}")
+        mnt = obj.get("max_new_tokens", default_max)
+        if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
+            raise RequestError(f"{path}:{n}: max_new_tokens must be a positive integer, not {_clip(mnt)}")
+        if "max_new_tokens" in obj and mnt > MAX_NEW_TOKENS:
+            raise RequestError(f"{path}:{n}: max_new_tokens must be at most {MAX_NEW_TOKENS:,}, not {_clip(mnt)}")
+        chat = obj.get("chat", False)
+        if not isinstance(chat, bool):
+            raise RequestError(f"{path}:{n}: chat must be true or false, not {_clip(chat)}")
+        prompt = obj["prompt"]
+        if isinstance(prompt, list):
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise RequestError(f"{path}:{n}: not UTF-8 text (byte {e.start + 1} of the line)") from None
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:
-                raise RequestError(f"{path}:{n}: not JSON ({getattr(e, 'msg', 'nested too deeply')})") from None
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), (str, list)):
-                raise RequestError(f'{path}:{n}: expected {{"prompt": "..." or [token ids], "max_new_tokens": N}}')
-            if unknown := sorted(set(obj) - REQUEST_KEYS):
-                raise RequestError(f"{path}:{n}: unknown key(s) {', '.join(unknown)}; keys are "
-                                   f"{', '.join(sorted(REQUEST_KEYS))}")
-            mnt = obj.get("max_new_tokens", default_max)
-            if not isinstance(mnt, int) or isinstance(mnt, bool) or mnt < 1:
-                raise RequestError(f"{path}:{n}: max_new_tokens must be a positive integer, not {mnt!r}")
-            chat = obj.get("chat", False)
-            if not isinstance(chat, bool):
-                raise RequestError(f"{path}:{n}: chat must be true or false, not {chat!r}")
-            prompt = obj["prompt"]
-            if isinstance(prompt, list):
-                try:
-                    check_token_ids(prompt)
-                except RequestError as e:
-                    raise RequestError(f"{path}:{n}: {e}") from None
-            if not prompt or (isinstance(prompt, str) and not prompt.strip()):
-                raise RequestError(f"{path}:{n}: empty prompt")
-            yield n, {"prompt": prompt, "max_new_tokens": mnt, "chat": chat}
+                check_token_ids(prompt)
+            except RequestError as e:
+                raise RequestError(f"{path}:{n}: {_clip(str(e), 200)}") from None
+            except RecursionError:  # (the repr of a deeply nested entry, for the message)
+                raise RequestError(f"{path}:{n}: the prompt holds a nested array, not integer token ids") from None
+        if not prompt or (isinstance(prompt, str) and not prompt.strip()):
+            raise RequestError(f"{path}:{n}: empty prompt")
+        yield n, {"prompt": prompt, "max_new_tokens": mnt, "chat": chat}
+
+
+def _clip(v: object, n: int = 60) -> str:
+    """A JSON value for a one-line message, whatever its size."""
+    if isinstance(v, (list, dict)):
+        text = f"an array of {len(v):,} items" if isinstance(v, list) else f"an object of {len(v):,} keys"
+    elif isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**20:
+        text = f"an integer of {len(str(abs(v))):,} digits"
+    else:
+        text = v if isinstance(v, str) else repr(v)
+    return text if len(text) <= n else text[:n] + "…"
 
 
 def _file_requests(engine, args, load_check: bool = False) -> Iterator[tuple[int, list[int], object]]:

@@ -8,15 +8,20 @@ Every request generates exactly its max_new_tokens (EOS ignored), so every confi
 throughputs compare. A later turn of a session waits for the reply before it, then arrives as a new request
 whose prompt is the conversation so far (its blocks come back through the prefix cache). A fork `seq_cp`s
 its parent once the parent has its first token, or runs as a plain request if the parent has finished.
+
+The requests may be any iterable in arrival order, pulled one at a time as they arrive (a trace streamed from
+its file); with a `window`, at most that many are in the engine or waiting for their turn at once. A request
+the engine refuses (when it arrives, or when the trace is read: `RequestCheck.refusal`) is listed in
+`RunResult.refused` with its trace line and why; one the engine aborts, likewise.
 """
 
 from __future__ import annotations
 
-import collections
 import gc
 import time
 import zlib
 from dataclasses import dataclass, field
+from typing import Iterable
 
 import numpy as np
 
@@ -66,26 +71,140 @@ class LiveChange:
     changes: dict
 
 
-class Replay:
-    """Feeds a request list to one engine by arrival time and records what each step produced."""
+class RequestCheck:
+    """How a replay turns a trace request into what the engine is asked (token ids, sampling), and whether the
+    engine would take it: the checks a trace's reader runs on every line, against the engine that will run it."""
 
-    def __init__(self, engine, requests: list, time_scale: float, cap: int | None, clock: ReplayClock,
-                 change: LiveChange | None = None):
+    def __init__(self, engine, cap: int | None = None):
         from engine.chat_format import ChatFormat
 
+        self.engine, self.cap = engine, cap
+        self.fmt = ChatFormat(engine.tokenizer)
+        self._overhead: dict[bool, int] = {}
+        self._fits: dict[tuple[int, int], bool] = {}  # (prompt tokens, new tokens) -> taken, under _fits_config
+        self._fits_config = None
+
+    def sampling(self, r):
+        from engine.sequence import SamplingParams
+
+        n = min(r.max_new_tokens, self.cap) if self.cap else r.max_new_tokens
+        if r.kind in ("nbest", "fork"):
+            return SamplingParams(max_new_tokens=n, temperature=FORK_TEMPERATURE, seed=zlib.crc32(r.session.encode()),
+                                  ignore_eos=True)
+        return SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+    def prompt(self, r, history: list[int] | None) -> list[int]:
+        """The token ids of `r` after `history` (a later turn's conversation so far; None for anything else)."""
+        if r.prompt_tokens is not None:
+            return (history or []) + list(r.prompt_tokens)
+        if r.kind == "chat":
+            return self.fmt.first(None, self.fmt.encode(r.prompt))
+        if r.kind == "turn":
+            body = self.fmt.encode(r.prompt)
+            if not history:
+                return self.fmt.first(None, body)
+            ended = history[-1] if history[-1] in self.engine.eos else None
+            return history + self.fmt.next_turn(body, ended)
+        return self.engine.tokenizer.encode(r.prompt)
+
+    def refusal(self, r) -> str | None:
+        """Why the engine would refuse `r` were it to arrive now (as a first turn: a later one also carries its
+        conversation so far, checked when it starts); None if it would take it. A text prompt is encoded only
+        when a bound on its length (a token holds at least one UTF-8 byte, plus two for a tokenizer's leading
+        space and the chat template's own tokens) does not already show that it fits."""
+        from engine.errors import RequestError
+
+        e, sp = self.engine, self.sampling(r)
+        try:
+            if r.prompt_tokens is not None:
+                e.check_request(r.prompt_tokens, sp)
+                return None
+            bound = len(r.prompt.encode("utf-8")) + 2 + self._template_tokens(r.kind in ("chat", "turn"))
+            if bound <= e.context_limit and self._would_fit(bound, sp):
+                return None
+            e.check_request(self.prompt(r, None), sp)
+        except RequestError as ex:
+            return str(ex)
+        except (TypeError, ValueError) as ex:  # a tokenizer that cannot take the text
+            return f"the prompt cannot be encoded ({ex})"
+        return None
+
+    def _would_fit(self, n: int, sp) -> bool:
+        """Whether the engine takes a prompt of n tokens with these sampling params (memoized per config)."""
+        from engine.errors import RequestError
+
+        if self._fits_config is not self.engine.config:
+            self._fits, self._fits_config = {}, self.engine.config
+        key = (n, sp.max_new_tokens)
+        if key not in self._fits:
+            try:
+                self.engine.check_request([0] * n, sp)
+                self._fits[key] = True
+            except RequestError:
+                self._fits[key] = False
+        return self._fits[key]
+
+    def _template_tokens(self, chat: bool) -> int:
+        if chat not in self._overhead:
+            self._overhead[chat] = len(self.fmt.first(None, []) if chat else self.engine.tokenizer.encode(""))
+        return self._overhead[chat]
+
+
+def where(r, source: str | None = None) -> str:
+    """A request named for a message: "FILE:LINE (session 'a' at 0.5 s)", "line LINE (...)" without the file's
+    name, or the session alone for a request that was not read from a file."""
+    session = f"session {r.session!r} at {r.arrival_s:g} s"
+    line = getattr(r, "line", None)
+    if not line:
+        return session
+    return f"{source}:{line} ({session})" if source else f"line {line} ({session})"
+
+
+class _Arrivals:
+    """The requests yet to arrive, (arrival time, request) in order, pulled from an iterable one at a time."""
+
+    def __init__(self, requests: Iterable, at):
+        self._it, self._at = iter(requests), at
+        self._next: tuple[float, object] | None = None
+        self._pull()
+
+    def _pull(self) -> None:
+        r = next(self._it, None)
+        self._next = None if r is None else (self._at(r), r)
+
+    def __bool__(self) -> bool:
+        return self._next is not None
+
+    def first_at(self) -> float:
+        return self._next[0]
+
+    def pop(self):
+        r = self._next[1]
+        self._pull()
+        return r
+
+
+class Replay:
+    """Feeds requests (in arrival order) to one engine by arrival time and records what each step produced."""
+
+    def __init__(self, engine, requests: Iterable, time_scale: float, cap: int | None, clock: ReplayClock,
+                 change: LiveChange | None = None, window: int | None = None, source: str | None = None):
         self.engine, self.clock = engine, clock
         self.change = change
         self.cap = cap
+        self.window = window  # at most this many requests in the engine or waiting for their turn (None: any)
+        self.source = source  # the trace's path, to name a refused request's line
+        self.check = RequestCheck(engine, cap)
+        self.fmt = self.check.fmt
         at = (lambda r: r.arrival_s / time_scale) if time_scale > 0 else (lambda r: 0.0)
-        # Sorted by arrival: load_trace and the generators sort.
-        self.queue = collections.deque((at(r), r) for r in requests)
+        self.queue = _Arrivals(requests, at)  # in arrival order: load_trace and the generators sort
         self.ready: list = []  # arrived, waiting for their session's reply or their fork parent
-        self.fmt = ChatFormat(engine.tokenizer)
         self.session_sid: dict[str, int | None] = {}  # session -> its latest sequence (None: refused)
         self.history: dict[str, list[int]] = {}  # session -> tokens so far, once its latest reply is done
         self.submitted: dict[int, float] = {}
         self.tokens_at: dict[int, list[float]] = {}
         self.live: set[int] = set()
+        self._requests: dict[int, object] = {}  # live sid -> its request (to name it if the engine aborts it)
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, result: RunResult, on_progress) -> RunResult:
@@ -101,8 +220,10 @@ class Replay:
                 pool = e.pool
                 result.peak_device_bytes = max(result.peak_device_bytes, pool.tiers[0].used * pool.block_bytes)
                 result.peak_host_bytes = max(result.peak_host_bytes, pool.tiers[1].used * pool.block_bytes)
-            elif self.queue:
-                clock.skip(self.queue[0][0] - (clock() - t0))  # idle until the next arrival: jump there
+            elif self.live and self.reap(result):
+                pass  # nothing ran, yet some were live: the engine had ended them
+            elif self.queue and not self._full():
+                clock.skip(self.queue.first_at() - (clock() - t0))  # idle until the next arrival: jump there
             elif self.ready:
                 self._submit_ready(result, force=True)  # nothing left to wait for
             else:
@@ -142,9 +263,31 @@ class Replay:
 
     def feed(self, now: float, result: RunResult) -> None:
         """Submit what has arrived by `now` (seconds since the replay began) and can start."""
-        while self.queue and self.queue[0][0] <= now:
-            self.ready.append(self.queue.popleft()[1])
+        while self.queue and self.queue.first_at() <= now and not self._full():
+            self.ready.append(self.queue.pop())
         self._submit_ready(result, force=False)
+        if self._full() and not self.live:  # every slot waits on a fork parent that has not arrived: go on
+            self._submit_ready(result, force=True)
+
+    def _full(self) -> bool:
+        return self.window is not None and len(self.ready) + len(self.live) >= self.window
+
+    def reap(self, result: RunResult) -> int:
+        """Settle the live sequences the engine has ended without this replay seeing their last token: one that
+        ran out of tokens finished; one aborted (or cancelled, or dropped) is listed as refused. How many."""
+        n = 0
+        for sid in list(self.live):
+            seq = self.engine.seqs.get(sid)
+            if seq is not None and not seq.done:
+                continue
+            n += 1
+            if seq is not None and seq.finish_reason in ("eos", "length"):
+                self._finished(sid, result)
+                continue
+            self.live.discard(sid)
+            reason = (seq.error or seq.finish_reason) if seq is not None else "dropped by the engine"
+            result.refused.append(f"{self._where(self._requests.pop(sid))}: aborted: {reason}")
+        return n
 
     def observe(self, outs, t: float, result: RunResult) -> None:
         """Record one engine step's tokens (at time t) of this replay's sequences."""
@@ -162,10 +305,12 @@ class Replay:
         return not (self.queue or self.ready or self.live)
 
     def _submit_ready(self, result: RunResult, force: bool) -> None:
-        for r in list(self.ready):
+        waiting, self.ready = self.ready, []
+        for r in waiting:  # in order, so a session's later turn sees the earlier one just started
             if force or self._can_start(r):
-                self.ready.remove(r)
                 self._start(r, result)
+            else:
+                self.ready.append(r)
 
     def _can_start(self, r) -> bool:
         if r.fork_of is not None:
@@ -176,28 +321,8 @@ class Replay:
         return self.session_sid.get(r.session) not in self.live  # a later turn waits for the reply
 
     # -- requests --------------------------------------------------------------------------------
-    def _sampling(self, r):
-        from engine.sequence import SamplingParams
-
-        n = min(r.max_new_tokens, self.cap) if self.cap else r.max_new_tokens
-        if r.kind in ("nbest", "fork"):
-            return SamplingParams(max_new_tokens=n, temperature=FORK_TEMPERATURE, seed=zlib.crc32(r.session.encode()),
-                                  ignore_eos=True)
-        return SamplingParams(max_new_tokens=n, ignore_eos=True)
-
-    def _prompt(self, r) -> list[int]:
-        history = self.history.get(r.session) if r.kind == "turn" else None
-        if r.prompt_tokens is not None:
-            return (history or []) + list(r.prompt_tokens)
-        if r.kind == "chat":
-            return self.fmt.first(None, self.fmt.encode(r.prompt))
-        if r.kind == "turn":
-            body = self.fmt.encode(r.prompt)
-            if not history:
-                return self.fmt.first(None, body)
-            ended = history[-1] if history[-1] in self.engine.eos else None
-            return history + self.fmt.next_turn(body, ended)
-        return self.engine.tokenizer.encode(r.prompt)
+    def _where(self, r) -> str:
+        return where(r, self.source)
 
     def _start(self, r, result: RunResult) -> None:
         from engine.errors import RequestError
@@ -206,22 +331,25 @@ class Replay:
         parent = self.session_sid.get(r.fork_of) if r.fork_of is not None else None
         try:
             if parent is not None and parent in self.live and self.tokens_at[parent]:
-                sid = e.seq_cp(parent, self._sampling(r), label=r.session)
+                sid = e.seq_cp(parent, self.check.sampling(r), label=r.session)
                 result.forked += 1
             else:
-                sid = e.add_request(self._prompt(r), self._sampling(r), label=r.session)
-        except RequestError as ex:
+                history = self.history.get(r.session) if r.kind == "turn" else None
+                sid = e.add_request(self.check.prompt(r, history), self.check.sampling(r), label=r.session)
+        except (RequestError, TypeError, ValueError) as ex:  # (a tokenizer that cannot take the text)
             self.session_sid[r.session] = None
-            result.refused.append(f"{r.session} at {r.arrival_s:g} s: {ex}")
+            result.refused.append(f"{self._where(r)}: {ex}")
             return
         self.session_sid[r.session] = sid
         self.submitted[sid] = self.clock()
         self.tokens_at[sid] = []
         self.live.add(sid)
+        self._requests[sid] = r
 
     def _finished(self, sid: int, result: RunResult) -> None:
         seq = self.engine.seqs[sid]
         self.live.discard(sid)
+        self._requests.pop(sid, None)
         self.history[seq.label] = list(seq.tokens)  # prompt + reply (what a context shift kept)
         result.finished += 1
 

@@ -37,13 +37,13 @@ def run_window(args: argparse.Namespace) -> int:
         print("kvscope: error: --screenshot needs --headless (in the window, use File > Save screenshot)",
               file=sys.stderr)
         return 2
-    if getattr(args, "replay", None):  # read and check the trace before the model loads
-        from engine.workloads import load_trace
+    if getattr(args, "replay", None):  # read the trace before the model loads: refused if no line can run
+        from app.trace_workload import check_trace_file
+        from engine.errors import RequestError
 
         try:
-            if not load_trace(args.replay):
-                raise ValueError(f"{args.replay}: no requests in the trace")
-        except (OSError, ValueError) as e:
+            check_trace_file(args.replay)
+        except RequestError as e:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
     from PySide6 import QtCore, QtWidgets

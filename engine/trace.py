@@ -16,12 +16,17 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.lib import format as npy_format
 
+from engine.user_file import UserFileError, open_regular
+
 COLUMNS = ("t", "seq", "block", "tier", "hit")
 
 # The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
 # their widest), so a file that passes holds at most ~1.65 GB of columns however well it compresses: a
 # .npz is a zip, and 2.3 MB of deflated zeros is 2.4 GB of array.
 MAX_TRACE_ROWS = 50_000_000
+# The largest file `AccessTrace.load` opens (checked by stat before a byte is read): five columns at their
+# widest, stored, are 1.65 GB.
+MAX_FILE_BYTES = 2 * 2**30
 
 # Per column: the dtype kinds accepted (numpy's dtype.kind letters) and how to say so.
 _KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block": ("iu", "integers"),
@@ -91,7 +96,7 @@ def _first_bad(mask: np.ndarray) -> int | None:
 
 
 def _read(path: str) -> dict[str, np.ndarray]:
-    with zipfile.ZipFile(path) as z:
+    with open_regular(path, MAX_FILE_BYTES, "an access trace") as f, zipfile.ZipFile(f) as z:
         infos = {c: _member(z, c) for c in COLUMNS}
         missing = [c for c, i in infos.items() if i is None]
         if missing:
@@ -161,16 +166,16 @@ class AccessTrace:
         starts with `path` and says what is wrong: not a zip, a missing column, a column that is not 1-d,
         of the wrong dtype, longer than MAX_TRACE_ROWS or with a header that disagrees with its data's size,
         columns of different lengths, a time that is not finite, a negative block serial, a tier other than
-        0 or 1. Every column's .npy header is checked before any data is read, so a file can make this
-        allocate no more than its headers declare (at most MAX_TRACE_ROWS rows); never unpickles."""
+        0 or 1; a path that is not a regular file (a FIFO, a device, a directory) or is larger than
+        MAX_FILE_BYTES, before a byte is read. Every column's .npy header is checked before any data is read, so
+        a file can make this allocate no more than its headers declare (at most MAX_TRACE_ROWS rows); never
+        unpickles."""
         try:
             cols = _read(path)
         except TraceFileError:
             raise
-        except FileNotFoundError:
-            raise TraceFileError(f"{path}: no such file") from None
-        except IsADirectoryError:
-            raise TraceFileError(f"{path}: is a directory, not a trace file") from None
+        except UserFileError as e:  # missing, not a regular file (a FIFO, a device, a directory), too large
+            raise TraceFileError(str(e)) from None
         except zipfile.BadZipFile as e:
             if os.path.isfile(path) and os.path.getsize(path) == 0:
                 raise TraceFileError(f"{path}: the file is empty") from None

@@ -13,14 +13,20 @@ import json
 import math
 import os
 import random
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
 
 from engine.corpus import DEFAULT_SYSTEM_PROMPT, NAMES, SENTENCES, STORIES, _follow_up, _message, _passage
+from engine.user_file import json_lines, surrogate_problem
 
 KINDS: tuple[str, ...] = ("chat", "turn", "document", "nbest", "fork")
 _WORDS_TO_TOKENS = 1.2  # corpus tokens per whitespace word (measured on the default model's tokenizer)
 _SECONDS_PER_TOKEN = 0.05  # a trace's guess of decode time, so a next turn arrives after the reply
+# Bounds of a request, so that one a trace can hold is one a replay can run and finish.
+MAX_ARRIVAL_S = 10_000_000.0  # ~116 days; an engine clock far beyond would lose its sub-millisecond steps
+MAX_NEW_TOKENS = 1 << 20
+MAX_FORKS = 1024
+MAX_SESSION_CHARS = 256  # a session is a sequence's label: in the window, the events and the snapshot JSON
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -44,24 +50,51 @@ class Request:
     kind: str
     fork_of: str | None = None
     n_forks: int = 0
+    line: int | None = field(default=None, compare=False)  # the trace line it was read from, to name it
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s) and self.arrival_s >= 0):
-            raise ValueError(f"arrival_s must be a finite number >= 0, got {self.arrival_s!r}")
+        if not (isinstance(self.arrival_s, (int, float)) and math.isfinite(self.arrival_s)
+                and 0 <= self.arrival_s <= MAX_ARRIVAL_S):
+            raise ValueError(f"arrival_s must be a finite number from 0 to {MAX_ARRIVAL_S:,.0f} (seconds), "
+                             f"got {self.arrival_s!r}")
         if not self.session:
             raise ValueError("session must be a non-empty string")
+        if len(self.session) > MAX_SESSION_CHARS:
+            raise ValueError(f"session is {len(self.session):,} characters; at most {MAX_SESSION_CHARS}")
         if (self.prompt is None) == (self.prompt_tokens is None):
             raise ValueError("give exactly one of prompt and prompt_tokens")
         if self.prompt is not None and not self.prompt:
             raise ValueError("prompt is empty")
         if self.prompt_tokens is not None and (not self.prompt_tokens or any(t < 0 for t in self.prompt_tokens)):
             raise ValueError("prompt_tokens must be a non-empty list of token ids >= 0")
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 1 <= self.max_new_tokens <= MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens must be from 1 to {MAX_NEW_TOKENS:,}, got {_short(self.max_new_tokens)}")
         if self.kind not in KINDS:
             raise ValueError(f"kind {self.kind!r} is not one of {', '.join(KINDS)}")
-        if self.n_forks < 0:
-            raise ValueError(f"n_forks must be >= 0, got {self.n_forks}")
+        if not 0 <= self.n_forks <= MAX_FORKS:
+            raise ValueError(f"n_forks must be from 0 to {MAX_FORKS:,}, got {_short(self.n_forks)}")
+        for name in ("session", "prompt", "fork_of"):
+            text = getattr(self, name)
+            problem = surrogate_problem(text) if text is not None else None
+            if problem is not None:
+                raise ValueError(f"{name} holds {problem}")
+
+
+def _short(n: int) -> str:
+    """An integer for a message: a huge one by its size, not its 4,000 digits."""
+    return str(n) if abs(n) < 10**20 else f"an integer of about {int(abs(n).bit_length() * 0.30103) + 1:,} digits"
+
+
+def _show(v: object) -> str:
+    """A JSON value for a one-line message, whatever its size (and without repr's recursion)."""
+    if isinstance(v, list):
+        return f"an array of {len(v):,} items"
+    if isinstance(v, dict):
+        return f"an object of {len(v):,} keys"
+    if _is_int(v):
+        return _short(v)
+    text = repr(v)
+    return text if len(text) <= 60 else text[:60] + "…"
 
 
 def _sorted(requests: list[Request]) -> list[Request]:
@@ -205,22 +238,32 @@ def save_trace(requests: Iterable[Request], path: str | os.PathLike[str]) -> Non
             f.write(json.dumps(d, ensure_ascii=False) + "\n")
 
 
-def load_trace(path: str | os.PathLike[str]) -> list[Request]:
-    """Requests of a JSONL trace, sorted by arrival; a bad line raises ValueError("PATH:LINE: problem")."""
-    out: list[Request] = []
+def read_trace(path: str | os.PathLike[str]) -> Iterator[tuple[int, Request | str]]:
+    """(line number, request) for each request line of a JSONL trace, or (line number, what is wrong with
+    it): read lazily, in file order, so memory does not grow with the file. The file's own problems (not a
+    regular file, over MAX_JSONL_BYTES) raise UserFileError (a ValueError) naming it. A `fork_of` must name
+    the session of an earlier good line."""
     sessions: set[str] = set()
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                req = _parse_line(json.loads(line), sessions)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}, column {e.colno})") from None
-            except ValueError as e:
-                raise ValueError(f"{path}:{lineno}: {e}") from None
-            sessions.add(req.session)
-            out.append(req)
+    for ln in json_lines(path, "a trace"):
+        if ln.problem is not None:
+            yield ln.number, ln.problem
+            continue
+        try:
+            req = _parse_line(ln.value, sessions, ln.number)
+        except ValueError as e:
+            yield ln.number, str(e)
+            continue
+        sessions.add(req.session)
+        yield ln.number, req
+
+
+def load_trace(path: str | os.PathLike[str]) -> list[Request]:
+    """Requests of a JSONL trace, sorted by arrival; the first bad line raises ValueError("PATH:LINE: problem")."""
+    out: list[Request] = []
+    for number, req in read_trace(path):
+        if isinstance(req, str):
+            raise ValueError(f"{os.fspath(path)}:{number}: {req}")
+        out.append(req)
     return _sorted(out)
 
 
@@ -228,7 +271,7 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _parse_line(obj: object, sessions: set[str]) -> Request:
+def _parse_line(obj: object, sessions: set[str], line: int | None = None) -> Request:
     """Type checks of one JSON line; value checks are Request's own."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -242,18 +285,21 @@ def _parse_line(obj: object, sessions: set[str]) -> Request:
         raise ValueError("missing 'prompt' or 'prompt_tokens'")
     arrival = obj["arrival_s"]
     if not (_is_int(arrival) or isinstance(arrival, float)):
-        raise ValueError(f"arrival_s must be a number, got {arrival!r}")
+        raise ValueError(f"arrival_s must be a number, got {_show(arrival)}")
+    if _is_int(arrival) and arrival > MAX_ARRIVAL_S:  # (float() of a 400-digit integer overflows)
+        raise ValueError(f"arrival_s must be a finite number from 0 to {MAX_ARRIVAL_S:,.0f} (seconds), "
+                         f"got {_short(arrival)}")
     for key in ("session", "prompt", "kind", "fork_of"):
         if key in obj and not isinstance(obj[key], str):
-            raise ValueError(f"{key} must be a string, got {obj[key]!r}")
+            raise ValueError(f"{key} must be a string, got {_show(obj[key])}")
     tokens = obj.get("prompt_tokens")
     if tokens is not None and not (isinstance(tokens, list) and all(_is_int(t) for t in tokens)):
         raise ValueError("prompt_tokens must be a list of integer token ids")
     for key in ("max_new_tokens", "n_forks"):
         if key in obj and not _is_int(obj[key]):
-            raise ValueError(f"{key} must be an integer, got {obj[key]!r}")
+            raise ValueError(f"{key} must be an integer, got {_show(obj[key])}")
     fork_of = obj.get("fork_of")
     if fork_of is not None and fork_of not in sessions:
-        raise ValueError(f"fork_of {fork_of!r} names no session on an earlier line")
+        raise ValueError(f"fork_of {_show(fork_of)} names no session on an earlier line")
     return Request(float(arrival), obj["session"], obj.get("prompt"), tokens, obj["max_new_tokens"],
-                   obj.get("kind", "chat"), fork_of, obj.get("n_forks", 0))
+                   obj.get("kind", "chat"), fork_of, obj.get("n_forks", 0), line)

@@ -183,9 +183,9 @@ def bad_value_cases(tmp_path) -> list[tuple[list[str], str]]:
         (["--prompt-file", lines("c.jsonl", '{"prompt": "x", "chat": "yes"}')], "c.jsonl:1: chat must be"),
         (["--prompt-file", lines("k.jsonl", '{"prompt": "x", "max_tokens": 5}')], "k.jsonl:1: unknown key(s) max_tokens"),
         (["--prompt-file", lines("e.jsonl", '{"prompt": []}')], "e.jsonl:1: empty prompt"),
-        (["--prompt-file", lines("d.jsonl", "[" * 100_000)], "d.jsonl:1: not JSON"),
+        (["--prompt-file", lines("d.jsonl", "[" * 100_000)], "d.jsonl:1: not readable JSON (nested too deeply)"),
         (["--prompt-file", str(tmp_path / "missing.jsonl")], "missing.jsonl: No such file"),
-        (["--prompt-file", str(tmp_path)], "Is a directory"),
+        (["--prompt-file", str(tmp_path)], "is a directory, not a regular file"),
     ]
 
 

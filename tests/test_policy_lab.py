@@ -403,8 +403,8 @@ BAD_FILES = {  # kind -> what the message must say besides the file's name
     "not a zip": "not an .npz (zip) file",
     "empty file": "the file is empty",
     "truncated zip": "not an .npz (zip) file",
-    "a directory": "is a directory, not a trace file",
-    "missing file": "no such file",
+    "a directory": "is a directory, not a regular file",
+    "missing file": "No such file",
 }
 
 

@@ -128,7 +128,7 @@ GOOD = '{"arrival_s": 0.5, "session": "a", "prompt": "hi", "max_new_tokens": 8}'
     ('{"arrival_s": 1, "session": "b", "prompt": "hi", "prompt_tokens": [1], "max_new_tokens": 8}',
      "exactly one of prompt and prompt_tokens"),
     ('{"arrival_s": 1, "session": "b", "prompt_tokens": [1, "x"], "max_new_tokens": 8}', "list of integer token ids"),
-    ('{"arrival_s": 1, "session": "b", "prompt": "hi", "max_new_tokens": 0}', "max_new_tokens must be >= 1"),
+    ('{"arrival_s": 1, "session": "b", "prompt": "hi", "max_new_tokens": 0}', "max_new_tokens must be from 1 to 1,048,576, got 0"),
     ('{"arrival_s": 1, "session": "b", "prompt": "hi", "max_new_tokens": true}', "max_new_tokens must be an integer"),
     ('{"arrival_s": 1, "session": "b", "prompt": "hi", "max_new_tokens": 8, "kind": "poem"}', "kind 'poem'"),
     ('{"arrival_s": 1, "session": "b", "prompt": "hi", "max_new_tokens": 8, "fork_of": "zz"}', "fork_of 'zz'"),
