@@ -52,9 +52,15 @@ def _resize(pool: BlockPool, config: CacheConfig, sizes, now: float) -> None:
         used = np.flatnonzero(dev.lid >= 0)
         order = used[np.lexsort((dev.last[used], dev.ref[used] > 0))]  # cached first, then owned; coldest first
         victims = dev.lid[order[:over]]
+        owned = victims[dev.ref[order[:over]] > 0]
+        cached = victims[dev.ref[order[:over]] == 0]
         _host_room(pool, host_cap, len(victims), now)
-        moved = pool.move(victims, Tier.HOST, now, reason="resize") if host.capacity else 0
-        for lid in victims[moved:].tolist():  # cached blocks the host tier cannot take
+        # Owned blocks first: they must reach the host tier (the check above left room for them); cached ones take
+        # what room is left, and those it cannot take are dropped.
+        if pool.move(owned, Tier.HOST, now, reason="resize") < len(owned):
+            raise AssertionError(f"the host tier took fewer than the {len(owned)} owned blocks the device tier hands it")
+        moved = pool.move(cached, Tier.HOST, now, reason="resize") if host.capacity and len(cached) else 0
+        for lid in cached[moved:].tolist():  # cached blocks the host tier cannot take
             pool._release(lid)
     # The host tier down to its new capacity: cached blocks evicted, owned ones promoted while the device has room.
     over = host.used - host_cap

@@ -138,3 +138,26 @@ def test_a_budget_change_with_the_host_tier_full_keeps_the_engine_working(llama_
     eng.run_until_done()
     assert [eng.seqs[i].output for i in ids] == [llama_ref.greedy(p, N) for p in ps[8:]]
     eng.check_invariants()
+
+
+def test_a_device_shrink_hands_owned_blocks_to_the_host_before_cached_ones(llama_model, llama_ref):
+    """Found by `python -m app.storm`: the shrink demoted its victims cached-first into a host tier with room for
+    only some of them and released the rest, owned blocks included: a running sequence's table then held a freed
+    block and every step raised IndexError (slot -1)."""
+    now = [0.0]
+    eng = Engine(llama_model, CacheConfig(block_size=8, device_budget_mb=_mb(llama_model, 30 + RESERVED),
+                                          host_budget_mb=_mb(llama_model, 8)), EngineOptions(attention="cpu"),
+                 clock=lambda: now[0])
+    for p in prompts(37, [30, 30, 30]):  # cached blocks, colder than the running sequence's
+        eng.generate([p], SamplingParams(max_new_tokens=1, ignore_eos=True))
+        now[0] += 1.0
+    p = prompts(38, [90])[0]
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=N, ignore_eos=True))
+    eng.step()
+    dev = eng.pool.tiers[Tier.DEVICE]
+    assert (dev.ref > 0).sum() == 12 and len(dev.cached) == 9
+    eng.reconfigure(device_budget_mb=_mb(llama_model, 6 + RESERVED))  # 6 owned + the cached must leave the device
+    assert (eng.pool.tier[eng.seqs[sid].table()] >= 0).all()
+    eng.check_invariants()
+    eng.run_until_done()
+    assert eng.seqs[sid].output == llama_ref.greedy(p, N)
