@@ -52,29 +52,47 @@ def _int_in(v, name: str, lo: int, hi: int) -> str | None:
     return None
 
 
+def _bad_hashes(hashes) -> str | None:
+    lo, hi = _I64
+    for h in hashes:  # the hot loop of the check: plain type tests, no calls
+        c = h.__class__
+        if c is int:
+            if lo <= h <= hi:
+                continue
+        elif (c is bytes or c is str) and len(h) <= MAX_HASH_BYTES:
+            continue
+        return _hash_problem(h) or f"block hash {h!r:.40}"
+    return None
+
+
 def event_problem(ev) -> str | None:
-    """Why one decoded event cannot be applied, or None. AllBlocksCleared has no fields to check."""
+    """Why one decoded event cannot be applied, or None. AllBlocksCleared has no fields to check. Called for
+    every event, so the common case is a handful of comparisons and one call."""
     kind = ev.KIND
-    if kind not in (KIND_STORED, KIND_REMOVED):
+    if kind != KIND_STORED and kind != KIND_REMOVED:
         return None
     hashes = ev.block_hashes
-    if not isinstance(hashes, list) or len(hashes) > MAX_BLOCKS_PER_EVENT:
+    if hashes.__class__ is not list or len(hashes) > MAX_BLOCKS_PER_EVENT:
         return "block_hashes is not a list of at most 1M hashes"
     if kind == KIND_STORED and not hashes:
         return "BlockStored without block hashes"
-    for h in hashes:
-        p = _hash_problem(h)
-        if p:
-            return p
-    m = ev.medium
-    if m is not None and (not isinstance(m, str) or not 0 < len(m) <= MAX_MEDIUM_CHARS):
-        return f"medium {str(m)[:40]!r} is not a name of at most {MAX_MEDIUM_CHARS} characters"
-    p = _int_in(ev.group_idx, "group_idx", 0, MAX_GROUP_IDX)
-    if p or kind == KIND_REMOVED:
+    p = _bad_hashes(hashes)
+    if p:
         return p
-    if ev.parent_block_hash is not None:
-        p = _hash_problem(ev.parent_block_hash)
+    m, g = ev.medium, ev.group_idx
+    if m is not None and (m.__class__ is not str or not 0 < len(m) <= MAX_MEDIUM_CHARS):
+        return f"medium {str(m)[:40]!r} is not a name of at most {MAX_MEDIUM_CHARS} characters"
+    if g is not None and (g.__class__ is not int or not 0 <= g <= MAX_GROUP_IDX):
+        return _int_in(g, "group_idx", 0, MAX_GROUP_IDX)
+    if kind == KIND_REMOVED:
+        return None
+    parent, lora, bs = ev.parent_block_hash, ev.lora_id, ev.block_size
+    if parent is not None:
+        p = _bad_hashes((parent,))
         if p:
             return "parent: " + p
-    return (_int_in(ev.lora_id, "lora_id", 0, MAX_LORA_ID)
-            or _int_in(ev.block_size, "block_size", 0, MAX_BLOCK_SIZE))
+    if lora is not None and (lora.__class__ is not int or not 0 <= lora <= MAX_LORA_ID):
+        return _int_in(lora, "lora_id", 0, MAX_LORA_ID)
+    if bs is not None and (bs.__class__ is not int or not 0 <= bs <= MAX_BLOCK_SIZE):
+        return _int_in(bs, "block_size", 0, MAX_BLOCK_SIZE)
+    return None

@@ -227,7 +227,8 @@ class ClusterState:
         if not events:
             return
         t = batch.ts + self._offset.get(source, 0.0)
-        applied = []
+        applied = [] if self.recorder is not None else None
+        counts = self._family_blocks
         for ev in events:
             kind = ev.KIND
             if kind == KIND_STORED:
@@ -243,13 +244,16 @@ class ClusterState:
                 if g is None:
                     act["bad_events"] += 1
                     continue
-                remove, gone = g.remove, []
+                remove = g.remove
                 for h in ev.block_hashes:
                     f = remove(h, t)
-                    if f is not None:
-                        gone.append(f)
-                if gone:
-                    self._forget(gone)
+                    if f is not None:  # the block's family has one block fewer (inline _forget: hot)
+                        n = counts.get(f)
+                        if n is not None:
+                            if n > 1:
+                                counts[f] = n - 1
+                            else:
+                                self._drop_family(f)
                 act["removed_events"] += 1
                 act["removed_blocks"] += len(ev.block_hashes)
             else:
@@ -261,8 +265,9 @@ class ClusterState:
                         n += g.clear()
                 act["cleared"] += 1
                 self.note("cleared", f"{self.labels[source]} rank {rank}: all blocks cleared ({n:,} resident)")
-            applied.append(ev)
-        if self.recorder is not None:  # what was applied, and only that: the recording and the maps agree
+            if applied is not None:
+                applied.append(ev)
+        if applied is not None:  # what was applied, and only that: the recording and the maps agree
             self.recorder.add(source, rank, t, applied)
             if self.recorder.full_note:
                 self.note("error", self.recorder.full_note)
