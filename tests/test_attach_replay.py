@@ -194,6 +194,15 @@ def test_a_source_too_far_behind_sheds_its_oldest_frames_and_says_so(attach, mon
         assert st.shed > 0 and st.lost >= st.shed and st.shed_age_s is not None
         assert st.frames == 3000 and st.malformed == 0
         assert any("falling behind" in t for _, k, t in cl.take_notes() if k == "shed")
+        from types import SimpleNamespace
+
+        from app.attach import _summary, _summary_text
+        from ui.attach_panels import behind_text
+
+        assert "SHEDDING" in behind_text(st) and f"{st.shed:,} shed" in behind_text(st)
+        (js,) = _summary(SimpleNamespace(cluster=cl, statuses=lambda: [st]))["sources"]
+        assert js["shed"] == st.shed and {"behind_s", "queued", "queued_bytes", "replay_state"} <= set(js)
+        assert f"{st.shed:,} shed" in _summary_text({"sources": [js], "caches": {}})
     finally:
         srv.close()
 

@@ -20,7 +20,7 @@ from PySide6 import QtCore, QtWidgets
 
 from engine.attach.session import LIMITS, Frame
 from ui.attach_map import AttachMap, meta_lines
-from ui.attach_panels import AttachEventsPanel, MetricsPanel, SourcesPanel, traffic_lines
+from ui.attach_panels import AttachEventsPanel, MetricsPanel, SourcesPanel, behind_text, traffic_lines
 
 REFRESH_MS = 100
 SLOW_EVERY = 5
@@ -142,9 +142,13 @@ class AttachWindow(QtWidgets.QMainWindow):
         ev = sum(a.events for a in snap.activity)
         resident = sum(g.resident for g in snap.groups)
         last = self.frame_ms[-1] if self.frame_ms else 0.0
+        statuses = self.last_frame.statuses if self.last_frame is not None else ()
+        late = [f"{s.label} {behind_text(s)}" for s in statuses
+                if s.behind_s >= 2.0 or (s.shed_age_s is not None and s.shed_age_s < 10.0)]
         self.status.setText(f"{len(self.session.specs)} endpoint(s), {len(snap.groups)} cache(s), "
                             f"{resident:,} blocks resident, {ev:,} events applied   |   "
-                            f"UI {self.fps:.0f} fps, frame {last:.1f} ms")
+                            f"UI {self.fps:.0f} fps, frame {last:.1f} ms"
+                            + ("   |   BEHIND: " + "; ".join(late[:3]) if late else ""))
 
     def refresh_all(self) -> None:
         self.refresh(every_panel=True)

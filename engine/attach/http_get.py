@@ -98,14 +98,18 @@ def get(url: str, deadline_s: float = 3.0, max_body: int = 8 << 20, accept: str 
         body = bytearray(rest)
         chunked = "chunked" in hdrs.get("transfer-encoding", "").lower()
         cap = max_body + (64 << 10 if chunked else 0)  # chunk sizes and line ends on top of the data
-        while len(body) <= cap:
+        want = int(length) if length is not None and length.isdigit() and not chunked else None
+        # Up to the Content-Length where there is one (a server may keep the connection open anyway), else EOF.
+        while len(body) <= cap and (want is None or len(body) < want):
             chunk = _recv(sock, end, 1 << 16)
             if not chunk:
                 break
             body += chunk
         if len(body) > cap:
             raise FetchError(f"a body over the {max_body:,}-byte limit")
-        out = _dechunk(bytes(body)) if chunked else bytes(body)
+        if want is not None and len(body) < want:
+            raise FetchError(f"the body ended after {len(body):,} of {want:,} bytes")
+        out = _dechunk(bytes(body)) if chunked else bytes(body[:want] if want is not None else body)
         if len(out) > max_body:
             raise FetchError(f"a body over the {max_body:,}-byte limit")
         return out
