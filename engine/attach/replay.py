@@ -8,7 +8,8 @@ payload)` — and then the end marker `("", "", seq -1 as 8 signed big-endian by
 0.26 answered `("", seq, payload)` and ended with `("", seq -1, "")`: both layouts are read.
 
 A request is bounded: at most `max_batches` batches are asked for (the newest of a longer gap), a reply must
-come within `timeout_s` of the request or of the previous reply, and the whole request within `deadline_s`.
+come within `timeout_s` of the request or of the previous reply, and the whole request within `deadline_s` of
+waiting (the time spent applying the batches that came is not counted: a big history that flows is fine).
 A server that never answers, or trickles, is given up on for `backoff_s` (gaps are counted lost meanwhile).
 Nothing here blocks: the subscriber's poll loop calls `on_reply` for each message and `check` on every turn.
 Once a request has what it asked for, the rest of the server's answer (batches the live stream has too) is
@@ -52,6 +53,7 @@ class Request:
     got: int = 0
     replies: int = 0
     holes: list = None  # [first, last] seqs inside the range the server no longer held (the first few)
+    busy_s: float = 0.0  # time spent applying what came (not counted against the deadline: only waiting is)
 
 
 class ReplayClient:
@@ -136,7 +138,7 @@ class ReplayClient:
         req = self.req
         if req is None:
             return None
-        if now - req.last_t > self.timeout_s or now - req.t0 > self.deadline_s:
+        if now - req.last_t > self.timeout_s or now - req.t0 - req.busy_s > self.deadline_s:
             return "timeout"
         return None
 
