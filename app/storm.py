@@ -34,6 +34,9 @@ from collections import Counter
 
 import psutil
 
+# Lossy formats are named in the last third of every 15 s: the first two thirds run on fp32 (after the prefix cache
+# that went through a lossy format is dropped), so that requests there can be checked against transformers.
+PHASE_S, LOSSY_SHARE = 15.0, 1 / 3
 DTYPES = ("fp32", "fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8")
 POLICIES = ("lru", "heat", "s3fifo")
 
@@ -89,8 +92,9 @@ class Reference:
         return self.cache[key]
 
 
-def random_change(rng: random.Random, block_mb: float, layers: int) -> dict:
-    """One or two knobs at random, values across and past each knob's range (those are refused)."""
+def random_change(rng: random.Random, block_mb: float, layers: int, lossy: bool = True) -> dict:
+    """One or two knobs at random, values across and past each knob's range (those are refused). lossy=False:
+    kv_dtype changes name fp32 only."""
     def budget():
         r = rng.random()
         if r < 0.1:
@@ -101,7 +105,7 @@ def random_change(rng: random.Random, block_mb: float, layers: int) -> dict:
 
     makers = {
         "block_size": lambda: rng.choice([4, 8, 8, 16, 32, 0, 2000]),
-        "kv_dtype": lambda: "fp32" if rng.random() < 0.55 else rng.choice(DTYPES[1:]),
+        "kv_dtype": lambda: "fp32" if not lossy or rng.random() < 0.3 else rng.choice(DTYPES[1:]),
         "device_budget_mb": budget,
         "host_budget_mb": budget,
         "policy": lambda: rng.choice(POLICIES),
@@ -126,7 +130,9 @@ class Storm:
         self.stop = threading.Event()
         self.mu = threading.Lock()  # live, tainted and lossy_cache: the changer's and the engine thread's
         self.lossy_cache = False
+        self.t0 = time.monotonic()
         self.kinds: Counter = Counter()  # distinct failures
+        self.steps_under: Counter = Counter()  # steps run under each policy, format, host_reads, placement
         self.last_change: dict = {}
         self.c: Counter = Counter()
         self.refusals: Counter = Counter()
@@ -153,12 +159,13 @@ class Storm:
     # -- the changing thread ------------------------------------------------------------------
     def changer(self) -> None:
         """Lossy KV taints the sequences it touches: every live one when a lossy format applies, every one added
-        while a tainted one still runs (a prefix match can share its blocks), and the prefix cache is dropped when
-        the format comes back to fp32 (cached blocks went through the lossy format)."""
+        while a tainted one with the same first tokens still runs (a prefix match can share its blocks), and the
+        prefix cache is dropped when the format comes back to fp32 (cached blocks went through the lossy format)."""
         from engine.config import ConfigError, KVDtype, coerce
 
         while not self.stop.wait(self.every):
-            change = random_change(self.rng, self.block_mb, self.layers)
+            phase = (time.monotonic() - self.t0) % PHASE_S
+            change = random_change(self.rng, self.block_mb, self.layers, lossy=phase >= PHASE_S * (1 - LOSSY_SHARE))
             with self.mu:
                 was_lossless = self.eng.config.kv_dtype is KVDtype.FP32
                 try:
@@ -203,9 +210,15 @@ class Storm:
                     self.refusals["request: " + str(e)[:50]] += 1
                     return
                 self.c["requests"] += 1
-                if self.eng.config.kv_dtype is not KVDtype.FP32 or self.lossy_cache or self.tainted & set(self.live):
+                if self.eng.config.kv_dtype is not KVDtype.FP32 or self.lossy_cache or self._shares_lossy(prompt):
                     self.tainted.add(sid)
                 self.live[sid] = (prompt, new)
+
+    def _shares_lossy(self, prompt: list[int]) -> bool:
+        """Whether a prefix match could hand this prompt a block of a tainted live sequence (a first block in common:
+        the smallest block size is 4 tokens)."""
+        head = prompt[:4]
+        return any(self.live[s][0][:4] == head for s in self.tainted if s in self.live)
 
     def step(self) -> None:
         try:
@@ -215,6 +228,10 @@ class Storm:
             time.sleep(0.01)
             return
         self.c["steps"] += 1
+        cfg = self.eng.config
+        for k in (cfg.policy, cfg.kv_dtype.label, "host_reads=" + cfg.host_reads, f"device_layers={cfg.device_layers}",
+                  "device 0 MB" if cfg.device_budget_mb == 0 else "device > 0"):
+            self.steps_under[k] += 1
         with self.mu:
             for o in outs:
                 if o.finished:
@@ -308,7 +325,7 @@ def run(args) -> dict:
                                       "mismatched", "lost", "invariant failures")},
            "rss_warm_mib": None if rss_warm is None else rss_warm >> 20, "rss_max_mib": rss_max >> 20,
            "rss_growth": None if growth is None else round(growth, 3), "rss_samples_mib": samples[:: max(1, len(samples) // 40)],
-           "refusals": dict(storm.refusals.most_common(12)), "failure_kinds": dict(storm.kinds),
+           "refusals": dict(storm.refusals.most_common(12)), "steps_under": dict(storm.steps_under), "failure_kinds": dict(storm.kinds),
            "failures": storm.failures}
     bad = sum(out[k] for k in ("unexpected (reconfigure)", "unexpected (step)", "engine errors", "dropped",
                                "mismatched", "lost", "invariant failures"))
