@@ -81,11 +81,16 @@ class Server:
                     while not self._stop.wait(0.15):
                         self.router.send_multipart((client, b"", TOPIC, s.to_bytes(8, "big"), b))
                     return
+                if self.mode == "short":  # the first reply only, then nothing (a ROUTER past its high-water mark)
+                    self.router.send_multipart((client, b"", TOPIC, s.to_bytes(8, "big"), b))
+                    break
                 if self.mode == "old":
                     self.router.send_multipart((client, b"", s.to_bytes(8, "big"), b))
                 else:
                     self.router.send_multipart((client, b"", TOPIC, s.to_bytes(8, "big"), b))
-            self.router.send_multipart((client, b"", END, b"") if self.mode == "old" else (client, b"", b"", END, b""))
+            if self.mode != "short":
+                self.router.send_multipart((client, b"", END, b"") if self.mode == "old" else
+                                           (client, b"", b"", END, b""))
 
     def close(self) -> None:
         self._stop.set()
@@ -153,6 +158,22 @@ def test_a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap(attac
         assert srv.requests == 1 and st.replay_timeouts == 1 and st.replay_state == "backoff"
         notes = [t for _, k, t in cl.take_notes() if k == "replay"]
         assert any("no answer" in t and "counted lost" in t for t in notes)
+    finally:
+        srv.close()
+
+
+def test_an_answer_that_stops_short_is_not_a_dead_replay_socket(attach):
+    srv = Server("short")
+    try:
+        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=0.3))
+        srv.publish(1)
+        _wait(lambda: sub.status().batches == 1, 10, "the first batch")
+        srv.publish(100, withhold=(10, 11, 50, 51))
+        _wait(lambda: sub.status().last_seq == 100 and not sub.status().queued, 20, lambda: f"all (have {sub.status()})")
+        st = sub.status()
+        assert srv.requests == 2 and st.replay_state != "backoff"  # asked at both gaps
+        assert st.recovered == 2 and st.lost == 2 and st.replay_timeouts == 2
+        assert (11, 11) in st.lost_ranges and (51, 51) in st.lost_ranges
     finally:
         srv.close()
 

@@ -10,7 +10,9 @@ payload)` — and then the end marker `("", "", seq -1 as 8 signed big-endian by
 A request is bounded: at most `max_batches` batches are asked for (the newest of a longer gap), a reply must
 come within `timeout_s` of the request or of the previous reply, and the whole request within `deadline_s` of
 waiting (the time spent applying the batches that came is not counted: a big history that flows is fine).
-A server that never answers, or trickles, is given up on for `backoff_s` (gaps are counted lost meanwhile).
+A server that never answers, or trickles, is rested for `backoff_s` (gaps are counted lost meanwhile); one
+whose answer stopped short (SGLang's ROUTER drops what passes its high-water mark, the end marker too) is
+asked again at the next gap.
 Nothing here blocks: the subscriber's poll loop calls `on_reply` for each message and `check` on every turn.
 Once a request has what it asked for, the rest of the server's answer (batches the live stream has too) is
 read and dropped until the end marker, without holding up the live stream; a request needed before that gets
@@ -132,21 +134,26 @@ class ReplayClient:
         return "batch", seq, payload
 
     def check(self, now: float) -> str | None:
-        """"timeout" when the request must be given up on now (then the caller calls finish)."""
+        """Why the request must be given up on now (then the caller calls finish): "no answer", "stopped"
+        (replies came, then none for timeout_s) or "too slow" (past the deadline); None while it may go on."""
         if self._drain_until is not None and now > self._drain_until and self.req is None:
             self.close()
         req = self.req
         if req is None:
             return None
-        if now - req.last_t > self.timeout_s or now - req.t0 - req.busy_s > self.deadline_s:
-            return "timeout"
+        if now - req.t0 - req.busy_s > self.deadline_s:
+            return "too slow"
+        if now - req.last_t > self.timeout_s:
+            return "stopped" if req.replies else "no answer"
         return None
 
-    def finish(self, complete: bool, now: float) -> Request:
-        """The request is over; `complete` False: given up on (the socket is replaced, the server rested)."""
+    def finish(self, complete: bool, now: float, why: str = "") -> Request:
+        """The request is over; `complete` False: given up on `why` (the socket is replaced; after "no answer"
+        or "too slow" the server is rested)."""
         req, self.req = self.req, None
         if not complete:
             self.timeouts += 1
             self.close()
-            self.dead_until = now + self.backoff_s
+            if why != "stopped":
+                self.dead_until = now + self.backoff_s
         return req

@@ -55,6 +55,7 @@ class Subscriber(threading.Thread):
         self.last_seq: int | None = None
         self.last_frame_t: float | None = None
         self.shed_t: float | None = None
+        self._offset_due = False  # frames were shed before any was applied: fix the clock at the next one
         self._behind_note_t: float | None = None  # when we last said we were behind (None: not behind)
         self.lost_ranges: deque[tuple[int, int]] = deque(maxlen=8)
         self.queue: deque[tuple[float, list[bytes]]] = deque()  # (monotonic receive time, frames)
@@ -118,8 +119,9 @@ class Subscriber(threading.Thread):
                 if dealer is not None and dealer in ready:
                     self._read_replay(dealer, lim.apply_budget_s)
                 now = time.monotonic()
-                if self.replay.check(now) == "timeout":
-                    self._replay_done(complete=False, now=now)
+                why = self.replay.check(now)
+                if why is not None:
+                    self._replay_done(complete=False, now=now, why=why)
                 self._shed_if_behind(now)
                 self._say_if_behind(now)
                 self._apply_queued(lim.apply_budget_s)
@@ -188,7 +190,7 @@ class Subscriber(threading.Thread):
                      and now - q[0][0] <= lim.max_behind_s):
             return
         if self.replay.req is not None:  # nothing may wait for a replay while frames are being dropped
-            self._replay_done(complete=False, now=now, why="the source is too far behind")
+            self._replay_done(complete=False, now=now, why="too slow: the source is too far behind")
         n, first, last = 0, None, None
         while q and (len(q) > lim.max_queued_frames * 3 // 4 or self.queued_bytes > lim.max_queued_bytes * 3 // 4
                      or now - q[0][0] > lim.max_behind_s / 2):
@@ -197,11 +199,14 @@ class Subscriber(threading.Thread):
             n += 1
             seq = _seq_of(parts)
             if seq is not None:
-                first = seq if first is None else first
+                first = seq if first is None else min(first, seq)
                 last = seq if last is None else max(last, seq)
         self.c["shed"] += n
         self.shed_t = now
-        if last is not None and self.last_seq is not None and last > self.last_seq:
+        if last is not None and self.last_seq is None:  # shed before the first frame was applied
+            self.first_seq, self.c["history_missing"] = first, self.c["history_missing"] + first
+            self.last_seq, self._offset_due = first - 1, True  # the clock offset from the next frame applied
+        if last is not None and last > self.last_seq:
             # The shed frames are a gap that is not asked for (asking would put us further behind).
             lost = last - self.last_seq
             self.c["lost"] += lost
@@ -257,6 +262,9 @@ class Subscriber(threading.Thread):
             return
         batch = self._decode(payload)
         now = time.monotonic()
+        if self._offset_due and batch is not None:
+            self._offset_due = False
+            self.cluster.set_offset(self.index, batch.ts, now=time.time() - (now - recv_t))
         if last is None:
             if batch is not None:  # the clock offset from when the frame arrived, not when it was applied
                 self.cluster.set_offset(self.index, batch.ts, now=time.time() - (now - recv_t))
@@ -319,14 +327,15 @@ class Subscriber(threading.Thread):
                                      f"{got:,} recovered from the replay socket{'; ' + why if why else ''})")
 
     def _replay_done(self, complete: bool, now: float, why: str = "") -> None:
-        req = self.replay.finish(complete, now)
+        req = self.replay.finish(complete, now, why)
         if req is None:
             return
         if not complete:
+            rests = self.replay.state == "backoff"
             self.cluster.note("replay", f"{self.spec.label}: replay request for seq {req.start:,}..{req.end - 1:,} "
-                                        f"given up after {now - req.t0:.1f} s with {req.got:,} batches ("
-                              + (why or ("no answer" if not req.replies else "too slow"))
-                              + f"); gaps in the next {self.limits.replay_backoff_s:g} s are counted lost unasked")
+                                        f"given up after {now - req.t0:.1f} s with {req.got:,} batches ({why})"
+                              + (f"; gaps in the next {self.limits.replay_backoff_s:g} s are counted lost unasked"
+                                 if rests else ""))
         if req.history:
             self.c["history"] += req.got
             self.c["history_missing"] += req.end - req.start - req.got
