@@ -212,8 +212,6 @@ def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]
                 check_token_ids(prompt)
             except RequestError as e:
                 raise RequestError(f"{path}:{n}: {_clip(str(e), 200)}") from None
-            except RecursionError:  # (the repr of a deeply nested entry, for the message)
-                raise RequestError(f"{path}:{n}: the prompt holds a nested array, not integer token ids") from None
         if not prompt or (isinstance(prompt, str) and not prompt.strip()):
             raise RequestError(f"{path}:{n}: empty prompt")
         yield n, {"prompt": prompt, "max_new_tokens": mnt, "chat": chat}

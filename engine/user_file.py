@@ -30,7 +30,11 @@ class UserFileError(ValueError):
 
 
 def size_text(n: int) -> str:
-    return f"{n / 2**20:,.0f} MB" if n >= 2**20 else f"{n:,} bytes"
+    """A size for a message: whole MB as such, else the bytes (a file one byte over a cap must not read as
+    the cap)."""
+    if n >= 2**20 and n % 2**20 == 0:
+        return f"{n // 2**20:,} MB"
+    return f"{n:,} bytes" + (f" ({n / 2**20:,.1f} MB)" if n >= 2**20 else "")
 
 
 def _kind(mode: int) -> str | None:
@@ -142,6 +146,7 @@ def _parse(number: int, raw: bytes) -> Line:
         text = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a byte-order mark is allowed at the start
     except UnicodeDecodeError as e:
         return Line(number, problem=f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)")
+    text = text.rstrip("\r\n")  # so that a column counts from the line's start, on this line
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
