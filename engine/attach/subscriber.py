@@ -23,6 +23,7 @@ ClusterState (its own lock) and appends notes there.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections import deque
@@ -36,6 +37,16 @@ from engine.attach.source import SourceSpec
 from engine.attach.stream_health import SourceStatus, StreamLimits  # noqa: F401  (imported from here too)
 
 RESTART_BELOW = 16  # a seq this far or more below the last one is a restarted publisher, not a duplicate
+TRIM_AFTER_BYTES = 32 << 20  # a queue that held this much, once drained, hands the memory back to the OS
+
+
+def _trim_heap() -> None:
+    """glibc keeps the heap a drained queue of many ~10 kB frames used (RSS stays at the backlog's peak);
+    malloc_trim returns it. Elsewhere (no glibc) nothing to do."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class Subscriber(threading.Thread):
@@ -60,6 +71,7 @@ class Subscriber(threading.Thread):
         self.lost_ranges: deque[tuple[int, int]] = deque(maxlen=8)
         self.queue: deque[tuple[float, list[bytes]]] = deque()  # (monotonic receive time, frames)
         self.queued_bytes = 0
+        self._peak_bytes = 0  # the most queued since the queue was last empty
         self._held: tuple[int, EventBatch | None] | None = None  # the live frame a replay request waits under
         self.replay = ReplayClient(ctx, spec.replay, timeout_s=lim.replay_timeout_s, deadline_s=lim.replay_deadline_s,
                                    max_batches=lim.replay_max_batches, backoff_s=lim.replay_backoff_s)
@@ -143,6 +155,8 @@ class Subscriber(threading.Thread):
             now = time.monotonic()
             q.append((now, parts))
             self.queued_bytes += sum(map(len, parts))
+            if self.queued_bytes > self._peak_bytes:
+                self._peak_bytes = self.queued_bytes
             self.c["frames"] += 1
             self.last_frame_t = now
             if not i & 63 and now > end:
@@ -183,6 +197,9 @@ class Subscriber(threading.Thread):
             n += 1
             if not n & 15 and time.monotonic() > end:
                 return
+        if not q and self._peak_bytes > TRIM_AFTER_BYTES:
+            self._peak_bytes = 0
+            _trim_heap()
 
     def _shed_if_behind(self, now: float) -> None:
         lim, q = self.limits, self.queue
