@@ -111,6 +111,8 @@ def _resolve(path: str | None) -> str:
         return default_model_path()
     if not os.path.exists(path):
         raise ModelLoadError(f"model not found: {path}")
+    if not os.path.isdir(path) and not os.path.isfile(path):  # a FIFO would block the read, a device never end
+        raise ModelLoadError(f"not a model: {path} is not a regular file or a directory")
     if os.path.isfile(path) and not path.lower().endswith(".gguf"):
         raise ModelLoadError(
             f"not a model: {path}; give a .gguf file or a directory with config.json and *.safetensors"
@@ -128,6 +130,9 @@ def _name_of(source: str) -> str:
 
 def _load_hf_dir(directory: str, source: str, name: str, dtype: torch.dtype = torch.float32,
                  device: torch.device = torch.device("cpu")) -> LoadedModel:
+    for f in os.listdir(directory):  # what the loader may open must be a regular file (or a link to one)
+        if f.endswith((".json", ".jinja", ".safetensors")) and not os.path.isfile(os.path.join(directory, f)):
+            raise ModelLoadError(f"{os.path.join(directory, f)}: not a regular file (a FIFO, a device or a directory)")
     config_path = os.path.join(directory, "config.json")
     if not os.path.isfile(config_path):
         raise ModelLoadError(f"no config.json in {directory}; give a .gguf file or a HF model directory")

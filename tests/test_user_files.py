@@ -338,3 +338,42 @@ def test_headless_replay_of_a_fifo_and_of_an_unrunnable_prompt_exit_2(tiny_llama
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1] == (f"kvscope: error: no request of the trace can run: {path}:1: prompt of "
                                            f"5000 tokens exceeds the context limit of 512")
+
+
+# -- the other readers of a user's file: --model and a preset ---------------------------------------------
+
+def test_a_model_path_or_a_model_file_that_is_a_fifo_is_refused(tiny_llama, tmp_path, fifo):
+    # Before: --model FIFO, or a model directory whose tokenizer.json is one, blocked until killed.
+    import shutil
+
+    from engine.loader import load_model
+    from engine.model_spec import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="is not a regular file or a directory"):
+        returns_within(lambda: load_model(fifo))
+    with pytest.raises(ModelLoadError, match="is not a regular file or a directory"):
+        returns_within(lambda: load_model("/dev/null"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    os.remove(model / "tokenizer.json")
+    os.mkfifo(model / "tokenizer.json")
+    with pytest.raises(ModelLoadError, match=r"tokenizer.json: not a regular file"):
+        returns_within(lambda: load_model(str(model)))
+
+
+def test_a_preset_that_is_a_fifo_or_too_deep_is_refused_in_one_line(tmp_path, fifo):
+    # Before: File > Load preset on a FIFO froze the window; on deeply nested TOML it raised RecursionError.
+    from types import SimpleNamespace
+
+    from ui.controls import ControlsPanel
+
+    said: list[str] = []
+    fake = SimpleNamespace(show_error=said.append, refused=SimpleNamespace(emit=lambda kind, text: said.append(text)),
+                           apply_many=lambda data: True)
+    deep = tmp_path / "deep.toml"
+    deep.write_text("a = " + "[" * 5000 + "]" * 5000 + "\n")
+    for path, why in ((fifo, "is a FIFO (named pipe), not a regular file"), ("/dev/null", "is a device"),
+                      (str(deep), "nested too deeply")):
+        said.clear()
+        assert returns_within(lambda: ControlsPanel.load_preset(fake, path)) is False
+        assert said[0].startswith(f"{path}: ") and why in said[0] and said[0].count(path) == 1, said

@@ -14,6 +14,7 @@ from PySide6 import QtCore, QtWidgets
 
 from engine.config import KNOBS, CacheConfig, ConfigError, Knob
 from engine.errors import RequestError
+from engine.user_file import UserFileError, read_bytes
 
 # The values a slider snaps to (a typed value may lie between two). Knobs not named here take powers of two
 # (sizes and counts) or, for budgets in MB, powers of two from 1 MB to 128 GB (a log scale); each list is
@@ -310,12 +311,13 @@ class ControlsPanel(QtWidgets.QWidget):
         self.show_ok(f"preset saved to {path}")
 
     def load_preset(self, path: str) -> bool:
-        try:
-            with open(path, "rb") as f:
-                data = tomllib.load(f)
-        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
-            self.show_error(f"{path}: {e}")
-            self.refused.emit("config_error", f"preset {path} not loaded: {e}")
+        try:  # a regular file of at most 1 MB (a FIFO would block the window, /dev/zero never end)
+            data = tomllib.loads(read_bytes(path, 2**20, "a preset").decode("utf-8"))
+        except (UserFileError, UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as e:
+            why = (str(e).removeprefix(f"{path}: ") if isinstance(e, UserFileError) else
+                   "not TOML: nested too deeply" if isinstance(e, RecursionError) else str(e))
+            self.show_error(f"{path}: {why}")
+            self.refused.emit("config_error", f"preset {path} not loaded: {why}")
             return False
         return self.apply_many(data)
 
