@@ -295,4 +295,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if getattr(args, "plot", None):
         plot_sweep(results, f"KV Scope sweep: {meta['model']}, {name}, {len(requests)} requests", args.plot)
         print(f"[sweep] wrote {args.plot}", file=sys.stderr)
+    if not any(r.finished for r in results):  # every request refused or aborted in every config (said above)
+        print(f"kvscope: error: no request of {name} finished in any config", file=sys.stderr)
+        return 2
     return 0

@@ -199,6 +199,16 @@ def test_bench_trace_names_the_line_of_a_request_the_model_refuses(tiny_llama, t
             "outside the vocabulary (0..49151)") in err
 
 
+def test_bench_trace_where_nothing_can_run_says_why_and_exits_2(tiny_llama, tmp_path, capsys):
+    # Before: a 5,000-token prompt on a 512-position model: "0/1" in the table and exit 0.
+    path = jsonl(tmp_path / "long.jsonl", {**GOOD, "prompt_tokens": [5] * 5000})
+    rc, out, err = run_cli(capsys, "bench", "--trace", path, "--model", tiny_llama, "--time-scale", "0")
+    assert rc == 2, err
+    assert ("1 request(s) refused, e.g. line 1 (session 'a' at 0 s): prompt of 5000 tokens exceeds the context "
+            "limit of 512") in err
+    assert err.rstrip().endswith("kvscope: error: no request of long.jsonl finished in any config")
+
+
 # -- --replay: skipped lines, streaming, what happened to each request ------------------------------------
 
 @pytest.fixture
