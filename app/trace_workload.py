@@ -101,7 +101,7 @@ class TraceWorkload:
         if not good:
             if self.skipped:
                 more = f" (and {self.n_skipped - 1:,} more lines that cannot run)" if self.n_skipped > 1 else ""
-                raise RequestError(f"no request of the trace can run: {self.skipped[0]}{more}")
+                raise RequestError(f"{self.skipped[0]}{more}; nothing to replay")
             raise RequestError(f"{self.path}: no requests in the trace")
         if not in_order:
             self._held = sorted(self._requests(), key=lambda r: r.arrival_s)

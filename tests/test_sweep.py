@@ -219,7 +219,7 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
     eng = Engine(llama_model, CacheConfig(block_size=4))
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"arrival_s": 1}\n{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": "3"}\n')
-    with pytest.raises(RequestError, match=r"bad.jsonl:1: missing 'session' \(and 1 more lines that cannot run\)"):
+    with pytest.raises(RequestError, match=r"bad.jsonl:1: missing 'session' \(and 1 more lines that cannot run\); nothing to replay"):
         TraceWorkload(eng, str(bad))
     # A bad line beside good ones is named and skipped; the rest is replayed (tests/test_user_files.py).
     bad.write_text('{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 3}\n{"arrival_s": 1}\n')

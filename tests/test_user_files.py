@@ -269,8 +269,7 @@ def test_replay_with_no_line_that_can_run_is_refused_naming_it(engine, tmp_path)
     path = jsonl(tmp_path / "long.jsonl", {**GOOD, "prompt_tokens": [5] * 5000})
     with pytest.raises(RequestError) as err:
         TraceWorkload(engine, path)
-    assert str(err.value) == (f"no request of the trace can run: {path}:1: prompt of 5000 tokens exceeds the "
-                              f"context limit of 512")
+    assert str(err.value) == f"{path}:1: prompt of 5000 tokens exceeds the context limit of 512; nothing to replay"
 
 
 def test_a_replay_streams_its_file(engine, tmp_path, monkeypatch):
@@ -346,8 +345,8 @@ def test_headless_replay_of_a_fifo_and_of_an_unrunnable_prompt_exit_2(tiny_llama
     path = jsonl(tmp_path / "long.jsonl", {**GOOD, "prompt_tokens": [5] * 5000})
     out = kvscope("--replay", path, "--model", tiny_llama)
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert out.stderr.splitlines()[-1] == (f"kvscope: error: no request of the trace can run: {path}:1: prompt of "
-                                           f"5000 tokens exceeds the context limit of 512")
+    assert out.stderr.splitlines()[-1] == (f"kvscope: error: {path}:1: prompt of 5000 tokens exceeds the context "
+                                           f"limit of 512; nothing to replay")
 
 
 # -- the other readers of a user's file: --model and a preset ---------------------------------------------
