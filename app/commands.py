@@ -126,6 +126,8 @@ def check_writable(path: str, suffix: str, flag: str) -> str:
     if os.path.isdir(target):
         raise RequestError(f"{flag} {path}: is a folder")
     existed = os.path.exists(target)
+    if existed and not os.path.isfile(target):  # a FIFO would block the open below, a device take the bytes
+        raise RequestError(f"{flag} {path}: not a regular file")
     try:
         with open(target, "ab"):
             pass

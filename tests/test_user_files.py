@@ -370,6 +370,15 @@ def test_a_model_path_or_a_model_file_that_is_a_fifo_is_refused(tiny_llama, tmp_
         returns_within(lambda: load_model(str(model)))
 
 
+def test_record_trace_to_a_fifo_is_refused_before_the_model_loads(tmp_path, capsys):
+    # Before: the writability probe opened the FIFO for appending and blocked until a reader came.
+    fifo = tmp_path / "reads.npz"
+    os.mkfifo(fifo)
+    rc, out, err = returns_within(lambda: run_cli(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"),
+                                                  "--record-trace", str(fifo)))
+    assert rc == 2 and err == f"kvscope: error: --record-trace {fifo}: not a regular file\n"
+
+
 def test_a_preset_that_is_a_fifo_or_too_deep_is_refused_in_one_line(tmp_path, fifo):
     # Before: File > Load preset on a FIFO froze the window; on deeply nested TOML it raised RecursionError.
     from types import SimpleNamespace
