@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QPointF, QRectF, Qt
-from PySide6.QtGui import QFont, QPen
+from PySide6.QtGui import QFont, QFontMetrics, QPen
 from PySide6.QtWidgets import QComboBox, QGraphicsPathItem, QHBoxLayout, QLabel, QToolTip, QVBoxLayout, QWidget
 
 from engine.attach.cluster import MODES, ClusterSnapshot
@@ -34,7 +34,8 @@ def _short(v, n: int = 80) -> str:
 
 def meta_lines(info: dict) -> list[str]:
     """Tooltip lines (HTML, escaped) for what the block's event said beyond the map's columns: LoRA, session,
-    cache salt, locality / ownership, its own extra hash keys and lookahead tokens, a hash-only placeholder."""
+    cache salt, locality / ownership, its own extra hash keys and lookahead tokens, an EAGLE bigram page, a
+    hash-only placeholder."""
     m = info.get("meta") or {}
     lines = []
     lora = info.get("lora", -1)
@@ -55,10 +56,26 @@ def meta_lines(info: dict) -> list[str]:
             v = v[i] if i < len(v) else None  # one entry per block of the event
         if v:
             lines.append(f"{what} {_short(v)}")
+    if m.get("bigram"):
+        lines.append("<i>EAGLE bigram page: its token ids came as (token, next token) pairs; the tokens shown are "
+                     "the first of each</i>")
     if m.get("placeholder"):
         lines.append("<i>placeholder: the offloading connector published this block's hash only (no tokens, "
                      "no parent)</i>")
     return lines
+
+
+def title_fitted(fm: QFontMetrics, label: str, count: str, note: str, room: int) -> str:
+    """A map's title in `room` pixels: the label, its block count, and what frames the count (`note`); where
+    that does not fit, the note goes, then the label is cut in the middle (the count always stays; the
+    tooltip of any block names the map in full)."""
+    whole = f"{label}   {count}{note}"
+    if fm.horizontalAdvance(whole) <= room:
+        return whole
+    tail = f"   {count}"
+    if fm.horizontalAdvance(label + tail) <= room:
+        return label + tail
+    return fm.elidedText(label, Qt.TextElideMode.ElideMiddle, max(room - fm.horizontalAdvance(tail), 0)) + tail
 
 
 MODE_TIPS = {
@@ -87,7 +104,8 @@ class AttachMap(QWidget):
         self._snap: ClusterSnapshot | None = None
         self._cells = AttachCodes()
         self._mode = mode
-        self._labels_text: list[str] = []
+        self._labels_text: list[str] = []  # each map's whole title
+        self._labels_shown: list[tuple] = []  # (whole title, room in pixels, the text shown: cut to the room)
         self.info_fn: Callable[[tuple, int], dict | None] | None = None  # (group key, cell) -> block info
         self.describe_fn: Callable[[dict], str] | None = None  # block info -> tooltip HTML
         self.capacity_fn: Callable[[tuple], int | None] | None = None  # group key -> blocks (from /metrics)
@@ -206,23 +224,52 @@ class AttachMap(QWidget):
         w, h = self.view.width(), self.view.height()
         return w / h if w > 50 and h > 50 else 2.0
 
+    def _label_share(self) -> float:
+        """The share of the view's height a title needs: it sits 0.15 gap above its map, so the gap is the
+        title's height (text and the text item's margins) / 0.85, and a margin (as ui/block_map.py)."""
+        h = self.view.height()
+        return ((QFontMetrics(self._font).height() + 10) / 0.85 + 3) / h if h > 50 else 0.0
+
     def _relayout(self, caps: tuple[int, ...]) -> None:
-        lay = grid_layout(caps, self._aspect())
+        lay = grid_layout(caps, self._aspect(), self._label_share())
         self._cells.relayout(lay)
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
         self._frames, self._labels = frame_tiers(self.vb, lay, len(caps), self._frames + self._labels,
                                                  self._frame_pen, self._font)
         self._labels_text = [""] * len(caps)
+        self._labels_shown = [()] * len(caps)
         self.reset_view()
 
+    def resizeEvent(self, ev) -> None:
+        """A new shape of the view lays the maps out afresh (columns for its aspect, gaps for the titles)."""
+        super().resizeEvent(ev)
+        lay = self._cells.layout
+        if self._snap is None or lay is None:
+            return
+        want = grid_layout(lay.capacities, self._aspect(), self._label_share())
+        if abs(want.cols - lay.cols) > 0.15 * lay.cols or want.gap != lay.gap:
+            self._relayout(lay.capacities)
+            if self._snap.groups:
+                self._cells.draw(self._snap)
+            self.image.updateImage()
+            self._update_labels()
+
     def _update_labels(self) -> None:
+        fm = QFontMetrics(self._font)
+        right = self.view.width() - 6
         for i, g in enumerate(self._snap.groups):
             cap = self.capacity_fn(g.key) if self.capacity_fn else None
+            n = g.resident
+            count = f"{n:,} block{'' if n == 1 else 's'}"
             of = f" of {cap:,} (num_gpu_blocks, /metrics)" if cap else " (capacity: not in the events)"
-            text = f"{g.label}   {g.resident:,} blocks{of}"
-            if text != self._labels_text[i]:
-                self._labels_text[i] = text
-                self._labels[i].setText(text, color=pal.qcolor(pal.TEXT))
+            text = f"{g.label}   {count}{of}"
+            self._labels_text[i] = text
+            room = int(right - self.vb.mapViewToScene(QPointF(0, 0)).x() - 10)  # the text item's margins
+            if self._labels_shown[i][:2] == (text, room):
+                continue
+            shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""), of, room)
+            self._labels_shown[i] = (text, room, shown)
+            self._labels[i].setText(shown, color=pal.qcolor(pal.TEXT))
 
     def _update_legend(self) -> None:
         mode = self._mode
