@@ -250,11 +250,20 @@ def test_an_eagle_bigram_page_and_sglangs_fields_decode_on_both_paths(path):
     extra = [{"type": "BlockEvictedToMars"}] if path == "tolerant" else []  # an unknown kind: the slow path
     b = decode_batch(_tagged(_BIGRAM, *extra))
     (s,) = b.events
-    assert isinstance(s.token_ids, msgspec.Raw) == (path == "typed") and b.unknown_events == len(extra)
+    # both paths keep a bigram page's pairs as msgpack, so the tooltip can say what the page was
+    assert isinstance(s.token_ids, msgspec.Raw) and b.unknown_events == len(extra)
     assert token_list(s.token_ids) == [40, 41, 42, 43] and b.bad_events == 0
     assert s.block_hashes == [-(1 << 63)] and medium_of(s) == "CPU"
     assert (s.cache_salt, s.session_id) == ("tenant-7", "s-9")
-    assert event_meta(s) == {"session_id": "s-9", "cache_salt": "tenant-7"}
+    assert event_meta(s) == {"session_id": "s-9", "cache_salt": "tenant-7", "bigram": True}
+
+
+@pytest.mark.parametrize("path", ["typed", "tolerant"])
+def test_a_plain_page_is_no_bigram_on_either_path(path):
+    extra = [{"type": "BlockEvictedToMars"}] if path == "tolerant" else []
+    plain_page = dict(_BIGRAM, token_ids=[40, 41, 42, 43], cache_salt=None, session_id=None)
+    (s,) = decode_batch(_tagged(plain_page, *extra)).events
+    assert token_list(s.token_ids) == [40, 41, 42, 43] and event_meta(s) is None
 
 
 @pytest.mark.parametrize("medium,tier", [(None, "GPU"), ("GPU", "GPU"), ("gpu", "GPU"), ("CPU", "CPU"),

@@ -44,6 +44,8 @@ def test_the_tooltip_says_sglangs_cache_salt_and_the_title_names_the_group():
     c = _real_cluster()
     text = "<br>".join(meta_lines(_info(c, (1, 0, "GPU", 0), -(1 << 63) + 9)))
     assert "LoRA math-lora" in text and "session s-1" in text and "cache salt tenant-7" in text
+    bigram = "<br>".join(meta_lines(_info(c, (1, 0, "GPU", 0), -17)))  # SGLang's EAGLE page, as it sent it
+    assert "EAGLE bigram page" in bigram and "EAGLE" not in text
     assert c.group_label((0, 0, "GPU", 1)) == "vllm  rank 0  GPU  group 1  sliding window 4,096 tokens"
     assert c.group_label((1, 0, "CPU", 0)) == "sglang  rank 0  CPU"  # SGLang names no group kind
 

@@ -189,7 +189,21 @@ def event_meta(ev) -> dict | None:
     if ev.block_size <= 0 and is_placeholder(ev):
         m = m or {}
         m["placeholder"] = True
+    elif is_bigram(ev.token_ids):
+        m = m or {}
+        m["bigram"] = True
     return m
+
+
+def is_bigram(tokens) -> bool:
+    """An EAGLE "bigram" page (SGLang): token ids sent as (token, next token) pairs. Both decode paths leave
+    such a page's token ids as msgpack (msgspec.Raw): an array whose first element is an array."""
+    if not isinstance(tokens, msgspec.Raw):
+        return False
+    mv = memoryview(tokens)
+    n, b = len(mv), mv[0] if len(mv) else 0
+    i = 1 if 0x91 <= b <= 0x9F else 3 if b == 0xDC else 5 if b == 0xDD else 0
+    return 0 < i < n and (0x90 <= mv[i] <= 0x9F or mv[i] in (0xDC, 0xDD))
 
 
 def _nil_raw(v: msgspec.Raw) -> bool:
@@ -248,16 +262,17 @@ def _fields(raw, names: tuple[str, ...]) -> dict:
     return raw
 
 
-def _token_ids(tokens) -> list[int]:
-    """Token ids: ints, or an EAGLE "bigram" page's (token, next token) pairs (SGLang), taken as their
-    first tokens (a page of N bigrams spans N tokens and the one after)."""
+def _token_ids(tokens):
+    """Token ids: ints, or an EAGLE "bigram" page's (token, next token) pairs (SGLang), kept as msgpack as the
+    typed path leaves them (block_state.token_list takes the first of each: a page of N bigrams spans N
+    tokens and the one after; events.is_bigram says it was one)."""
     if not isinstance(tokens, (list, tuple)):
         raise ValueError("token_ids must be a list")
     if tokens and isinstance(tokens[0], (list, tuple)):
         if not all(isinstance(p, (list, tuple)) and len(p) == 2 and all(type(t) is int for t in p)
                    for p in tokens):
             raise ValueError("token_ids must be a list of ints or of (int, int) pairs")
-        return [p[0] for p in tokens]
+        return msgspec.Raw(msgspec.msgpack.encode([list(p) for p in tokens]))
     if not all(type(t) is int for t in tokens):
         raise ValueError("token_ids must be a list of ints")
     return list(tokens)
