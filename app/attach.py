@@ -77,8 +77,32 @@ would both bind 5558 on one node)""")
 def _specs(args) -> tuple[list, list[str]]:
     from engine.attach.source import parse_metrics_url, parse_source
 
+    from engine.attach.source import check_distinct
+
     specs = [s for kind in ("vllm", "sglang") for text in getattr(args, kind) for s in parse_source(kind, text)]
+    check_distinct(specs)
     return specs, [parse_metrics_url(u) for u in args.metrics]
+
+
+# (option, its dest, least value, whether the least is allowed): every number a user types, checked before
+# anything starts (nan and inf pass a plain `<= 0` test; nan seconds raised out of time.sleep or never ended
+# the decode bench).
+_NUMBERS = (("--half-life", "half_life", 0.0, False), ("--scrape-interval", "scrape_interval", 0.0, False),
+            ("--run-for", "run_for", 0.0, True), ("--bench-seconds", "bench_seconds", 0.0, False),
+            ("--soak-publishers", "soak_publishers", 1, True), ("--soak-rate", "soak_rate", 0.0, False),
+            ("--soak-seconds", "soak_seconds", 0.0, False))
+
+
+def check_numbers(args) -> None:
+    """Raises SourceError naming the first option whose value cannot be used."""
+    import math
+
+    from engine.attach.source import SourceError
+
+    for flag, dest, least, inclusive in _NUMBERS:
+        v = getattr(args, dest)
+        if not math.isfinite(v) or v < least or (v == least and not inclusive):
+            raise SourceError(f"{flag} {v:g}: must be a finite number {'>=' if inclusive else '>'} {least:g}")
 
 
 def _start_demo() -> tuple[list, list, list[str]]:
@@ -105,6 +129,13 @@ def _summary(session) -> dict:
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    from engine.attach.source import SourceError
+
+    try:
+        check_numbers(args)
+    except SourceError as e:
+        print(f"kvscope attach: error: {e}", file=sys.stderr)
+        return 2
     if args.bench_decode:
         from engine.attach.decode_bench import run
 
@@ -132,8 +163,6 @@ def main(argv: list[str]) -> int:
             raise SourceError(f"--record {args.record}: no such folder")
         if args.screenshot and not args.headless:
             raise SourceError("--screenshot needs --headless (in the window: File > Save screenshot)")
-        if args.half_life <= 0 or args.scrape_interval <= 0:
-            raise SourceError("--half-life and --scrape-interval must be > 0")
         tokens = None
         if args.tokenizer:
             from engine.attach.tokens import TokenText
@@ -196,6 +225,20 @@ def _summary_text(res: dict) -> str:
     return "\n".join(lines) if lines else "no events received"
 
 
+def attach_advice(problem: str) -> str:
+    """The main window's "no window can open" message (app/platform_check.py), said of attach: its headless
+    run attaches and writes the PNG (no demo workload, no snapshot JSON)."""
+    for main, here in (("kvscope --headless", "kvscope attach ... --headless"),
+                       ("xvfb-run kvscope", "xvfb-run kvscope attach ..."),
+                       ("the demo workload runs offscreen for 20 s, then the PNG and its snapshot JSON are written",
+                        "it attaches offscreen for 20 s, then writes the PNG; or --headless --run-for 20 --json "
+                        "for a summary"),
+                       ("runs the demo workload offscreen for 20 s, then writes the PNG and its snapshot JSON",
+                        "attaches offscreen for 20 s, then writes the PNG")):
+        problem = problem.replace(main, here)
+    return problem
+
+
 def _window(args, session, tokens) -> int:
     from app.platform_check import window_problem
     from app.window import _style
@@ -207,7 +250,7 @@ def _window(args, session, tokens) -> int:
         # exit 2 before Qt starts (not Qt's abort with its misleading advice).
         problem = window_problem()
         if problem:
-            print(problem.replace("kvscope --headless", "kvscope attach ... --headless"), file=sys.stderr)
+            print(attach_advice(problem), file=sys.stderr)
             return 2
     from PySide6 import QtCore, QtWidgets
 

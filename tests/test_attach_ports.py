@@ -70,3 +70,54 @@ def test_help_says_how_to_set_the_server_up_for_data_parallel_ranks():
     text = build_parser().format_help()
     assert "--kv-events-config" in text and '"replay_endpoint":"tcp://*:5600"' in text
     assert "--data-parallel-size" in text and "--dp-size" in text and "replay=5600" in text
+
+
+@pytest.mark.parametrize("text", ["tcp://a b:5557", "tcp://[:5557", "tcp://h:٥٥٥٧", "tcp://h:5557,dp=٣",
+                                  "tcp://h:5557,replay=٥٥٥٨", "tcp://h;rm:5557", "tcp://h:5557,replay=",
+                                  "tcp://h:5557,replay=bogus"])
+def test_hosts_ports_and_counts_are_ascii_names_and_digits(text):
+    with pytest.raises(SourceError) as e:  # before: a host "a b" or "[" was subscribed to, Arabic digits read
+        parse_source("vllm", text)
+    assert text in str(e.value) or text.split(",")[0] in str(e.value)
+
+
+def test_an_endpoint_given_twice_is_refused_whoever_takes_it():
+    from engine.attach.source import check_distinct
+
+    def specs(*args):
+        return [s for kind, text in args for s in parse_source(kind, text)]
+
+    check_distinct(specs(("vllm", "tcp://h:5557,dp=2,replay=5600"), ("sglang", "tcp://h:5559")))
+    for clash in ([("vllm", "tcp://h:5557"), ("vllm", "tcp://h:5557")],  # the same server twice: events counted twice
+                  [("vllm", "tcp://h:5557,dp=2,replay=5600"), ("sglang", "tcp://h:5558")],  # rank 1's publisher
+                  [("vllm", "tcp://h:5557,dp=2"), ("sglang", "tcp://h:5559")],  # rank 0's replay socket
+                  [("vllm", "tcp://h:5557,replay=6000"), ("sglang", "tcp://h:5558,replay=6000")]):
+        with pytest.raises(SourceError, match="given twice"):
+            check_distinct(specs(*clash))
+
+
+@pytest.mark.parametrize("argv", [
+    ["--vllm", "tcp://127.0.0.1:0"], ["--vllm", "tcp://127.0.0.1:70000"], ["--vllm", "garbage"],
+    ["--vllm", "tcp://127.0.0.1:5557,dp=2,replay=5558"], ["--vllm", "tcp://127.0.0.1:5557,replay=0"],
+    ["--vllm", "tcp://127.0.0.1:5557", "--vllm", "tcp://127.0.0.1:5557"],
+    ["--vllm", "tcp://127.0.0.1:5557", "--half-life", "nan"],
+    ["--vllm", "tcp://127.0.0.1:5557", "--scrape-interval", "inf"],
+    ["--vllm", "tcp://127.0.0.1:5557", "--headless", "--run-for", "nan"],
+    ["--vllm", "tcp://127.0.0.1:5557", "--headless", "--run-for", "-1"],
+    ["--bench-decode", "--bench-seconds", "nan"], ["--soak", "--soak-seconds", "-1"],
+    ["--soak", "--soak-publishers", "0"], ["--soak", "--soak-rate", "0"]])
+def test_the_cli_refuses_in_one_line_with_exit_2_before_starting_anything(argv, capsys):
+    from app.attach import main
+
+    assert main(argv) == 2  # before: nan seconds raised out of time.sleep, or ran the bench forever; the soak
+    err = capsys.readouterr().err  # started publishers and died in a KeyError or WorkerError traceback
+    assert err.startswith("kvscope attach: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_no_window_advice_is_said_of_attach():
+    from app import platform_check
+    from app.attach import attach_advice
+
+    for text in (platform_check.NO_DISPLAY, platform_check.missing_message(["libxcb-icccm.so.4"])):
+        said = attach_advice(text)
+        assert "kvscope attach ... --headless" in said and "demo workload" not in said and "snapshot JSON" not in said

@@ -25,7 +25,9 @@ import re
 from dataclasses import dataclass
 
 KINDS = ("vllm", "sglang")
-_TCP = re.compile(r"^tcp://(?P<host>\[[^\]]+\]|[^:/]+):(?P<port>\d+)$")
+# A host name, an IPv4 address, an IPv6 one in brackets, or the bind wildcard (refused with the reason);
+# ASCII only (\d would take any script's digits).
+_TCP = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|\[::\]|[A-Za-z0-9._-]+|\*):(?P<port>[0-9]+)$", re.ASCII)
 
 
 class SourceError(ValueError):
@@ -74,21 +76,25 @@ def parse_source(kind: str, text: str) -> list[SourceSpec]:
         if not eq or k not in ("replay", "topic", "dp", "name", "metrics"):
             raise SourceError(f"--{kind} {text!r}: unknown option {opt!r} (replay=, topic=, dp=, name=, metrics=)")
         o[k] = v
-    try:
-        dp = int(o.get("dp", "1"))
-    except ValueError:
-        raise SourceError(f"--{kind} {text!r}: dp must be a whole number, got {o['dp']!r}") from None
+    dp_text = o.get("dp", "1")
+    if not re.fullmatch(r"[0-9]+", dp_text, re.ASCII):
+        raise SourceError(f"--{kind} {text!r}: dp must be a whole number, got {dp_text!r}")
+    dp = int(dp_text)
     if not 1 <= dp <= 256:
         raise SourceError(f"--{kind} {text!r}: dp must be 1..256, got {dp}")
     replay = o.get("replay")
-    if replay is None:
-        rhost, rport = host, port + dp
-    elif replay.lower() == "none":
-        rhost = rport = None
-    elif replay.isdigit():  # a port of the publisher's host
-        rhost, rport = _split(f"tcp://{host}:{replay}")
-    else:
-        rhost, rport = _split(replay)
+    try:
+        if replay is None:
+            rhost, rport = host, port + dp
+        elif replay.lower() == "none":
+            rhost = rport = None
+        elif re.fullmatch(r"[0-9]+", replay, re.ASCII):  # a port of the publisher's host
+            rhost, rport = _split(f"tcp://{host}:{replay}")
+        else:
+            rhost, rport = _split(replay)
+    except SourceError as e:
+        why = e if replay.startswith("tcp://") or replay.isdigit() else "expected a port, tcp://HOST:PORT or none"
+        raise SourceError(f"--{kind} {text!r}: replay={replay}: {why}") from None
     if rank_port(port, dp - 1) > 65535 or (rport is not None and rank_port(rport, dp - 1) > 65535):
         raise SourceError(f"--{kind} {text!r}: with dp={dp} the ranks' ports would run past 65535")
     if rport is not None and rhost == host and rport < port + dp and port < rport + dp:
@@ -105,6 +111,22 @@ def parse_source(kind: str, text: str) -> list[SourceSpec]:
                               None if rport is None else f"tcp://{rhost}:{rank_port(rport, r)}",
                               o.get("topic", ""), r, name if dp == 1 else f"{name}/dp{r}", name, metrics))
     return out
+
+
+def check_distinct(specs: list[SourceSpec]) -> None:
+    """Every publisher and replay endpoint once: the same publisher twice would count each of its events
+    twice, and one server's replay socket taken for another's would hand it a stranger's history (hosts are
+    compared as written: tcp://localhost:5557 and tcp://127.0.0.1:5557 are not known to be the same)."""
+    seen: dict[str, str] = {}
+    for s in specs:
+        for what, ep in (("publisher", s.endpoint), ("replay socket", s.replay)):
+            if ep is None:
+                continue
+            owner = f"{s.kind} {s.label}'s {what}"
+            if ep in seen:
+                both = f"as {seen[ep]} and as {owner}" if seen[ep] != owner else f"as {owner}"
+                raise SourceError(f"{ep} is given twice, {both} (data-parallel rank r takes PORT+r and REPLAY+r)")
+            seen[ep] = owner
 
 
 def parse_metrics_url(text: str) -> str:
