@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from PySide6 import QtWidgets
 
-from engine.attach.source import KINDS, SourceError, parse_metrics_url, parse_source
+from engine.attach.source import KINDS, SourceError, check_distinct, parse_metrics_url, parse_source
 
 PLACEHOLDER = ("vllm tcp://10.0.0.5:5557,metrics=http://10.0.0.5:8000/metrics\n"
                "vllm tcp://10.0.0.7:5557,dp=2,replay=tcp://10.0.0.7:5600\n"
@@ -30,6 +30,7 @@ def parse_lines(text: str) -> list:
             specs += parse_source(kind, rest.strip())
         except SourceError as e:
             raise SourceError(f"line {n}: {e}") from None
+    check_distinct(specs)  # as the command line: an endpoint twice would count its events twice
     return specs
 
 
