@@ -18,11 +18,11 @@ from engine.attach.fake_publisher import encode  # noqa: E402
 from ui.attach_map import AttachMap, title_fitted  # noqa: E402
 
 
-def _cluster() -> ClusterState:
-    """Two ranks of a hybrid vLLM: a full-attention GPU map of 2,000 blocks, a sliding-window group of 17 and a
+def _cluster(ranks: int = 2) -> ClusterState:
+    """Ranks of a hybrid vLLM: a full-attention GPU map of 2,000 blocks, a sliding-window group of 17 and a
     CPU tier of 500 each (the real publisher run's shape)."""
-    c = ClusterState(["127.0.0.1:47300/dp0", "127.0.0.1:47300/dp1"])
-    for src in (0, 1):
+    c = ClusterState([f"127.0.0.1:47300/dp{r}" for r in range(ranks)])
+    for src in range(ranks):
         h = src << 40
         evs = []
         for n, medium, group in ((2000, "GPU", 0), (17, "GPU", 1), (500, "CPU", 0)):
@@ -44,6 +44,8 @@ def _shown(m: AttachMap, qtbot, w: int, h: int) -> None:
 def _check_titles(m: AttachMap) -> None:
     right = m.view.width()
     frames = [f.sceneBoundingRect() for f in m._frames]
+    for f in frames:  # every map in view
+        assert f.top() >= -1 and f.bottom() <= m.view.height() + 1 and f.left() >= -1 and f.right() <= right + 1
     for i, label in enumerate(m._labels):
         d = label.textItem.document().documentMargin()  # the glyphs: inside the text item's margins
         r = label.mapRectToScene(label.boundingRect()).adjusted(d, d, -d, -d)
@@ -85,3 +87,17 @@ def test_a_title_gives_up_its_note_then_the_middle_of_its_label_never_its_count(
     assert title_fitted(fm, label, count, note, fm.horizontalAdvance(f"{label}   {count}")) == f"{label}   {count}"
     cut = title_fitted(fm, label, count, note, 200)
     assert cut.endswith("   1 block") and "…" in cut and fm.horizontalAdvance(cut) <= 200
+
+
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_nine_or_twelve_maps_keep_their_titles_off_each_other_and_stay_in_view(qtbot, ranks):
+    # 3 ranks x (GPU, sliding-window group, CPU) at 1280x720: the gaps grid_layout gave (sized against one map's
+    # rows) put 8 of 9 titles on the maps above; the tallest window of a 1280x720 screen fits 12 titles
+    c = _cluster(ranks)
+    m = AttachMap()
+    qtbot.addWidget(m)
+    m.show()
+    _shown(m, qtbot, 845, 380 if ranks == 3 else 520)
+    m.set_snapshot(c.snapshot("age"))
+    qtbot.wait(50)
+    _check_titles(m)

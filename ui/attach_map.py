@@ -23,7 +23,7 @@ from engine.attach.cluster import MODES, ClusterSnapshot
 from engine.attach.events import plain
 from ui import palette as pal
 from ui.attach_codes import LOG_MODES, AttachCodes, mode_lut
-from ui.block_grid import grid_layout
+from ui.block_grid import GridLayout, grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
 from ui.block_map import frame_tiers
 
@@ -63,6 +63,31 @@ def meta_lines(info: dict) -> list[str]:
         lines.append("<i>placeholder: the offloading connector published this block's hash only (no tokens, "
                      "no parent)</i>")
     return lines
+
+
+def titled_layout(caps: tuple[int, ...], w: float, h: float, title: float) -> GridLayout:
+    """The maps' grid for a view of w × h pixels: every map shown (the view spans all rows and a gap above
+    each map) with a gap of at least `title` pixels for its title, at the largest cell the view allows.
+    (grid_layout sizes its gap against one map's rows, so with more than a couple of maps the titles sat on
+    the maps above, and a larger share there makes the layout taller than its columns assume.) Where n
+    titles cannot fit the height at all, grid_layout's layout: the maps stay in view, titles may touch."""
+    n = len(caps)
+    if w <= 50 or h <= 50 or not n or n * title >= 0.9 * h:
+        return grid_layout(caps, w / h if w > 50 and h > 50 else 2.0, title / h if h > 50 else 0.0)
+    t = 1.03 * title  # the view's 1 % padding on each side
+    c0 = max(1.0, math.sqrt(max(sum(caps), 1) * w / h))
+    best = None
+    for c in sorted({min(32000, max(1, round(c0 * 2 ** (k / 8)))) for k in range(-48, 49)}):
+        rows = tuple(-(-cap // c) for cap in caps)
+        r = sum(rows)
+        gap = max(1, math.ceil(t * c / w), math.ceil(t * r / (h - n * t)))  # wide enough, and tall enough
+        scale = min(w / c, h / (r + n * gap))  # pixels per cell
+        if best is None or scale > best[0]:
+            best = (scale, c, rows, gap)
+    _, cols, rows, gap = best
+    tops = tuple(sum(rows[:i]) + i * gap for i in range(n))
+    return GridLayout(cols=cols, capacities=tuple(caps), tops=tops, rows=rows, gap=gap,
+                      height=max(sum(rows) + (n - 1) * gap, 1))
 
 
 def title_fitted(fm: QFontMetrics, label: str, count: str, note: str, room: int) -> str:
@@ -220,18 +245,12 @@ class AttachMap(QWidget):
                                                       else html.escape(str(info)))
 
     # -- drawing --------------------------------------------------------------------------------------
-    def _aspect(self) -> float:
-        w, h = self.view.width(), self.view.height()
-        return w / h if w > 50 and h > 50 else 2.0
-
-    def _label_share(self) -> float:
-        """The share of the view's height a title needs: it sits 0.15 gap above its map, so the gap is the
-        title's height (text and the text item's margins) / 0.85, and a margin (as ui/block_map.py)."""
-        h = self.view.height()
-        return ((QFontMetrics(self._font).height() + 10) / 0.85 + 3) / h if h > 50 else 0.0
+    def _layout(self, caps: tuple[int, ...]) -> GridLayout:
+        title = (QFontMetrics(self._font).height() + 10) / 0.85 + 3  # a title sits 0.15 gap above its map
+        return titled_layout(caps, self.view.width(), self.view.height(), title)
 
     def _relayout(self, caps: tuple[int, ...]) -> None:
-        lay = grid_layout(caps, self._aspect(), self._label_share())
+        lay = self._layout(caps)
         self._cells.relayout(lay)
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
         self._frames, self._labels = frame_tiers(self.vb, lay, len(caps), self._frames + self._labels,
@@ -246,7 +265,7 @@ class AttachMap(QWidget):
         lay = self._cells.layout
         if self._snap is None or lay is None:
             return
-        want = grid_layout(lay.capacities, self._aspect(), self._label_share())
+        want = self._layout(lay.capacities)
         if abs(want.cols - lay.cols) > 0.15 * lay.cols or want.gap != lay.gap:
             self._relayout(lay.capacities)
             if self._snap.groups:
