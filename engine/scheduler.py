@@ -86,15 +86,12 @@ class Scheduler:
             fresh = seq.num_cached == 0 and not seq.blocks
             if fresh and self._prefix_in_flight(seq):
                 continue  # a running prefill is computing this prompt's first block: reuse it next step
-            match = self._find_prefix(seq, fresh)
-            if promised + self.kv.still_needs(seq, self.peak(seq), match[0] if fresh else None) > self.kv.free_blocks():
+            if not self._fits(seq, fresh, promised):
                 # Nothing running: only idle sequences' K/V stands in the way (the head fits both tiers alone:
                 # refused when added otherwise); they recompute when they run again.
-                if self.active() or not self._drop_idle(
-                        lambda: self.kv.still_needs(seq, self.peak(seq), self._find_prefix(seq, fresh)[0]
-                                                    if fresh else None) <= self.kv.free_blocks(), spare=seq):
+                if self.active() or not self._drop_idle(lambda: self._fits(seq, fresh, 0), spare=seq):
                     return  # wait: running sequences finish and give their blocks back
-                match = self._find_prefix(seq, fresh)
+            match = self._find_prefix(seq, fresh)
             cached = len(match[0]) * self.kv.config.block_size if fresh else seq.num_cached
             first = min(len(seq.tokens) - cached, self.options.max_batched_tokens)
             if not self.kv.fits_admission(seq, match[0], first) and self.active():
@@ -104,6 +101,12 @@ class Scheduler:
             self.waiting.remove(sid)
             self.add_running(seq)
             promised += self.kv.still_needs(seq, self.peak(seq))
+
+    def _fits(self, seq: Sequence, fresh: bool, promised: int) -> bool:
+        """What the sequence still needs to reach its peak (taking its cached prefix, if it holds no blocks) fits
+        in the free blocks beside `promised` ones."""
+        match = self._find_prefix(seq, fresh)[0] if fresh else None
+        return promised + self.kv.still_needs(seq, self.peak(seq), match) <= self.kv.free_blocks()
 
     def peak(self, seq: Sequence) -> int:
         """Tokens the sequence holds K/V for at most before it finishes (as Engine._check_fits counts them): its
