@@ -127,3 +127,49 @@ def test_short_soak_three_publishers_counts_match_through_the_ingest_process():
         client.stop()
         for fk in fakes:
             fk.stop()
+
+
+def test_ingest_client_hands_each_note_out_once_however_slow_the_answers():
+    """AttachClient shows the latest frame while the next is on its way: the frame shown again must not bring its
+    notes again, and two answers read in one call must not lose the older one's notes (a pipe of our own, the
+    ingest side answering only when told)."""
+    import multiprocessing as mp
+    import threading
+
+    from engine.attach.session import Frame
+    from engine.attach.worker import AttachClient
+
+    ours, theirs = mp.Pipe()
+    go = threading.Semaphore(0)
+    frames = [Frame(None, (), ((float(i), "source", f"note {i}"),), {}) for i in range(1, 5)]
+
+    def ingest():
+        for fr in frames:
+            try:
+                _, rid, _ = theirs.recv()
+            except (EOFError, OSError):
+                return
+            go.acquire()
+            theirs.send(("frame", rid, fr))
+
+    t = threading.Thread(target=ingest, daemon=True)
+    t.start()
+    client = AttachClient.__new__(AttachClient)
+    client._open(ours)
+    got = []
+    go.release()
+    got += client.frame().notes  # the first frame waits: note 1
+    for _ in range(3):  # no newer answer yet: frame 1 again, its note not again
+        fr = client.frame()
+        assert fr.snap is None and fr.statuses == ()
+        got += fr.notes
+    go.release()
+    assert ours.poll(10)
+    got += client.frame().notes  # note 2
+    go.release()
+    go.release()
+    got += client.frame(wait=True).notes  # frames 3 and 4 both read in this call: notes 3 and 4
+    t.join(10)
+    assert [text for _, _, text in got] == ["note 1", "note 2", "note 3", "note 4"]
+    ours.close()
+    theirs.close()

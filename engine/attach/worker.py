@@ -10,11 +10,13 @@ GIL; only the very first frame, a hover lookup and saving a recording wait for a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import multiprocessing as mp
 import os
 import time
 import traceback
+from collections import deque
 
 from engine.attach.session import AttachSession, Frame
 
@@ -67,15 +69,11 @@ class AttachClient:
 
     def __init__(self, specs, metrics_urls=(), startup_timeout_s: float = 60.0, **kwargs):
         ctx = mp.get_context("spawn")  # a clean interpreter: nothing of Qt is inherited
-        self._conn, child = ctx.Pipe()
+        conn, child = ctx.Pipe()
         self.specs = list(specs)
+        self._open(conn)
         self._proc = ctx.Process(target=_serve, args=(child, self.specs, list(metrics_urls), kwargs),
                                  name="kvscope-attach-ingest", daemon=True)
-        self._ids = itertools.count(1)
-        self._pending: int | None = None
-        self._last: Frame | None = None
-        self._replies: dict[int, tuple] = {}
-        self._stopped = False
         self._proc.start()
         child.close()
         kind, _, payload = self._recv(startup_timeout_s)
@@ -88,6 +86,19 @@ class AttachClient:
         return self  # running since construction
 
     # -- the pipe -----------------------------------------------------------------------------------------
+    def _open(self, conn) -> None:
+        """The client's state over one end of a pipe (the constructor's; a test's own pipe)."""
+        self._conn = conn
+        self._ids = itertools.count(1)
+        self._pending: int | None = None
+        self._last: Frame | None = None
+        # A Frame's notes are the ones since the ingest process's previous frame: each is handed out once. The
+        # latest frame may be shown again (no newer answer yet: without its notes), and two answers may arrive
+        # between calls (the older one's notes ride on the newer frame).
+        self._notes: deque[tuple[float, str, str]] = deque(maxlen=2000)
+        self._replies: dict[int, tuple] = {}
+        self._stopped = False
+
     def _recv(self, timeout: float) -> tuple:
         if not self._conn.poll(timeout):
             raise WorkerError(f"no answer from the attach ingest process within {timeout:g} s")
@@ -100,6 +111,7 @@ class AttachClient:
         kind, rid, payload = msg
         if kind == "frame":
             self._last = payload
+            self._notes.extend(payload.notes)
             if rid == self._pending:
                 self._pending = None
         else:
@@ -137,7 +149,9 @@ class AttachClient:
         if wait or self._last is None:
             rid = self._pending
             self._await(lambda: self._pending != rid)
-        return self._last
+        notes = tuple(self._notes)
+        self._notes.clear()
+        return self._last if notes == self._last.notes else dataclasses.replace(self._last, notes=notes)
 
     def _await(self, done, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
