@@ -128,8 +128,9 @@ class Storm:
         self.every = every_ms / 1000.0
         self.in_flight = in_flight
         self.stop = threading.Event()
-        self.mu = threading.Lock()  # live, tainted and lossy_cache: the changer's and the engine thread's
-        self.lossy_cache = False
+        self.mu = threading.Lock()  # live and tainted: the changer's and the engine thread's
+        self.lossy_finished = False  # a tainted sequence finished this step
+        self.seen: dict[int, set[str]] = {}  # sid -> config summaries at its steps (for a mismatch's report)
         self.t0 = time.monotonic()
         self.kinds: Counter = Counter()  # distinct failures
         self.steps_under: Counter = Counter()  # steps run under each policy, format, host_reads, placement
@@ -158,9 +159,10 @@ class Storm:
 
     # -- the changing thread ------------------------------------------------------------------
     def changer(self) -> None:
-        """Lossy KV taints the sequences it touches: every live one when a lossy format applies, every one added
-        while a tainted one with the same first tokens still runs (a prefix match can share its blocks), and the
-        prefix cache is dropped when the format comes back to fp32 (cached blocks went through the lossy format)."""
+        """Lossy KV taints the sequences it touches: every live one when a lossy format applies, and every one added
+        while a tainted one with the same first tokens still runs (a prefix match can share its blocks). Cached blocks
+        that went through a lossy format are dropped (the prefix cache reset) when the format comes back to fp32 and
+        when a tainted sequence finishes on fp32."""
         from engine.config import ConfigError, KVDtype, coerce
 
         while not self.stop.wait(self.every):
@@ -186,10 +188,8 @@ class Storm:
                         self.failures.append(f"dropped: {k}={v!r} accepted, config shows {getattr(shown, k)!r}")
                 if new.kv_dtype is not KVDtype.FP32:
                     self.tainted.update(self.live)
-                    self.lossy_cache = True
-                elif not was_lossless or self.lossy_cache:
-                    self.eng.reset_prefix_cache()
-                    self.lossy_cache = False
+                elif not was_lossless:
+                    self.eng.reset_prefix_cache()  # cached blocks went through the lossy format
 
     # -- the engine thread --------------------------------------------------------------------
     def feed(self) -> None:
@@ -210,7 +210,7 @@ class Storm:
                     self.refusals["request: " + str(e)[:50]] += 1
                     return
                 self.c["requests"] += 1
-                if self.eng.config.kv_dtype is not KVDtype.FP32 or self.lossy_cache or self._shares_lossy(prompt):
+                if self.eng.config.kv_dtype is not KVDtype.FP32 or self._shares_lossy(prompt):
                     self.tainted.add(sid)
                 self.live[sid] = (prompt, new)
 
@@ -221,6 +221,8 @@ class Storm:
         return any(self.live[s][0][:4] == head for s in self.tainted if s in self.live)
 
     def step(self) -> None:
+        from engine.config import KVDtype
+
         try:
             outs = self.eng.step()
         except Exception:
@@ -233,14 +235,23 @@ class Storm:
                   "device 0 MB" if cfg.device_budget_mb == 0 else "device > 0"):
             self.steps_under[k] += 1
         with self.mu:
+            summary = self.eng.config.summary()
+            for sid in self.live:
+                self.seen.setdefault(sid, set()).add(summary)
             for o in outs:
                 if o.finished:
                     self._finished(o.seq_id)
             for sid in [s for s in self.live if s not in self.eng.seqs or self.eng.seqs[s].done]:
                 self._finished(sid)  # ended without a last token: aborted or cancelled
+            # A tainted sequence's blocks stay hashed when it finishes (cached, lossy): on fp32 the prefix cache is
+            # dropped before any new request can match them (on a lossy format new requests are tainted anyway).
+            if self.lossy_finished and self.eng.config.kv_dtype is KVDtype.FP32:
+                self.eng.reset_prefix_cache()
+            self.lossy_finished = False
 
     def _finished(self, sid: int) -> None:
         prompt, n = self.live.pop(sid)
+        seen = self.seen.pop(sid, set())
         seq = self.eng.seqs.get(sid)
         if seq is None or seq.finish_reason not in ("length", "eos"):
             self.c["lost"] += 1
@@ -249,11 +260,15 @@ class Storm:
         self.c["finished"] += 1
         if sid in self.tainted:
             self.tainted.discard(sid)
+            self.lossy_finished = True  # its blocks stay in the prefix cache
             self.c["finished lossy"] += 1
             return
         if list(seq.output) != self.ref.greedy(prompt, n):
             self.c["mismatched"] += 1
-            self.failures.append(f"mismatched: sequence {sid} (prompt {len(prompt)} tokens, {n} new)")
+            if len(self.failures) < 20:
+                self.failures.append(f"mismatched: sequence {sid} (prompt {len(prompt)} tokens, {n} new, "
+                                     f"{seq.prefix_reused} reused, {seq.preemptions} preemptions); configs at its "
+                                     f"steps: {sorted(seen)[:6]}")
         else:
             self.c["checked equal"] += 1
 
