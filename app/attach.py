@@ -264,9 +264,10 @@ def _window(args, session, tokens) -> int:
         note = QtWidgets.QLabel("demo: fake vLLM / SGLang publishers on 127.0.0.1 (engine/attach/fake_publisher.py)")
         note.setStyleSheet("color: #e6c07b; padding-right: 6px")
         win.statusBar().addPermanentWidget(note)
-    win.show()
     if not args.headless:
+        win.show_fitted()  # fitted to the screen's free area, as the main window (headless: the default size)
         return app.exec()
+    win.show()
     rc = {"rc": 0}
 
     def finish() -> None:

@@ -146,3 +146,51 @@ def test_main_window_file_menu_opens_the_attach_dialog():
 
     src = inspect.getsource(main_window.MainWindow._menus)
     assert "Attach" in src and "open_attach_window(self)" in src
+
+
+@pytest.mark.parametrize("avail", [(0, 0, 1280, 720), (0, 0, 1366, 728), (0, 24, 1440, 876), (0, 0, 1920, 1040),
+                                   (1920, 0, 2560, 1400)])
+def test_the_window_opens_fitted_to_the_free_area_of_the_screen(qtbot, monkeypatch, avail):
+    """show_fitted, as the main window's (ui/dock_layout.fitted_geometry): 1400 x 900 centred where it fits with
+    room for a title bar, else all of the free area, maximized (before: 1400 x 900 at +0+0 whatever the screen,
+    the Metrics dock's right side, the Sources / Events docks and the status bar off a 1280 x 720 screen)."""
+    from PySide6 import QtCore
+
+    from ui.attach_window import WANT_SIZE
+
+    free = QtCore.QRect(*avail)
+    monkeypatch.setattr(QtGui.QScreen, "availableGeometry", lambda self: QtCore.QRect(free))
+    session = AttachSession(parse_source("vllm", "tcp://127.0.0.1:47971,dp=2"),
+                            ["http://127.0.0.1:47975/metrics"]).start()  # nothing there: it only connects
+    win = AttachWindow(session, None, owns_session=True)
+    qtbot.addWidget(win)
+    try:
+        assert win.minimumSizeHint().width() <= free.width() and win.minimumSizeHint().height() <= free.height()
+        win.show_fitted()
+        qtbot.waitExposed(win)
+        small = WANT_SIZE.width() > free.width() or WANT_SIZE.height() + 40 > free.height()
+        assert bool(win.windowState() & QtCore.Qt.WindowMaximized) == small
+        # (maximized, the offscreen platform takes a screen of its own: the geometry asked for is the normal one)
+        placed = win.normalGeometry() if small else win.geometry()
+        assert free.contains(placed), placed
+        if small:
+            assert placed == free
+        else:
+            assert placed.size() == WANT_SIZE and placed.center() == free.center()
+        # At that size the map, every dock and the status bar show whole, none over another.
+        win.setWindowState(QtCore.Qt.WindowNoState)
+        win.resize(placed.size())
+        win.refresh_all()
+        qtbot.wait(50)
+        assert win.size() == placed.size()
+        rects = {n: d.geometry() for n, d in win.docks.items()}
+        rects["map"] = win.centralWidget().geometry()
+        rects["status bar"] = win.statusBar().geometry()
+        for n, r in rects.items():
+            assert r.width() > 0 and r.height() > 0 and win.rect().contains(r), (n, r, win.rect())
+            for m, other in rects.items():
+                assert m == n or not r.intersects(other), (n, m)
+        for n, d in win.docks.items():
+            assert d.width() >= d.minimumSizeHint().width() and d.height() >= d.minimumSizeHint().height(), n
+    finally:
+        win.close()

@@ -120,5 +120,5 @@ def open_attach_window(parent=None, in_process: bool = False, dialog: AttachDial
     win = AttachWindow(session, tokens, owns_session=True)
     if parent is not None:  # keep it alive as long as the main window
         parent.__dict__.setdefault("_attach_windows", []).append(win)
-    win.show()
+    win.show_fitted()
     return win

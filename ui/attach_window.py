@@ -16,13 +16,15 @@ import time
 from collections import deque
 
 import numpy as np
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.attach.session import LIMITS, Frame
+from ui import dock_layout
 from ui.attach_map import AttachMap, meta_lines
 from ui.attach_panels import AttachEventsPanel, MetricsPanel, SourcesPanel, behind_text, traffic_lines
 
 REFRESH_MS = 100
+WANT_SIZE = QtCore.QSize(1400, 900)  # on a screen with room for it; a smaller one gets all of its free area
 SLOW_EVERY = 5
 
 
@@ -83,8 +85,6 @@ class AttachWindow(QtWidgets.QMainWindow):
             d.setWidget(w)
             self.addDockWidget(area, d)
             self.docks[name] = d
-        self.resizeDocks([self.docks["Metrics"]], [430], QtCore.Qt.Horizontal)
-        self.resizeDocks([self.docks["Sources"]], [170], QtCore.Qt.Vertical)
         self.status = QtWidgets.QLabel()
         self.statusBar().addWidget(self.status, 1)
         file = self.menuBar().addMenu("&File")
@@ -97,7 +97,9 @@ class AttachWindow(QtWidgets.QMainWindow):
         for d in self.docks.values():
             view.addAction(d.toggleViewAction())
         view.addAction("Reset map view", self.map.reset_view)
-        self.resize(1400, 900)
+        self.resize(WANT_SIZE)  # headless (offscreen) as before; on a screen show_fitted fits it
+        self.resizeDocks([self.docks["Metrics"]], [430], QtCore.Qt.Horizontal)
+        self.resizeDocks([self.docks["Sources"]], [170], QtCore.Qt.Vertical)
         self.timer = QtCore.QTimer(self)
         self.timer.timeout.connect(self.refresh)
         self.timer.start(refresh_ms)
@@ -105,6 +107,19 @@ class AttachWindow(QtWidgets.QMainWindow):
         # (which otherwise walks Qt wrappers, numpy buffers and the session) cannot stall a frame.
         gc.collect()
         gc.freeze()
+
+    def show_fitted(self) -> None:
+        """Show the window as the main window shows itself (ui/dock_layout.fitted_geometry): WANT_SIZE centred on
+        the free area of its screen where that fits with room for a title bar, else all of that area, maximized."""
+        screen = self.screen() or QtGui.QGuiApplication.primaryScreen()
+        rect, maximize = dock_layout.fitted_geometry(screen.availableGeometry(), WANT_SIZE)
+        self.setGeometry(rect)
+        self.resizeDocks([self.docks["Metrics"]], [min(430, rect.width() // 3)], QtCore.Qt.Horizontal)
+        self.resizeDocks([self.docks["Sources"]], [min(170, rect.height() // 4)], QtCore.Qt.Vertical)
+        if maximize:
+            self.showMaximized()
+        else:
+            self.show()
 
     # -- frames -----------------------------------------------------------------------------------------
     def refresh(self, every_panel: bool = False) -> None:
