@@ -192,3 +192,65 @@ def test_a_big_step_back_is_a_restart_not_a_duplicate_forever():
         assert sub.status().duplicates == 1
     finally:
         ctx.term()
+
+
+# -- a batch time stepping back; an exception applying one event ----------------------------------------------
+
+@pytest.mark.parametrize("back_s", [5_000.0, 1.7e9])  # 500 half-lives (past float32 heat), to a batch time of 0
+def test_a_batch_time_stepping_back_is_not_heat_and_every_event_applies(back_s):
+    """Before: 2**(gap / half-life) grew the parent's heat, OverflowError (math.exp2 past ~1,024 half-lives, the
+    float32 column before that) left apply and the rest of the batch was dropped, noted only as an error."""
+    import time
+    import warnings
+
+    cl = ClusterState(["s"])
+    cl.set_offset(0, 1.7e9)  # the first batch's time is now
+    cl.apply(0, EventBatch(1.7e9, [_stored(1)]))
+    cl.apply(0, EventBatch(1.7e9 - back_s, [_stored(2, parent=1), _stored(3, parent=2)]))
+    (a,) = cl.activity()
+    assert a.events == 3 and a.bad_events == 0 and a.stored_events == 3
+    g = cl.groups[(0, 0, "GPU", 0)]
+    assert len(g) == 3
+    info = cl.block_info((0, 0, "GPU", 0), g.index[1])
+    assert info["named"] == 1 and 1.0 <= info["heat"] <= 2.0  # touched once: +1, no growth from the step back
+    assert not [t for _, k, t in cl.take_notes() if k in ("error", "malformed")]
+    # The other way round: batch times ahead of this machine's clock (an offset fixed at ts 0, then 1.7e9).
+    cl = ClusterState(["s"])
+    cl.set_offset(0, 0.0)
+    cl.apply(0, EventBatch(0.0, [_stored(1)]))
+    cl.apply(0, EventBatch(1.7e9, [_stored(2, parent=1)]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no overflow to inf either
+        now = time.time()
+        heat = cl.groups[(0, 0, "GPU", 0)].values("heat", now)
+        info = cl.block_info((0, 0, "GPU", 0), cl.groups[(0, 0, "GPU", 0)].index[2])
+        cl.snapshot("heat", now=now)
+    occ = cl.groups[(0, 0, "GPU", 0)].a["occ"].astype(bool)
+    assert np.isfinite(heat[occ]).all() and heat[occ].max() <= 2.0 and 0 < info["heat"] <= 1.0
+    assert cl.activity()[0].bad_events == 0
+
+
+def test_an_exception_applying_one_event_counts_it_bad_with_the_reason_and_the_rest_apply(monkeypatch):
+    cl = _cluster(record=True)
+    store, problem = ClusterState._store, bounds.event_problem
+
+    def store_or_fail(self, g, ev, t):
+        if ev.block_hashes[0] == 5:
+            raise ZeroDivisionError("a bug no check foresaw")
+        return store(self, g, ev, t)
+
+    def problem_or_fail(ev):
+        if ev.block_hashes[0] == 8:
+            raise KeyError("a check that fails")
+        return problem(ev)
+
+    monkeypatch.setattr(ClusterState, "_store", store_or_fail)
+    monkeypatch.setattr(bounds, "event_problem", problem_or_fail)
+    cl.apply(0, EventBatch(100.0, [_stored(i) for i in range(10)]))
+    (a,) = cl.activity()
+    assert a.events == 10 and a.bad_events == 2 and a.stored_events == 8
+    assert len(cl.groups[(0, 0, "GPU", 0)]) == 8
+    notes = [t for _, k, t in cl.take_notes() if k == "malformed"]
+    assert any("ZeroDivisionError" in t and "a bug no check foresaw" in t for t in notes), notes
+    assert any("KeyError" in t and "a check that fails" in t for t in notes), notes
+    assert check_columns(cl.recorder.columns()) == 8  # the recording has what the maps have

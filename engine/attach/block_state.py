@@ -122,10 +122,15 @@ class BlockTable:
 
     # -- events ---------------------------------------------------------------------------------------
     def touch(self, cell: int, t: float) -> None:
-        """The block was read (named as the parent of a new store)."""
+        """The block was read (named as the parent of a new store). A batch time earlier than the last touch
+        (a peer's clock stepping back, a batch time of 0) is no time at all: no decay, and never a growth."""
         gap = t - self._tt[cell]
-        self._heat[cell] = self._heat[cell] * math.exp2(-gap / self.half_life_s) + 1.0
-        self._tt[cell] = t
+        if gap > 0:
+            self._heat[cell] = self._heat[cell] * math.exp2(-gap / self.half_life_s) + 1.0
+            self._tt[cell] = t
+        else:
+            gap = 0.0
+            self._heat[cell] += 1.0
         n = self._named[cell] = self._named[cell] + 1
         if self.on_reuse is not None and not (n + cell) & 7:  # sampled: about 1 in 8
             self.on_reuse(gap)
@@ -137,8 +142,12 @@ class BlockTable:
         cell = self.index.get(h)
         if cell is not None:
             self.restored += 1
-            self._heat[cell] = self._heat[cell] * math.exp2(-(t - self._tt[cell]) / self.half_life_s) + 1.0
-            self._tt[cell] = t
+            gap = t - self._tt[cell]
+            if gap > 0:  # as touch: a time going back is not heat
+                self._heat[cell] = self._heat[cell] * math.exp2(-gap / self.half_life_s) + 1.0
+                self._tt[cell] = t
+            else:
+                self._heat[cell] += 1.0
             return cell
         if 2 * (len(self.index) + 1) > self.cells:
             self._grow()
@@ -169,7 +178,7 @@ class BlockTable:
             self.removed_unknown += 1
             return None
         if t is not None and self.on_evict is not None and not self.removed & 7:  # sampled: 1 in 8
-            self.on_evict(t - self._st[cell], t - self._tt[cell])
+            self.on_evict(max(t - self._st[cell], 0.0), max(t - self._tt[cell], 0.0))
         self._occ[cell] = 0
         self.hash_at[cell] = self.phash_at[cell] = self.tok_at[cell] = self.meta_at[cell] = None
         self.removed += 1
@@ -195,7 +204,8 @@ class BlockTable:
         if mode == "idle":
             return (now - a["touch_t"]).astype(np.float32)
         if mode == "heat":
-            return (a["heat"] * np.exp2(-(now - a["touch_t"]) / self.half_life_s)).astype(np.float32)
+            # A touch later than now (a peer's clock ahead of ours) has not decayed yet: never a growth (nor inf).
+            return (a["heat"] * np.exp2(-np.maximum(now - a["touch_t"], 0.0) / self.half_life_s)).astype(np.float32)
         if mode == "reuse":
             return a["named"].astype(np.float32)
         if mode == "family":
@@ -233,7 +243,8 @@ class BlockTable:
             path.append(c)
         return {"hash": self.hash_at[cell], "cell": cell, "age_s": now - float(a["stored_t"][cell]),
                 "idle_s": now - float(a["touch_t"][cell]),
-                "heat": float(a["heat"][cell] * math.exp2(-(now - a["touch_t"][cell]) / self.half_life_s)),
+                "heat": float(a["heat"][cell] * math.exp2(-max(now - float(a["touch_t"][cell]), 0.0)
+                                                          / self.half_life_s)),
                 "named": int(a["named"][cell]), "depth": int(a["depth"][cell]), "family": int(a["family"][cell]),
                 "lora": int(a["lora"][cell]), "tokens": self.tokens(cell), "parent": self.phash_at[cell],
                 "path_tokens": [self.tokens(p) for p in reversed(path[:8])], "meta": self.meta_at[cell],

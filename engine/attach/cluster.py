@@ -89,6 +89,11 @@ class _Ring:
         return self.a[: min(self.n, self.SIZE)].copy()
 
 
+def _failed(what: str, e: BaseException) -> str:
+    """A reason for the events panel: what failed, the exception (one line, at most 200 characters)."""
+    return f"{type(e).__name__} {what}: {e}"[:200].replace("\n", " ")
+
+
 class ClusterState:
     def __init__(self, source_labels: list[str], half_life_s: float = 10.0):
         self.labels = list(source_labels)
@@ -192,24 +197,36 @@ class ClusterState:
     def _checked(self, source: int, batch: EventBatch, rank) -> list:
         """The batch's events that can be applied (engine/attach/bounds.py); the others are counted bad, and
         their reason noted. Every event counts in `events` either way, so sent and received still compare."""
-        why = bounds.batch_problem(batch.ts, rank)
+        try:
+            why = bounds.batch_problem(batch.ts, rank)
+        except Exception as e:  # a check that cannot be made is a problem too, said as such
+            why = _failed("checking the batch", e)
         if why is not None:
             bad, events = list(batch.events), []
         else:
             bad, events = [], batch.events
-            problem = bounds.event_problem
-            for i, ev in enumerate(events):
-                if problem(ev) is not None:  # rare: only then is the list copied
-                    keep = events[:i]
-                    for e in events[i:]:
+            problem, i = bounds.event_problem, len(events)
+            try:
+                for i, ev in enumerate(events):
+                    if problem(ev) is not None:
+                        break
+                else:
+                    i = len(events)
+            except Exception:
+                pass  # that event again, below, with the reason
+            if i < len(events):  # rare: only then is the list copied
+                keep = events[:i]
+                for e in events[i:]:
+                    try:
                         p = problem(e)
-                        if p is None:
-                            keep.append(e)
-                        else:
-                            bad.append(e)
-                            why = why or p
-                    events = keep
-                    break
+                    except Exception as x:
+                        p = _failed("checking an event", x)
+                    if p is None:
+                        keep.append(e)
+                    else:
+                        bad.append(e)
+                        why = why or p
+                events = keep
         if bad:
             self._act[source]["bad_events"] += len(bad)
             self.note("malformed", f"{self.labels[source]}: {len(bad):,} of {len(batch.events):,} event(s) of a "
@@ -229,46 +246,62 @@ class ClusterState:
         t = batch.ts + self._offset.get(source, 0.0)
         applied = [] if self.recorder is not None else None
         counts = self._family_blocks
+        failed, why = 0, ""
         for ev in events:
-            kind = ev.KIND
-            if kind == KIND_STORED:
-                g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
-                if g is None:
-                    act["bad_events"] += 1
-                    continue
-                self._store(g, ev, t)
-                act["stored_events"] += 1
-                act["stored_blocks"] += len(ev.block_hashes)
-            elif kind == KIND_REMOVED:
-                g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
-                if g is None:
-                    act["bad_events"] += 1
-                    continue
-                remove = g.remove
-                for h in ev.block_hashes:
-                    f = remove(h, t)
-                    if f is not None:  # the block's family has one block fewer (inline _forget: hot)
-                        n = counts.get(f)
-                        if n is not None:
-                            if n > 1:
-                                counts[f] = n - 1
-                            else:
-                                self._drop_family(f)
-                act["removed_events"] += 1
-                act["removed_blocks"] += len(ev.block_hashes)
-            else:
-                # It carries no medium: vLLM sends it when the GPU prefix cache is reset.
-                n = 0
-                for k, g in self.groups.items():
-                    if k[0] == source and k[1] == rank and k[2] == MEDIUM_GPU:
-                        self._forget(g.resident_families())
-                        n += g.clear()
-                act["cleared"] += 1
-                self.note("cleared", f"{self.labels[source]} rank {rank}: all blocks cleared ({n:,} resident)")
+            # An exception applying one event (a bug, or a value no check foresaw) counts that event bad with
+            # the reason, and the batch's others are still applied: nothing leaves here to drop the rest.
+            try:
+                kind = ev.KIND
+                if kind == KIND_STORED:
+                    g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
+                    if g is None:
+                        act["bad_events"] += 1
+                        continue
+                    self._store(g, ev, t)
+                    act["stored_events"] += 1
+                    act["stored_blocks"] += len(ev.block_hashes)
+                elif kind == KIND_REMOVED:
+                    g = self._group(source, rank, medium_of(ev), ev.group_idx or 0)
+                    if g is None:
+                        act["bad_events"] += 1
+                        continue
+                    remove = g.remove
+                    for h in ev.block_hashes:
+                        f = remove(h, t)
+                        if f is not None:  # the block's family has one block fewer (inline _forget: hot)
+                            n = counts.get(f)
+                            if n is not None:
+                                if n > 1:
+                                    counts[f] = n - 1
+                                else:
+                                    self._drop_family(f)
+                    act["removed_events"] += 1
+                    act["removed_blocks"] += len(ev.block_hashes)
+                else:
+                    # It carries no medium: vLLM sends it when the GPU prefix cache is reset.
+                    n = 0
+                    for k, g in self.groups.items():
+                        if k[0] == source and k[1] == rank and k[2] == MEDIUM_GPU:
+                            self._forget(g.resident_families())
+                            n += g.clear()
+                    act["cleared"] += 1
+                    self.note("cleared", f"{self.labels[source]} rank {rank}: all blocks cleared ({n:,} resident)")
+            except Exception as e:
+                act["bad_events"] += 1
+                failed += 1
+                why = why or _failed(f"applying a {type(ev).__name__}", e)
+                continue
             if applied is not None:
                 applied.append(ev)
+        if failed:
+            self.note("malformed", f"{self.labels[source]}: {failed:,} of {len(batch.events):,} event(s) of a batch "
+                                   f"not applied ({why})")
         if applied is not None:  # what was applied, and only that: the recording and the maps agree
-            self.recorder.add(source, rank, t, applied)
+            try:
+                self.recorder.add(source, rank, t, applied)
+            except Exception as e:  # the maps have the batch: say the recording lacks it, never "not applied"
+                self.note("error", f"{self.labels[source]}: a batch applied but not recorded "
+                                   f"({_failed('recording it', e)})")
             if self.recorder.full_note:
                 self.note("error", self.recorder.full_note)
                 self.recorder.full_note = None
