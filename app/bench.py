@@ -345,8 +345,11 @@ def filled_engine(n_blocks: int, seq_tokens: int = 1000):
                  EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])
     rng = np.random.default_rng(0)
     seq_tokens = max(1, min(seq_tokens, n_blocks // 8))  # small pools (tests) still hold several sequences
-    max_new = max(1, min(1 << 20, n_blocks // 2 - seq_tokens))  # a request must fit the device tier
     per_phase = max(1, int(0.95 * n_blocks / 2) // seq_tokens)
+    # Admission reserves each request's peak (prompt + max_new_tokens) over both tiers (engine/scheduler.py), and
+    # the second half is admitted beside the first half's blocks: what the fill leaves free is what they may
+    # still generate.
+    max_new = max(1, (n_blocks - 4 - 2 * per_phase * seq_tokens) // per_phase - 1)
     n_seqs = 2 * per_phase
     t0 = time.perf_counter()
     ids: list[int] = []
