@@ -184,7 +184,9 @@ def test_a_placeholder_store_keeps_the_maps_block_size_and_has_an_unknown_depth(
 
 def test_the_subscriber_applies_real_frames_and_fetches_history_from_a_real_replay_answer():
     """The real bytes over 127.0.0.1: this test plays the server (PUB + ROUTER answering with the captured
-    replies), the attach session only connects. The first live frame is seq 2: seqs 0-1 come as history."""
+    replies), the attach session only connects. History is asked for at connect (seq 0 on), before any live
+    frame; the first live frame is seq 2: seqs 0-1 count as history, whatever came first, and nothing is applied
+    twice (the replay buffer's seqs 2-3 and the live ones are one batch each)."""
     from engine.attach.session import AttachSession
     from engine.attach.source import parse_source
 
@@ -200,8 +202,9 @@ def test_the_subscriber_applies_real_frames_and_fetches_history_from_a_real_repl
         expected = sum(len(decode_batch(p).events) for _, _, p in live)
         deadline = time.monotonic() + 30
         asked, next_send = [], 0.0
-        while time.monotonic() < deadline and session.cluster.activity()[0].events != expected:
-            if not asked and time.monotonic() > next_send:
+        while time.monotonic() < deadline and (session.cluster.activity()[0].events != expected
+                                               or session.statuses()[0].first_seq is None):
+            if time.monotonic() > next_send:
                 # until the SUB is connected a PUB drops what it sends; frames seen twice count as duplicates
                 for f in live[2:]:
                     pub.send_multipart(f)
@@ -214,7 +217,8 @@ def test_the_subscriber_applies_real_frames_and_fetches_history_from_a_real_repl
                     router.send_multipart([ident] + parts)
         st = session.statuses()[0]
         assert session.cluster.activity()[0].events == expected, (st, asked)
-        assert asked[0] == 0 and st.history == 2 and st.malformed == 0
+        assert asked[0] == 0 and st.history == 2 and st.malformed == 0 and st.first_seq == 2
+        assert st.batches == len(live) and st.history_missing == 0 and st.gaps == 0
         assert {(0, rank, "GPU", 0), (0, rank, "GPU", 1)} <= set(session.cluster.groups)
     finally:
         session.stop()

@@ -47,6 +47,7 @@ class Server:
         self.router.setsockopt(zmq.SNDHWM, 100_000)
         self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.mode, self.buffer, self.requests, self.seq = mode, [], 0, 0
+        self.answer = threading.Event()  # mode "late": the ROUTER answers (from the buffer then) once this is set
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -72,6 +73,10 @@ class Server:
             client, _, start_b = self.router.recv_multipart()
             self.requests += 1
             start = int.from_bytes(start_b, "big")
+            if self.mode == "late":
+                while not self.answer.wait(0.02):
+                    if self._stop.is_set():
+                        return
             with self._lock:
                 todo = [(s, b) for s, b in self.buffer if s >= start]
             if self.mode == "silent":
@@ -129,6 +134,67 @@ def attach():
 
 
 @pytest.mark.parametrize("mode", ["vllm", "old"])
+def test_a_warm_idle_server_gives_its_history_at_connect_without_a_live_frame(attach, mode):
+    """Before: history was asked for only at the first live frame, so a server that published nothing more
+    showed nothing (0 batches, history 0) while its replay buffer held all of it."""
+    srv = Server(mode)
+    try:
+        srv.publish(40, live=False)  # all before we attached; nothing live after
+        sub, cl = attach(srv)
+        _wait(lambda: sub.status().batches == 40, 10, lambda: f"40 batches of history (have {sub.status()})")
+        st = sub.status()
+        assert st.history == 40 and st.history_missing == 0 and st.frames == 0 and st.first_seq is None
+        assert srv.requests == 1 and len(cl.groups[(0, 0, "GPU", 0)]) == 40
+        srv.publish(5)  # it wakes up: seq 40 on, live, as today
+        _wait(lambda: sub.status().batches == 45, 10, lambda: f"45 batches (have {sub.status()})")
+        st = sub.status()
+        assert st.first_seq == 40 and st.history == 40 and st.gaps == 0 and st.duplicates == 0
+        assert srv.requests == 1 and len(cl.groups[(0, 0, "GPU", 0)]) == 45
+    finally:
+        srv.close()
+
+
+def test_history_asked_at_connect_ends_at_the_first_live_frame_and_nothing_is_applied_twice(attach):
+    """The server answers late, after live frames it also holds in its buffer: the history stops at the first
+    live frame's seq (the live stream has the rest), each batch is applied once and counted once."""
+    srv = Server("late")
+    try:
+        srv.publish(40, live=False)
+        sub, cl = attach(srv, limits=StreamLimits(replay_timeout_s=10.0))
+        _wait(lambda: srv.requests == 1, 10, "the request at connect")
+        srv.publish(10)  # seqs 40-49: live, and in the buffer the late answer is made from
+        _wait(lambda: sub.status().frames == 10, 10, lambda: f"10 live frames queued (have {sub.status()})")
+        assert sub.status().batches == 0 and sub.status().queued == 10  # held while the request is open
+        srv.answer.set()
+        _wait(lambda: sub.status().batches == 50, 10, lambda: f"50 batches (have {sub.status()})")
+        _wait(lambda: not sub.status().queued, 10, "the queue applied")
+        st = sub.status()
+        assert st.history == 40 and st.first_seq == 40 and st.history_missing == 0 and st.batches == 50
+        assert st.gaps == 0 and st.lost == 0 and st.duplicates == 0 and srv.requests == 1
+        (a,) = cl.activity()
+        assert a.events == 50 and a.stored_blocks == 50 and len(cl.groups[(0, 0, "GPU", 0)]) == 50
+    finally:
+        srv.close()
+
+
+def test_a_first_live_frame_the_history_already_had_is_a_duplicate_not_history_nor_a_restart(attach):
+    srv = Server()
+    try:
+        srv.publish(40, live=False)
+        sub, cl = attach(srv)
+        _wait(lambda: sub.status().batches == 40, 10, lambda: f"the history (have {sub.status()})")
+        for seq in range(20, 40):  # the live stream's copies of the replay buffer's newest 20 (seq 20-39)
+            srv.pub.send_multipart((TOPIC, seq.to_bytes(8, "big"), srv.buffer[seq][1]))
+        srv.publish(3)  # seq 40-42
+        _wait(lambda: sub.status().batches == 43, 10, lambda: f"43 batches (have {sub.status()})")
+        st = sub.status()
+        assert st.first_seq == 20 and st.history == 20  # the batches before the first live one
+        assert st.duplicates == 20 and st.restarts == 0 and st.gaps == 0 and cl.activity()[0].events == 43
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize("mode", ["vllm", "old"])
 def test_history_and_a_gap_are_recovered_in_the_servers_reply_layout(attach, mode):
     srv = Server(mode)
     try:
@@ -155,7 +221,9 @@ def test_a_replay_socket_that_never_answers_is_asked_once_not_at_every_gap(attac
         _wait(lambda: sub.status().batches == 551 - len(gaps), 20, lambda: f"the live batches (have {sub.status()})")
         st = sub.status()
         assert st.gaps == 10 and st.lost == 10 and st.recovered == 0
-        assert srv.requests == 1 and st.replay_timeouts == 1 and st.replay_state == "backoff"
+        # Asked twice in all: the history at connect (no answer: not rested, a server may be starting) and the
+        # first gap (no answer: rested, the nine gaps after it counted lost unasked).
+        assert srv.requests == 2 and st.replay_timeouts == 2 and st.replay_state == "backoff"
         notes = [t for _, k, t in cl.take_notes() if k == "replay"]
         assert any("no answer" in t and "counted lost" in t for t in notes)
     finally:
@@ -171,8 +239,9 @@ def test_an_answer_that_stops_short_is_not_a_dead_replay_socket(attach):
         srv.publish(100, withhold=(10, 11, 50, 51))
         _wait(lambda: sub.status().last_seq == 100 and not sub.status().queued, 20, lambda: f"all (have {sub.status()})")
         st = sub.status()
-        assert srv.requests == 2 and st.replay_state != "backoff"  # asked at both gaps
-        assert st.recovered == 2 and st.lost == 2 and st.replay_timeouts == 2
+        # Asked at connect (nothing buffered: this server answers nothing at all) and at both gaps.
+        assert srv.requests == 3 and st.replay_state != "backoff"
+        assert st.recovered == 2 and st.lost == 2 and st.replay_timeouts == 3
         assert (11, 11) in st.lost_ranges and (51, 51) in st.lost_ranges
     finally:
         srv.close()

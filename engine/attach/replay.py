@@ -47,7 +47,7 @@ def parse_reply(parts: list[bytes]) -> tuple[int, bytes] | None:
 @dataclass
 class Request:
     start: int
-    end: int  # exclusive: the seq of the live frame that revealed the gap
+    end: int | None  # exclusive: the seq of the live frame that revealed the gap (None: not known yet)
     history: bool  # batches from before we attached (else: a gap in the live stream)
     t0: float
     last_t: float
@@ -56,6 +56,8 @@ class Request:
     replies: int = 0
     holes: list = None  # [first, last] seqs inside the range the server no longer held (the first few)
     busy_s: float = 0.0  # time spent applying what came (not counted against the deadline: only waiting is)
+    open_end: bool = False  # asked with no end (at connect: all the server holds; `end` set at the first live frame)
+    reached_end: bool = False  # a reply at or past `end` came: the server holds nothing more below it
 
 
 class ReplayClient:
@@ -92,9 +94,12 @@ class ReplayClient:
             self.sock.close(0)
         self.sock, self._drain_until = None, None
 
-    def ask(self, start: int, end: int, history: bool, now: float) -> Request:
-        """Send a request for [start, end) (clipped to the newest max_batches); the caller has checked can_ask."""
-        start = max(start, end - self.max_batches)
+    def ask(self, start: int, end: int | None, history: bool, now: float) -> Request:
+        """Send a request for [start, end) (clipped to the newest max_batches); the caller has checked can_ask.
+        end None: everything the server holds from start (at most max_batches of it), until the caller sets
+        `req.end` (the seq of the first live frame: the live stream has the rest)."""
+        if end is not None:
+            start = max(start, end - self.max_batches)
         if self.sock is not None and self._drain_until is not None:
             self.close()  # still reading an old answer: a fresh socket, so its tail is never taken for this one
         if self.sock is None:
@@ -103,7 +108,7 @@ class ReplayClient:
             self.sock.connect(self.endpoint)
         self.sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
         self.requests += 1
-        self.req = Request(start, end, history, now, now, expected=start, holes=[])
+        self.req = Request(start, end, history, now, now, expected=start, holes=[], open_end=end is None)
         return self.req
 
     def on_reply(self, parts: list[bytes], now: float) -> tuple[str, int, bytes] | None:
@@ -125,7 +130,9 @@ class ReplayClient:
         req.last_t = now
         if seq < req.expected:
             return None
-        if seq >= req.end:  # the live stream has these: what we asked for is all here
+        if (req.end is not None and seq >= req.end) or (req.open_end and req.got >= self.max_batches):
+            # the live stream has these: what we asked for is all here (or an open request has all it may take)
+            req.reached_end = req.end is not None and seq >= req.end
             self._drain_until = now + self.drain_s
             return "done", 0, b""
         if seq > req.expected and len(req.holes) < 8:
@@ -149,11 +156,12 @@ class ReplayClient:
 
     def finish(self, complete: bool, now: float, why: str = "") -> Request:
         """The request is over; `complete` False: given up on `why` (the socket is replaced; after "no answer"
-        or "too slow" the server is rested)."""
+        or "too slow" the server is rested, unless the request was the history asked for at connect: a server
+        just starting, or one that answers an empty buffer with nothing, is asked again at the first gap)."""
         req, self.req = self.req, None
         if not complete:
             self.timeouts += 1
             self.close()
-            if why != "stopped":
+            if why != "stopped" and not (req is not None and req.open_end):
                 self.dead_until = now + self.backoff_s
         return req

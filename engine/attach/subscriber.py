@@ -4,7 +4,10 @@ both on one poller, so the replay socket never holds up reading the live stream.
 Frames are (topic, 8-byte big-endian sequence number, msgpack batch). The servers count from 0 and send the
 number as a signed 64-bit value's bytes (their end marker is -1), so it is read signed: a negative one is a
 malformed frame, never a jump of 1.8e19. Sequence numbers say what was missed:
-- at the first frame (seq S > 0) the batches published before we attached are asked for (history);
+- right after connecting, where a replay endpoint is known, the batches published before we attached are asked
+  for from seq 0 (history), without waiting for a live frame: a warm server may be idle. The request ends at the
+  server's end marker, or at the first live frame's seq (the live stream has the rest), within the replay
+  deadlines; where it got nothing, the first frame (seq S > 0) asks for [0, S) as before;
 - a frame whose seq jumps past last+1 is a gap: the missing range is asked for (engine/attach/replay.py);
 - seq == last is a duplicate and is skipped; a seq 0 after a higher one, or one more than a few below the
   last, is a publisher restart (its cache is empty again; its history is asked for afresh).
@@ -24,6 +27,7 @@ ClusterState (its own lock) and appends notes there.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 import time
 from collections import deque
@@ -73,6 +77,7 @@ class Subscriber(threading.Thread):
         self.queued_bytes = 0
         self._peak_bytes = 0  # the most queued since the queue was last empty
         self._held: tuple[int, EventBatch | None] | None = None  # the live frame a replay request waits under
+        self._history_end: int | None = None  # the last seq of the history got at connect, until a live frame passes it
         self.replay = ReplayClient(ctx, spec.replay, timeout_s=lim.replay_timeout_s, deadline_s=lim.replay_deadline_s,
                                    max_batches=lim.replay_max_batches, backoff_s=lim.replay_backoff_s)
         self.error: str | None = None
@@ -114,6 +119,8 @@ class Subscriber(threading.Thread):
             sub.connect(self.spec.endpoint)
             self.cluster.note("source", f"{self.spec.label}: subscribed to {self.spec.endpoint}"
                               + (f", replay {self.spec.replay}" if self.spec.replay else ", no replay endpoint"))
+            if self.replay.can_ask(time.monotonic()):  # the history now: a warm server may publish nothing more
+                self.replay.ask(0, None, True, time.monotonic())
             poller = zmq.Poller()
             poller.register(sub, zmq.POLLIN)
             dealer = None
@@ -128,6 +135,9 @@ class Subscriber(threading.Thread):
                 ready = dict(poller.poll(0 if busy else 50))
                 if sub in ready:
                     self._read_live(sub, lim.read_budget_s)
+                    req = self.replay.req
+                    if req is not None and req.open_end and req.end is None:
+                        req.end = self._first_queued_seq()  # the history asked for at connect ends there
                 if dealer is not None and dealer in ready:
                     self._read_replay(dealer, lim.apply_budget_s)
                 now = time.monotonic()
@@ -161,6 +171,13 @@ class Subscriber(threading.Thread):
             self.last_frame_t = now
             if not i & 63 and now > end:
                 break
+
+    def _first_queued_seq(self) -> int | None:
+        for _, parts in itertools.islice(self.queue, 16):  # (junk frames first: asked again at the next turn)
+            seq = _seq_of(parts)
+            if seq is not None:
+                return seq
+        return None
 
     def _read_replay(self, dealer, budget_s: float) -> None:
         end = time.monotonic() + budget_s
@@ -269,11 +286,22 @@ class Subscriber(threading.Thread):
         if seq < 0:
             return self._malformed(f"sequence number {seq} (the servers count from 0)")
         last = self.last_seq
-        if last is not None and (seq == 0 < last or seq <= last - RESTART_BELOW):
+        # The first live frame after history got at connect (last_seq is the history's last): the replay buffer
+        # may have held this frame and some after it too (duplicates then, not history, and no restart).
+        after_history = self.first_seq is None and last is not None
+        in_history = self._history_end is not None and 0 < seq <= self._history_end
+        if self._history_end is not None and not in_history:
+            self._history_end = None
+        if last is not None and (seq == 0 < last or (seq <= last - RESTART_BELOW and not in_history)):
             self.c["restarts"] += 1
             self.cluster.note("source", f"{self.spec.label}: the publisher restarted (sequence {last:,} -> {seq:,})")
             self.cluster.reset_source(self.index)
-            last = self.last_seq = None
+            last = self.last_seq = self._history_end = None
+            after_history = False
+        if after_history:
+            self.first_seq = seq
+            if seq <= last:
+                self.c["history"] = max(0, self.c["history"] - (last - seq + 1))
         if last is not None and seq <= last:
             self.c["duplicates"] += 1
             return
@@ -290,6 +318,10 @@ class Subscriber(threading.Thread):
                 return
             if seq > 0:
                 self.c["history_missing"] += seq
+        elif after_history and seq > last + 1:  # published between the history's answer and this frame: history
+            if self._ask(last + 1, seq, True, batch, now):
+                return
+            self.c["history_missing"] += seq - last - 1
         elif seq > last + 1:
             self.c["gaps"] += 1
             if self._ask(last + 1, seq, False, batch, now):
@@ -347,12 +379,30 @@ class Subscriber(threading.Thread):
         req = self.replay.finish(complete, now, why)
         if req is None:
             return
+        if req.open_end:
+            # The history asked for at connect: up to what the server held, or to the first live frame where a
+            # reply reached it (the server holds nothing between); the first live frame goes on from there.
+            upto = req.end if req.reached_end else req.expected
+        else:
+            upto = req.end
         if not complete:
             rests = self.replay.state == "backoff"
-            self.cluster.note("replay", f"{self.spec.label}: replay request for seq {req.start:,}..{req.end - 1:,} "
+            what = (f"seq {req.start:,}..{upto - 1:,}" if not req.open_end else
+                    f"the history (from seq {req.start:,}, asked at connect)")
+            self.cluster.note("replay", f"{self.spec.label}: replay request for {what} "
                                         f"given up after {now - req.t0:.1f} s with {req.got:,} batches ({why})"
                               + (f"; gaps in the next {self.limits.replay_backoff_s:g} s are counted lost unasked"
                                  if rests else ""))
+        if req.open_end:
+            self.c["history"] += req.got
+            self.c["history_missing"] += max(0, upto - req.start - req.got)
+            if upto > req.start and self.last_seq is None:
+                self.last_seq = self._history_end = upto - 1
+                self._offset_due = True  # the clock offset from the first live frame
+            if req.got:
+                self.cluster.note("replay", f"{self.spec.label}: {req.got:,} batches of history from the replay "
+                                            f"buffer (up to seq {req.expected - 1:,})")
+            return
         if req.history:
             self.c["history"] += req.got
             self.c["history_missing"] += req.end - req.start - req.got
