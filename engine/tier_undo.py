@@ -96,7 +96,6 @@ class ResizeUndo:
         pool = self.pool
         for lid in lids:
             t = pool.tiers[pool.tier[lid]]
-            s = pool.slot[lid]
             pool._emit("evict", lid=lid, tier=int(t.tier), age=0.0, gap=0.0)
             pool._release(lid)
 
