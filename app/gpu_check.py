@@ -24,13 +24,15 @@ import tempfile
 import time
 
 
-def _tiny_dir(root: str, tokenizer_dir: str | None, **cfg) -> str:
+def tiny_model_dir(root: str, tokenizer_dir: str | None, seed: int = 0, **cfg) -> str:
+    """A random-weight Llama of `cfg` saved under `root` as an HF directory (weights spread x4 so that greedy argmaxes
+    are decisive), with `tokenizer_dir`'s tokenizer files (None: a word-level tokenizer made here)."""
     import shutil
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**cfg))
     with torch.no_grad():
         for p in model.parameters():
@@ -241,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         report["gpu"] = torch.cuda.get_device_name(0)
     dev = torch.device(args.device)
     root = tempfile.mkdtemp(prefix="kvscope-gpu-")
-    tiny = _tiny_dir(root, None, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+    tiny = tiny_model_dir(root, None, vocab_size=4096, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024, bos_token_id=1,
                      eos_token_id=2, tie_word_embeddings=True)
     from transformers import AutoModelForCausalLM
@@ -303,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         timeout=300).returncode == 0
     report["checks"] = checks
     # Throughput: SmolLM2-135M geometry with random weights, engine vs transformers on the same GPU.
-    big = _tiny_dir(root, tiny, vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    big = tiny_model_dir(root, tiny, vocab_size=4096, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, bos_token_id=1,
                     eos_token_id=2, tie_word_embeddings=True)
 

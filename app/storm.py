@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import tempfile
@@ -43,29 +42,12 @@ POLICIES = ("lru", "heat", "s3fifo")
 
 def tiny_model_dir(layers: int = 4, seed: int = 0) -> str:
     """A random-weight Llama (64 wide, `layers` deep) saved as an HF directory with the default model's tokenizer."""
-    import shutil
-
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+    from app.gpu_check import tiny_model_dir as save_tiny
     from engine.loader import hf_reference_dir
 
-    tok = hf_reference_dir()
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # a larger spread than the init makes greedy argmaxes decisive
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    path = tempfile.mkdtemp(prefix="kvscope-storm-")
-    model.save_pretrained(path)
-    for f in os.listdir(tok):
-        if f.startswith("tokenizer") or f == "special_tokens_map.json":
-            shutil.copy(os.path.join(tok, f), path)
-    return path
+    return save_tiny(tempfile.mkdtemp(prefix="kvscope-storm-"), hf_reference_dir(), seed, vocab_size=49152, hidden_size=64,
+                     intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
 
 
 class Reference:
