@@ -52,8 +52,8 @@ def _resize(pool: BlockPool, config: CacheConfig, sizes, now: float) -> None:
         used = np.flatnonzero(dev.lid >= 0)
         order = used[np.lexsort((dev.last[used], dev.ref[used] > 0))]  # cached first, then owned; coldest first
         victims = dev.lid[order[:over]]
-        owned = victims[dev.ref[order[:over]] > 0]
-        cached = victims[dev.ref[order[:over]] == 0]
+        is_owned = dev.ref[order[:over]] > 0
+        owned, cached = victims[is_owned], victims[~is_owned]
         _host_room(pool, host_cap, len(victims), now)
         # Owned blocks first: they must reach the host tier (the check above left room for them); cached ones take
         # what room is left, and those it cannot take are dropped.
