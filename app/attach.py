@@ -63,6 +63,9 @@ would both bind 5558 on one node)""")
     ap.add_argument("--soak-publishers", type=int, default=3)
     ap.add_argument("--soak-rate", type=float, default=20_000.0, help="events/s per publisher (20000)")
     ap.add_argument("--soak-seconds", type=float, default=60.0)
+    ap.add_argument("--soak-paint", choices=("qt", "all"), default="qt",
+                    help="qt: a frame is the refresh plus what Qt repaints (the widgets marked dirty), as in a "
+                         "user's window; all: plus a forced paint of every visible panel, each timed (worst case)")
     ap.add_argument("--bench-decode", action="store_true",
                     help="the decoder's bench: events/s decoding payloads shaped as vLLM 0.33 and SGLang 0.5 send "
                          "them (and the older layouts), alone and applied to the block maps; no sockets")
@@ -146,7 +149,7 @@ def main(argv: list[str]) -> int:
     if args.soak:
         from app.attach_soak import run_soak
 
-        res = run_soak(args.soak_publishers, args.soak_rate, args.soak_seconds,
+        res = run_soak(args.soak_publishers, args.soak_rate, args.soak_seconds, paint=args.soak_paint,
                        say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
         if args.json:
             print(json.dumps(res))

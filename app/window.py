@@ -82,6 +82,7 @@ def run_window(args: argparse.Namespace) -> int:
 def load_with_progress(args: argparse.Namespace):
     """start_runner on a worker thread while a small window shows the load's progress (the first start
     converts the model, half a minute with nothing else on screen); raises what the load raised."""
+    import shiboken6
     from PySide6 import QtCore
 
     from app.commands import progress_printer
@@ -122,7 +123,18 @@ def load_with_progress(args: argparse.Namespace):
         loop.exec()  # the signal is queued, so a load that ends first still ends this loop
     finally:
         signal.signal(signal.SIGINT, old)
+    if "error" not in out or not isinstance(out["error"], KeyboardInterrupt):
+        worker.join()  # it has emitted its last signal
+    # Deliver what the worker queued (its signals cross threads as posted events) while the bridge and the
+    # window are still alive: left in the queue, they reached deleted objects at the next processEvents (a
+    # segfault in whatever ran the event loop next).
+    QtCore.QCoreApplication.sendPostedEvents()
     win.close()
+    # Delete both Qt objects here, on the GUI thread. Left to Python, a raised error's traceback holds this
+    # frame in a reference cycle, and the cyclic GC may then run on any thread (an attach session's, say):
+    # a widget destroyed there crashed the next processEvents.
+    shiboken6.delete(win)
+    shiboken6.delete(bridge)
     if "error" in out:
         raise out["error"]
     worker.join()

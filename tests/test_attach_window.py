@@ -194,3 +194,58 @@ def test_the_window_opens_fitted_to_the_free_area_of_the_screen(qtbot, monkeypat
             assert d.width() >= d.minimumSizeHint().width() and d.height() >= d.minimumSizeHint().height(), n
     finally:
         win.close()
+
+
+def test_sources_table_columns_fit_their_text_without_resize_to_contents(qtbot):
+    """The table sizes its own columns (ResizeToContents measured every cell on each setText: a frame's worth
+    in the soak): a text longer than its column widens it, the rows changing fits them afresh."""
+    from PySide6 import QtWidgets
+
+    from engine.attach.subscriber import SourceStatus
+    from ui.attach_panels import SourcesPanel
+
+    def st(label, frames=0):
+        return SourceStatus(label=label, endpoint="tcp://h:1", replay=None, frames=frames, malformed=0, batches=0,
+                            duplicates=0, gaps=0, recovered=0, lost=0, history=0, history_missing=0, first_seq=None,
+                            last_seq=None, restarts=0, last_frame_age_s=None, lost_ranges=())
+
+    p = SourcesPanel()
+    qtbot.addWidget(p)
+    p.resize(900, 200)
+    p.show()
+    assert p.horizontalHeader().sectionResizeMode(0) == QtWidgets.QHeaderView.Interactive
+    p.update_status([st("a")], [0], [0])
+    narrow = p.columnWidth(0)
+    long = "a-very-long-endpoint-label.example.internal:5557/dp12"
+    p.update_status([st(long)], [0], [0])  # same rows, a longer text: the column grows to hold it
+    assert p.columnWidth(0) >= p.fontMetrics().horizontalAdvance(long) > narrow
+    p.update_status([st("a"), st("b")], [0, 0], [0, 0])  # the rows changed: fitted to what they hold now
+    assert p.columnWidth(0) < p.fontMetrics().horizontalAdvance(long)
+    p.update_status([st("a", 10 ** 12), st("b")], [0, 0], [0, 0])
+    assert p.columnWidth(1) >= p.fontMetrics().horizontalAdvance(f"{10 ** 12:,}")
+
+
+def test_metrics_charts_and_table_take_their_own_frames(qtbot, fake):
+    """A scrape's metrics reach the charts at the charts' slot and the table at the table's, never both in one
+    frame; refresh_all shows both at once."""
+    from ui import attach_window as aw
+
+    specs = parse_source("vllm", f"{fake.pub},dp=2,name=fake,metrics={fake.metrics}")
+    session = AttachSession(specs, []).start()
+    win = AttachWindow(session, owns_session=True, refresh_ms=10_000)  # the test drives the frames
+    qtbot.addWidget(win)
+    calls = []
+    win.metrics.update_charts = lambda *a: calls.append(("charts", win.frames % aw.SLOW_EVERY))
+    win.metrics.update_table = lambda *a: calls.append(("table", win.frames % aw.SLOW_EVERY))
+    try:
+        deadline = time.monotonic() + 20
+        while len(calls) < 4 and time.monotonic() < deadline:
+            win.refresh()
+            time.sleep(0.05)
+        assert {c for c in calls if c[0] == "charts"} == {("charts", 1)}
+        assert {c for c in calls if c[0] == "table"} == {("table", 3)}
+        calls.clear()
+        win.refresh_all()
+        assert sorted(k for k, _ in calls) == ["charts", "table"] or calls == []  # nothing new since: nothing due
+    finally:
+        win.close()

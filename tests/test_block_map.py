@@ -258,3 +258,28 @@ def test_tier_labels_clear_the_tier_above_on_a_short_map(qtbot, height):
     assert host_label.top() > device_bottom + 1, (host_label, device_bottom)
     assert host_label.bottom() < row_y(lay.tops[1])  # and it sits above its own tier
     assert on_view(bm._labels[0]).top() >= 0  # the first tier's label is inside the view
+
+
+def test_code_image_draws_rgb32_with_the_lut_colours(qtbot):
+    """The map's image is converted from pyqtgraph's Indexed8 to RGB32 once per new image (Indexed8 drawn scaled
+    cost 3.1 ms a paint, RGB32 0.37 ms): the pixels must still be the LUT's colours, cell by cell."""
+    from PySide6.QtGui import QColor, QImage
+
+    from ui.code_image import CodeImage
+
+    lut = np.zeros((256, 3), np.uint8)
+    lut[:, 0] = np.arange(256)
+    lut[:, 1] = 255 - np.arange(256)
+    lut[:, 2] = (np.arange(256) * 7) % 256
+    codes = np.arange(24, dtype=np.uint8).reshape(4, 6) * 10
+    img = CodeImage(axisOrder="row-major")
+    img.setImage(codes, autoLevels=False, levels=(0, 256))
+    img.setLookupTable(lut)
+    img.render()
+    q = img.qimage
+    assert q.format() == QImage.Format.Format_RGB32
+    assert (q.width(), q.height()) == (6, 4)
+    for r in range(4):
+        for c in range(6):
+            want = lut[codes[r, c]]
+            assert QColor(q.pixel(c, r)).getRgb()[:3] == tuple(int(v) for v in want)

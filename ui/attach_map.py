@@ -23,6 +23,7 @@ from engine.attach.cluster import MODES, ClusterSnapshot
 from engine.attach.events import plain
 from ui import palette as pal
 from ui.attach_codes import LOG_MODES, AttachCodes, mode_lut
+from ui.code_image import CodeImage
 from ui.block_grid import GridLayout, grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
 from ui.block_map import frame_tiers
@@ -115,14 +116,6 @@ MODE_TIPS = {
 }
 
 
-class _CodeImage(pg.ImageItem):
-    paints = 0
-
-    def paint(self, painter, *args):
-        self.paints += 1
-        super().paint(painter, *args)
-
-
 class AttachMap(QWidget):
     def __init__(self, parent: QWidget | None = None, mode: str = "age"):
         super().__init__(parent)
@@ -142,7 +135,7 @@ class AttachMap(QWidget):
         self.vb = pg.ViewBox(lockAspect=1.0, invertY=True, enableMenu=False, defaultPadding=0.01)
         self.vb.disableAutoRange()
         self.view.setCentralItem(self.vb)
-        self.image = _CodeImage(axisOrder="row-major")
+        self.image = CodeImage(axisOrder="row-major")
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
         self.vb.addItem(self.image)
         self._frame_pen = QPen(pal.qcolor(pal.FRAME))
@@ -288,7 +281,7 @@ class AttachMap(QWidget):
                 continue
             shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""), of, room)
             self._labels_shown[i] = (text, room, shown)
-            self._labels[i].setText(shown, color=pal.qcolor(pal.TEXT))
+            self._labels[i].setText(shown)  # its colour is set once, in frame_tiers
 
     def _update_legend(self) -> None:
         mode = self._mode

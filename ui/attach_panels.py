@@ -87,6 +87,11 @@ class MetricsPanel(QtWidgets.QWidget):
 
     def update_metrics(self, now: float, histories: list[list[Rates]], latest: list[MetricsSample | None],
                        errors: list[str | None], event_times: dict[str, np.ndarray], interval_s: float) -> None:
+        self.update_charts(now, histories, interval_s)
+        self.update_table(latest, errors, event_times)
+
+    def update_charts(self, now: float, histories: list[list[Rates]], interval_s: float) -> None:
+        """The three strip charts (the window gives them a frame of their own: the table takes another)."""
         first = min((h[0].t for h in histories if h), default=now)
         n = int(min(self.hit.max_span, max(now - first, interval_s)) / interval_s) + 1
         grid = now - np.arange(n)[::-1] * interval_s
@@ -104,6 +109,10 @@ class MetricsPanel(QtWidgets.QWidget):
             if self.labels:
                 chart.set_note(f"{NO_DATA}: {', '.join(notes[key])}" if notes[key] else "")
                 chart.set_data(x, ys)
+
+    def update_table(self, latest: list[MetricsSample | None], errors: list[str | None],
+                     event_times: dict[str, np.ndarray]) -> None:
+        """The residency histograms' p50 / p90 and the scrape's own notes."""
         for c, key in enumerate(HIST_ROWS):
             self._cell(0, c, _summary_events(event_times.get(key)))
             for i, s in enumerate(latest):
@@ -181,12 +190,20 @@ class SourcesPanel(QtWidgets.QTableWidget):
             self.horizontalHeaderItem(i).setToolTip(tip)
         self.setEditTriggers(QtWidgets.QAbstractItemView.NoEditTriggers)
         self.verticalHeader().setVisible(False)
-        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.ResizeToContents)
+        # Columns sized by the code below, not ResizeToContents: that mode measured every cell again on each
+        # setText (a frame of the soak's 4 updates a second). A column widens when a text needs more room and
+        # narrows only when the rows change.
+        self.horizontalHeader().setSectionResizeMode(QtWidgets.QHeaderView.Interactive)
         self.horizontalHeader().setStretchLastSection(True)
+        self._fit_rows = -1
 
     def update_status(self, statuses: list[SourceStatus], events: list[int], bad_events: list[int]) -> None:
         if self.rowCount() != len(statuses):
             self.setRowCount(len(statuses))
+        fm = self.fontMetrics()
+        pad = 2 * self.style().pixelMetric(QtWidgets.QStyle.PM_FocusFrameHMargin, None, self) + 8
+        refit = self._fit_rows != len(statuses)
+        need = [self.horizontalHeader().sectionSizeHint(c) for c in range(self.columnCount())] if refit else None
         for r, s in enumerate(statuses):
             age = "never" if s.last_frame_age_s is None else f"{s.last_frame_age_s:.1f} s ago"
             row = (s.label, f"{s.frames:,}", f"{s.batches:,}", f"{events[r]:,}", f"{s.malformed + bad_events[r]:,}",
@@ -197,10 +214,19 @@ class SourcesPanel(QtWidgets.QTableWidget):
                 if it is None:
                     it = QtWidgets.QTableWidgetItem()
                     self.setItem(r, c, it)
-                if it.text() != text:
+                changed = it.text() != text
+                if changed:
                     it.setText(text)
+                if need is not None:
+                    need[c] = max(need[c], fm.horizontalAdvance(text) + pad)
+                elif changed and fm.horizontalAdvance(text) + pad > self.columnWidth(c):
+                    self.setColumnWidth(c, fm.horizontalAdvance(text) + pad)
             self.item(r, 0).setToolTip(f"{s.endpoint}\nreplay: {s.replay or 'none'}\nlost seqs: "
                                        + (", ".join(f"{a}..{b}" for a, b in s.lost_ranges) or "none"))
+        if need is not None:
+            for c, w in enumerate(need):
+                self.setColumnWidth(c, w)
+            self._fit_rows = len(statuses)
 
 
 class AttachEventsPanel(EventsPanel):

@@ -26,6 +26,9 @@ from ui.attach_panels import AttachEventsPanel, MetricsPanel, SourcesPanel, behi
 REFRESH_MS = 100
 WANT_SIZE = QtCore.QSize(1400, 900)  # on a screen with room for it; a smaller one gets all of its free area
 SLOW_EVERY = 5
+# Each panel other than the map has its own frame of every SLOW_EVERY, so no frame pays for two: 0 the slow
+# frame (the session's costlier per-group numbers), 1 the metrics charts, 2 the sources table, 3 the metrics
+# table, 4 the status line. A scrape's metrics (once a second) wait for their slot: at most 0.4 s.
 
 
 def _short_hash(h) -> str:
@@ -49,6 +52,7 @@ class AttachWindow(QtWidgets.QMainWindow):
         self.setWindowTitle("KV Scope — attached: " + ", ".join(s.label for s in session.specs) if session.specs
                             else "KV Scope — attached (metrics only)")
         self.frames = 0
+        self._metrics_charts = self._metrics_table = None  # the latest frame with metrics not shown yet
         self.frame_ms: deque[float] = deque(maxlen=100_000)  # wall time of each refresh (bench, status bar)
         self._last_traffic = time.monotonic()
         self._activity: tuple = ()
@@ -86,6 +90,9 @@ class AttachWindow(QtWidgets.QMainWindow):
             self.addDockWidget(area, d)
             self.docks[name] = d
         self.status = QtWidgets.QLabel()
+        # Its text changes every half second: with a size hint that followed the text, each change re-laid out
+        # the main window and repainted much of it (5 ms a frame in the soak); the bar's height stays as it is.
+        self.status.setSizePolicy(QtWidgets.QSizePolicy.Ignored, QtWidgets.QSizePolicy.Fixed)
         self.statusBar().addWidget(self.status, 1)
         file = self.menuBar().addMenu("&File")
         file.addAction("Save &screenshot…", self._save_dialog)
@@ -138,10 +145,18 @@ class AttachWindow(QtWidgets.QMainWindow):
         if now - self._last_traffic >= 1.0 or every_panel:
             self.events.add_lines(traffic_lines(self.session.labels, self._activity, snap.activity))
             self._activity, self._last_traffic = snap.activity, now
-        if fr.metrics is not None:
-            interval = fr.metrics[0].interval_s if fr.metrics else 1.0
-            self.metrics.update_metrics(time.time(), [m.history for m in fr.metrics], [m.latest for m in fr.metrics],
-                                        [m.error for m in fr.metrics], fr.event_times or {}, interval)
+        if fr.metrics is not None:  # a scrape's worth (once a second): shown at the next charts / table slot
+            self._metrics_charts = self._metrics_table = fr
+        m = self._metrics_charts
+        if m is not None and (every_panel or slot == 1):
+            self.metrics.update_charts(time.time(), [x.history for x in m.metrics],
+                                       m.metrics[0].interval_s if m.metrics else 1.0)
+            self._metrics_charts = None
+        m = self._metrics_table
+        if m is not None and (every_panel or slot == 3):
+            self.metrics.update_table([x.latest for x in m.metrics], [x.error for x in m.metrics],
+                                      m.event_times or {})
+            self._metrics_table = None
         if every_panel or slot == 2:
             self.sources.update_status(list(fr.statuses), [a.events for a in snap.activity],
                                        [a.bad_events for a in snap.activity])

@@ -43,6 +43,15 @@ def _log_ticks(lo: float, hi: float, fmt) -> list[tuple[float, str]]:
     return out
 
 
+def _same(a, b) -> bool:
+    """Legend items equal, numpy colour arrays compared by value."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return type(a) is type(b) and a == b
+
+
 class _Legend(QWidget):
     """One line explaining the current mode: swatches with names, or a colour bar with ticks."""
 
@@ -58,6 +67,8 @@ class _Legend(QWidget):
 
     def set_items(self, items: list[tuple]) -> None:
         """items: ("swatch", rgb, label) | ("ramp", colors (n,3) uint8, ticks [(frac, label)], title)."""
+        if _same(items, self._items):
+            return  # the maps set their legend every frame; a repaint only when it changed
         self._items = items
         self.update()
 

@@ -24,21 +24,12 @@ from PySide6.QtWidgets import QComboBox, QGraphicsPathItem, QHBoxLayout, QToolTi
 from engine.snapshot import SeqTable, Snapshot
 from ui import palette as pal
 from ui.block_codes import BlockCodes
+from ui.code_image import CodeImage
 from ui.block_grid import GridLayout, grid_layout
 from ui.block_legend import _fmt_seconds, _fmt_value, _Legend, _log_ticks
 from ui.kv_cost import ERROR_MEANING, error_legend, error_lines
 
 MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
-
-
-class _CodeImage(pg.ImageItem):
-    """The ImageItem, counting its paints (the bench and the tests check a frame was really drawn)."""
-
-    paints = 0
-
-    def paint(self, painter, *args):
-        self.paints += 1
-        super().paint(painter, *args)
 
 
 class BlockMap(QWidget):
@@ -64,7 +55,7 @@ class BlockMap(QWidget):
         self.vb = pg.ViewBox(lockAspect=1.0, invertY=True, enableMenu=False, defaultPadding=0.01)
         self.vb.disableAutoRange()
         self.view.setCentralItem(self.vb)
-        self.image = _CodeImage(axisOrder="row-major")
+        self.image = CodeImage(axisOrder="row-major")
         self.image.setImage(self._cells.codes, autoLevels=False, levels=(0, 256))
         self.vb.addItem(self.image)
         frame_pen = QPen(pal.qcolor(pal.FRAME))
@@ -284,7 +275,7 @@ class BlockMap(QWidget):
                 text += f"   ({used * mib:,.1f} / {t.capacity * mib:,.1f} MiB)"
             if text != self._label_texts[i]:
                 self._label_texts[i] = text
-                self._labels[i].setText(text, color=pal.qcolor(pal.TEXT))
+                self._labels[i].setText(text)  # its colour is set once, in frame_tiers
 
     def label_texts(self) -> list[str]:
         return list(getattr(self, "_label_texts", []))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import colorsys
 
+import functools
+
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtGui import QColor
@@ -82,11 +84,15 @@ COLORMAPS = {"heat": ("inferno", 0.12, 1.0), "age": ("viridis", 1.0, 0.0), "fill
              "kv error": ("cividis", 0.0, 1.0)}
 
 
+@functools.lru_cache(maxsize=64)
 def ramp(mode: str, n: int = VALUE_MAX + 1) -> np.ndarray:
     """(n, 3) uint8 colours of a continuous mode, low value first. Ends are trimmed so the low end is never
-    as dark as a free slot."""
+    as dark as a free slot. Computed once per (mode, n) (the legends ask every frame) and read-only: copy to
+    change it."""
     name, start, stop = COLORMAPS[mode]
-    return pg.colormap.get(name).getLookupTable(start, stop, nPts=n, mode="byte")[:, :3].astype(np.uint8)
+    out = pg.colormap.get(name).getLookupTable(start, stop, nPts=n, mode="byte")[:, :3].astype(np.uint8)
+    out.flags.writeable = False
+    return out
 
 
 def _base_lut() -> np.ndarray:
