@@ -15,7 +15,6 @@ import html
 import time
 from collections import deque
 
-import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.attach.session import LIMITS, Frame
@@ -240,10 +239,3 @@ class AttachWindow(QtWidgets.QMainWindow):
         if self.owns_session:
             self.session.stop()
         super().closeEvent(ev)
-
-    def frame_stats(self) -> dict:
-        a = np.asarray(self.frame_ms, dtype=np.float64)
-        if not len(a):
-            return {"frames": 0}
-        return {"frames": len(a), "p50_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99)),
-                "max_ms": float(a.max())}
