@@ -23,17 +23,43 @@ def pytest_sessionfinish(session, exitstatus) -> None:
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
 
 
-@pytest.fixture(scope="session")
-def tokenizer_files() -> str:
-    """The default model's converted directory (its tokenizer is reused by the tiny models)."""
-    from engine.loader import hf_reference_dir
+TINY_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_tokenizer")
+TINY_VOCAB = 49152
 
-    return hf_reference_dir()
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory) -> str:
+    """The tiny models' tokenizer: tests/data/tiny_tokenizer (a byte-level BPE of 2,048 ids with SmolLM2's special
+    tokens at its ids: 0, bos 1, eos 2; and its chat template; built by tests/data/make_tiny_tokenizer.py), its
+    vocab padded here to the tiny models' 49,152 ids so that every id a random-weight model generates decodes to
+    text, as it did with SmolLM2's tokenizer (an id past the vocab decodes to nothing). The padding ids are never
+    produced by encode (no merge makes them): encodings are the committed tokenizer's. No conversion of the
+    default model: tests that need its tokenizer or weights ask the loader's hf_reference_dir() themselves."""
+    import json
+
+    with open(os.path.join(TINY_TOKENIZER, "tokenizer.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    vocab = data["model"]["vocab"]
+    # Two-piece strings of the trained pieces that are plain printable ASCII (Ġ is a space, Ċ a newline).
+    pieces = [p for p in sorted(vocab, key=vocab.get)
+              if not p.startswith("<|") and all((c.isascii() and c.isprintable()) or c in "ĠĊ" for c in p)]
+    k = 0
+    while len(vocab) < TINY_VOCAB:
+        s = pieces[k % len(pieces)] + pieces[(k // len(pieces) * 7 + k) % len(pieces)]
+        k += 1
+        vocab.setdefault(s, len(vocab))
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    with open(out / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(data, f, ensure_ascii=False)
+    for name in os.listdir(TINY_TOKENIZER):
+        if name != "tokenizer.json":
+            shutil.copy(os.path.join(TINY_TOKENIZER, name), out)
+    return str(out)
 
 
 def _save_tiny(path, cfg_cls, model_cls, tokenizer_dir: str, seed: int, **overrides) -> str:
     torch.manual_seed(seed)
-    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
                 eos_token_id=2)
     base.update(overrides)

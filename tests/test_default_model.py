@@ -25,8 +25,10 @@ def default_model():
 
 
 @pytest.fixture(scope="module")
-def default_ref(tokenizer_files) -> Reference:
-    return Reference(tokenizer_files)
+def default_ref() -> Reference:
+    from engine.loader import hf_reference_dir
+
+    return Reference(hf_reference_dir())
 
 
 def kvscope(*args: str) -> list[dict]:

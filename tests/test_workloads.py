@@ -20,7 +20,7 @@ from engine.workloads import (KINDS, Request, forks, load_trace, long_documents,
 
 @pytest.fixture(scope="module")
 def chat_model(llama_model, tokenizer_files):
-    """The tiny model with the default model's full tokenizer directory, chat template included (the tiny
+    """The tiny model with the full tiny tokenizer directory, SmolLM2's chat template included (the tiny
     model's own copy has no template, which exercises the plain-text fallback instead)."""
     return dataclasses.replace(llama_model, tokenizer=Tokenizer(tokenizer_files, llama_model.spec.eos_token_ids))
 
