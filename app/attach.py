@@ -1,6 +1,6 @@
 """`kvscope attach`: the inspector on running vLLM / SGLang servers, read-only (KV events over ZMQ, /metrics
 over HTTP). Needs no torch: this module and everything it imports are Qt + numpy + pyzmq + msgpack +
-prometheus_client. `--soak` is the bench (app/attach_soak.py), `--bench-decode` the decoder's
+prometheus_client. `--soak` is the bench (app/bench/attach_soak.py), `--bench-decode` the decoder's
 (engine/attach/decode_bench.py); `--demo` attaches to fake publishers started here, for trying the window
 without a server."""
 
@@ -109,7 +109,7 @@ def check_numbers(args) -> None:
 
 
 def _start_demo() -> tuple[list, list, list[str]]:
-    from engine.attach.fake_spawn import FakeProcess
+    from engine.attach.fake.spawn import FakeProcess
 
     # The vLLM one also withholds a few batches from its live stream (recovered from its replay socket) and
     # sends a junk frame now and then, so the Sources panel has something to show.
@@ -147,7 +147,7 @@ def main(argv: list[str]) -> int:
             print(json.dumps(res))
         return 0
     if args.soak:
-        from app.attach_soak import run_soak
+        from app.bench.attach_soak import run_soak
 
         res = run_soak(args.soak_publishers, args.soak_rate, args.soak_seconds, paint=args.soak_paint,
                        say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
@@ -257,14 +257,14 @@ def _window(args, session, tokens) -> int:
             return 2
     from PySide6 import QtCore, QtWidgets
 
-    from ui.attach_window import AttachWindow
+    from ui.attach.window import AttachWindow
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
     _style(app)
     win = AttachWindow(session, tokens, mode=args.mode)
     if args.demo:
         win.setWindowTitle(win.windowTitle() + "  [demo: fake publishers on 127.0.0.1]")
-        note = QtWidgets.QLabel("demo: fake vLLM / SGLang publishers on 127.0.0.1 (engine/attach/fake_publisher.py)")
+        note = QtWidgets.QLabel("demo: fake vLLM / SGLang publishers on 127.0.0.1 (engine/attach/fake/publisher.py)")
         note.setStyleSheet("color: #e6c07b; padding-right: 6px")
         win.statusBar().addPermanentWidget(note)
     if not args.headless:

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-# Shared with app.commands and app.sweep, which import app.options rather than this module (no import cycle).
+# Shared with app.commands and app.bench.sweep, which import app.options rather than this module (no import cycle).
 # The underscored names stay for callers that used them from here.
 from app.options import T_START, cache_config  # noqa: F401
 from app.options import add_cache_flags as _add_cache_flags
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     _add_model_flags(b)
     _add_cache_flags(b)
-    from app.sweep import add_sweep_flags
+    from app.bench.sweep import add_sweep_flags
 
     add_sweep_flags(b)
     sub.add_parser("policy-lab", add_help=False,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         return attach_main(argv[1:])
     from engine.config import ConfigError
     from engine.errors import RequestError
-    from engine.loader import ModelLoadError
+    from engine.model.loader import ModelLoadError
 
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0].startswith("-")):
         args = window_parser().parse_args(argv)
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
     if argv[0] == "policy-lab":
-        from engine.policy_lab import main as lab_main
+        from engine.lab.policy_lab import main as lab_main
 
         try:
             return lab_main(argv[1:])
@@ -128,18 +128,18 @@ def main(argv: list[str] | None = None) -> int:
 
             return cmd_info(args)
         if args.cmd == "bench" and (args.workload or args.trace):
-            from app.sweep import run_sweep
+            from app.bench.sweep import run_sweep
 
             return run_sweep(args)
         if args.cmd == "bench" and args.ui:
-            from app.ui_bench import run_ui_bench
+            from app.bench.ui_frames import run_ui_bench
 
             res = run_ui_bench(say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
             if args.json:
                 print(json.dumps(res))
             return 0
         if args.cmd == "bench" and args.snapshot_blocks:
-            from app.bench import snapshot_bench
+            from app.bench.throughput import snapshot_bench
 
             res = snapshot_bench(args.snapshot_blocks)
             print(json.dumps(res) if args.json else
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"max {res['snapshot_ms_max']:.2f} ms")
             return 0
         if args.cmd == "bench":
-            from app.bench import cmd_bench
+            from app.bench.throughput import cmd_bench
 
             return cmd_bench(args)
     except (ModelLoadError, ConfigError, RequestError, OSError) as e:

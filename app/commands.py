@@ -22,8 +22,8 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
     """The engine for the parsed flags, and the seconds its model took to load; progress(stage, fraction)
     hears the load's stages (the first start's conversion)."""
     from engine.config import EngineOptions
-    from engine.engine import Engine
-    from engine.loader import load_model, resolve_weights_dtype
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model, resolve_weights_dtype
 
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
@@ -92,7 +92,7 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from engine.engine import RequestError
+    from engine.runtime.engine import RequestError
 
     # Everything that can be checked without the model is checked before its (slow) load.
     _sampling(args, args.max_new_tokens)
@@ -139,7 +139,7 @@ def check_writable(path: str, suffix: str, flag: str) -> str:
 
 
 def _run_one(engine, args, load_s: float) -> int:
-    from engine.tokenizer import StreamDecoder
+    from engine.model.tokenizer import StreamDecoder
 
     ids = _encode(engine, args.prompt, args.chat)
     sid = engine.add_request(ids, _sampling(args, args.max_new_tokens))
@@ -179,10 +179,10 @@ REQUEST_KEYS = {"prompt", "max_new_tokens", "chat"}
 def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]:
     """(line number, request) for each request line, checked for shape; read lazily (memory stays bounded).
     The file must be a regular file of at most MAX_JSONL_BYTES (engine/user_file.py)."""
-    from engine.engine import RequestError
+    from engine.runtime.engine import RequestError
     from engine.sequence import check_token_ids
     from engine.user_file import json_lines
-    from engine.workloads import MAX_NEW_TOKENS
+    from engine.workloads.requests import MAX_NEW_TOKENS
 
     lines = json_lines(path, "a prompt file")
     while True:
@@ -232,7 +232,7 @@ def _clip(v: object, n: int = 60) -> str:
 
 def _file_requests(engine, args, load_check: bool = False) -> Iterator[tuple[int, list[int], object]]:
     """(line, token ids, sampling) per request; RequestError names the line of one the engine cannot serve."""
-    from engine.engine import RequestError
+    from engine.runtime.engine import RequestError
 
     for n, r in _read_prompt_file(args.prompt_file, args.max_new_tokens):
         ids = r["prompt"] if isinstance(r["prompt"], list) else _encode(engine, r["prompt"], r["chat"] or args.chat)
@@ -293,10 +293,10 @@ def _result(engine, seq, load_s: float) -> dict:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from engine.block_pool import BlockPool
+    from engine.kv.block_pool import BlockPool
     from engine.config import CacheConfig, KVDtype
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model
 
     config = cache_config(args)
     model = load_model(args.model, progress=progress_printer)

@@ -69,7 +69,7 @@ def _graph_checks(model, prompts, refs, sp, device: str, checks: dict, report: d
     """CUDA graphs for decode (issue 9 item 3): captured per bucket, replayed, re-captured after a geometry change,
     tokens equal transformers; kernel launches per decode step with and without graphs (torch.profiler)."""
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     opts = dict(device=device, weights_dtype="fp32", attention="auto")
     eng = Engine(model, CacheConfig(block_size=16), EngineOptions(cuda_graphs="on", **opts))
@@ -100,7 +100,7 @@ def _launches(model, prompts, device: str, mode: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     from engine.sequence import SamplingParams
 
     eng = Engine(model, CacheConfig(block_size=16), EngineOptions(device=device, weights_dtype="fp32", cuda_graphs=mode))
@@ -127,8 +127,8 @@ def _bf16_check(tiny: str, spec, prompts, device: str, checks: dict, report: dic
     from transformers import AutoModelForCausalLM
 
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model
     from engine.sequence import SamplingParams
 
     dev = torch.device(device)
@@ -154,7 +154,7 @@ def _tier_checks(model, prompts, refs, sp, device: str, checks: dict, report: di
     import torch
 
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     opts = EngineOptions(device=device, weights_dtype="fp32", max_batched_tokens=128)
     report["tiers"] = {}
@@ -193,8 +193,8 @@ def _stream_overlap(path: str, device: str, checks: dict, report: dict) -> None:
     import torch
 
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model
     from engine.sequence import SamplingParams
 
     model = load_model(path)
@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model
     from engine.sequence import SamplingParams
 
     report: dict = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}

@@ -1,6 +1,6 @@
 """What the CLI's subcommands share: the start time, the model and cache flags, and the CacheConfig they give.
 
-Its own module so that app.cli (which dispatches to app.commands and app.sweep) and those modules import it
+Its own module so that app.cli (which dispatches to app.commands and app.bench.sweep) and those modules import it
 rather than each other: under `python -m app.cli` a `from app.cli import ...` ran the module a second time,
 with a T_START taken only when the subcommand was imported.
 """

@@ -76,7 +76,7 @@ class RequestCheck:
     engine would take it: the checks a trace's reader runs on every line, against the engine that will run it."""
 
     def __init__(self, engine, cap: int | None = None):
-        from engine.chat_format import ChatFormat
+        from engine.model.chat_format import ChatFormat
 
         self.engine, self.cap = engine, cap
         self.fmt = ChatFormat(engine.tokenizer)
@@ -361,7 +361,7 @@ def _rate(hits: int, total: int) -> float:
 def replay(loaded, config, options, requests: list, label: str = "base", time_scale: float = 1.0,
            cap: int | None = None, on_progress=lambda done, elapsed: None, change: LiveChange | None = None) -> RunResult:
     """Replay `requests` on a fresh engine with `config`; raises ConfigError if the engine refuses the config."""
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     gc.collect()  # an engine and its telemetry refer to each other: free the last run's pools and weights now
     clock = ReplayClock()

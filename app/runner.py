@@ -81,7 +81,7 @@ class EngineRunner:
 
     def _stream(self, outs) -> None:
         """Detokenize the tokens of prompts typed in the window (label "prompt") for the transcript."""
-        from engine.tokenizer import StreamDecoder
+        from engine.model.tokenizer import StreamDecoder
 
         for o in outs:
             dec = self._decoders.get(o.seq_id)
@@ -165,7 +165,7 @@ class EngineRunner:
         return w.name
 
     def use_demo_workload(self, seed: int = 0) -> None:
-        from engine.demo_workload import DemoWorkload
+        from engine.workloads.demo import DemoWorkload
 
         self._replace_workload(DemoWorkload(self.engine, seed=seed))
 

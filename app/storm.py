@@ -12,7 +12,7 @@ What it counts, and what must be 0 for exit 0:
   transformers' greedy `generate` on the same model and prompt;
 - lost: a request admitted that did not finish with its tokens (aborted, or still unfinished when the storm ends
   and its queue is drained);
-- invariant failures: the pool's own checks (engine/pool_check.py) run every few steps under the engine's locks;
+- invariant failures: the pool's own checks (engine/kv/invariants.py) run every few steps under the engine's locks;
 - RSS growth: the process's resident memory after warm-up (the first fifth of the run) may not exceed its
   warm-up level by more than 10 %.
 Refusals (a change that cannot apply now: budgets below what live sequences hold, a value out of range) are
@@ -43,7 +43,7 @@ POLICIES = ("lru", "heat", "s3fifo")
 def tiny_model_dir(layers: int = 4, seed: int = 0) -> str:
     """A random-weight Llama (64 wide, `layers` deep) saved as an HF directory with the default model's tokenizer."""
     from app.gpu_check import tiny_model_dir as save_tiny
-    from engine.loader import hf_reference_dir
+    from engine.model.loader import hf_reference_dir
 
     return save_tiny(tempfile.mkdtemp(prefix="kvscope-storm-"), hf_reference_dir(), seed, vocab_size=49152, hidden_size=64,
                      intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -123,7 +123,7 @@ class Storm:
         self.tainted: set[int] = set()  # sequences that lived through a lossy config
         self.live: dict[int, tuple[list[int], int]] = {}  # sid -> (prompt, max_new)
         s = engine.spec
-        from engine.block_pool import BlockPool
+        from engine.kv.block_pool import BlockPool
 
         self.block_mb = BlockPool.bytes_per_block(engine.config, s.num_layers, s.num_kv_heads, s.head_dim) / 2**20
         self.layers = s.num_layers
@@ -273,8 +273,8 @@ class Storm:
 
 def run(args) -> dict:
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
-    from engine.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model
 
     path = args.model or tiny_model_dir(seed=args.seed)
     model = load_model(path)

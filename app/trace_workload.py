@@ -16,9 +16,9 @@ import sys
 from typing import Iterator
 
 from app.replay import Replay, RequestCheck, RunResult
-from engine.demo_workload import check_intensity
+from engine.workloads.demo import check_intensity
 from engine.errors import RequestError
-from engine.workloads import Request, read_trace
+from engine.workloads.requests import Request, read_trace
 
 MAX_STEP_S = 1.0
 WINDOW = 64  # requests in the engine or waiting for their turn at once (generate --prompt-file's window)
@@ -47,7 +47,7 @@ def check_trace_file(path: str) -> None:
 
 
 class TraceWorkload:
-    """Same interface as engine.demo_workload.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
+    """Same interface as engine.workloads.demo.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
     around each step; `paused`, `set_intensity` and `stats()` from any thread; `close()` when replaced.
 
     Intensity scales the trace's clock (2.0 replays it twice as fast). A round ends when every request has

@@ -48,8 +48,7 @@ def run_window(args: argparse.Namespace) -> int:
             return 2
     from PySide6 import QtCore, QtWidgets
 
-    from engine import snapshot_io
-
+    from engine.telemetry import snapshot_io
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
     app.setApplicationName("KV Scope")
     app.setOrganizationName("kvscope")
@@ -146,7 +145,7 @@ def start_runner(args: argparse.Namespace, progress=None):
 
     from app.commands import open_engine
     from app.runner import EngineRunner
-    from engine.demo_workload import DemoWorkload
+    from engine.workloads.demo import DemoWorkload
 
     # Leave a core to the window: the model's matmuls get the rest.
     torch.set_num_threads(max(1, (os.cpu_count() or 2) - 1))

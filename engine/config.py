@@ -99,7 +99,7 @@ class CacheConfig:
     evict_batch: int = 8
     host_reads: str = "promote"
     device_layers: int = 0  # the device tier keeps layers [0, N) of its blocks in device memory, the rest on the host; 0: all
-    shadow_every_s: float = 2.0  # engine seconds between shadow reference steps (engine/shadow.py); 0: off
+    shadow_every_s: float = 2.0  # engine seconds between shadow reference steps (engine/fidelity/shadow.py); 0: off
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_dtype", KVDtype.parse(self.kv_dtype))
@@ -208,12 +208,12 @@ class EngineOptions:
     n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
     keep_finished: int = 1024  # finished sequences kept for inspection before they are forgotten
     stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
-    weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.loader.resolve_weights_dtype)
+    weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.model.loader.resolve_weights_dtype)
     # Attention backend (engine/attention/): reference (dense gather + SDPA), cpu (chunked, reads blocks in place),
     # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu (on the CPU with
-    # bf16/fp16 weights: reference, transformers' half-precision arithmetic; engine.model.resolve_attention).
+    # bf16/fp16 weights: reference, transformers' half-precision arithmetic; engine.model.llama_family.resolve_attention).
     attention: str = "auto"
-    # Decode steps replayed from CUDA graphs (engine/decode_graphs.py): auto (on with CUDA and a paged backend),
+    # Decode steps replayed from CUDA graphs (engine/runtime/cuda_graphs.py): auto (on with CUDA and a paged backend),
     # on, off; "static" runs the graphs' static-shaped step eagerly (how the CPU tests check it).
     cuda_graphs: str = "auto"
     extra: dict = field(default_factory=dict)

@@ -100,7 +100,7 @@ def tiny_mistral(tmp_path_factory, tokenizer_files) -> str:
 
 @pytest.fixture(scope="session")
 def llama_model(tiny_llama):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(tiny_llama)
 
@@ -157,7 +157,7 @@ def deep_llama(tmp_path_factory, tokenizer_files) -> str:
 
 @pytest.fixture(scope="session")
 def deep_model(deep_llama):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(deep_llama)
 
@@ -170,7 +170,7 @@ def deep_ref(deep_llama) -> Reference:
 @pytest.fixture
 def bm(qtbot):
     """A block map widget at 800 x 420, shown (tests/test_block_map.py, tests/test_kv_cost_window.py)."""
-    from ui.block_map import BlockMap
+    from ui.block_map.widget import BlockMap
 
     w = BlockMap()
     qtbot.addWidget(w)

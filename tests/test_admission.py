@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool, Tier, blocks_for
+from engine.kv.block_pool import RESERVED, BlockPool, Tier, blocks_for
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine, RequestError
+from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams, SeqState
 
 

@@ -9,7 +9,7 @@ import time
 import zmq
 
 from engine.attach.events import MAX_FRAME_BYTES, BlockStored
-from engine.attach.fake_publisher import encode
+from engine.attach.fake.publisher import encode
 from engine.attach.session import AttachSession
 from engine.attach.source import parse_source
 

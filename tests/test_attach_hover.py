@@ -14,9 +14,9 @@ pytest.importorskip("pytestqt")
 from engine.attach import codes  # noqa: E402
 from engine.attach.cluster import ClusterState  # noqa: E402
 from engine.attach.events import BlockStored, decode_batch  # noqa: E402
-from engine.attach.fake_publisher import encode  # noqa: E402
+from engine.attach.fake.publisher import encode  # noqa: E402
 from tests.test_attach_real_bytes import SERVERS, _ranks  # noqa: E402
-from ui.attach_map import meta_lines  # noqa: E402
+from ui.attach.block_map import meta_lines  # noqa: E402
 
 
 def _real_cluster() -> ClusterState:
@@ -62,10 +62,10 @@ def test_a_placeholder_and_remote_locality_are_said_and_what_the_server_sent_is_
 
 
 def test_the_window_titles_a_real_shaped_vllm_map_with_its_group_kind(qtbot):
-    from engine.attach.fake_spawn import FakeProcess
+    from engine.attach.fake.spawn import FakeProcess
     from engine.attach.session import AttachSession
     from engine.attach.source import parse_source
-    from ui.attach_window import AttachWindow
+    from ui.attach.window import AttachWindow
 
     fake = FakeProcess("--flavor", "vllm", "--rate", "1000", "--batch", "20", "--duration", "3", "--capacity",
                        "300", "--linger", "3")

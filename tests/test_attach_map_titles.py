@@ -14,8 +14,8 @@ from PySide6.QtGui import QFontMetrics  # noqa: E402
 
 from engine.attach.cluster import ClusterState  # noqa: E402
 from engine.attach.events import BlockStored, decode_batch  # noqa: E402
-from engine.attach.fake_publisher import encode  # noqa: E402
-from ui.attach_map import AttachMap, title_fitted  # noqa: E402
+from engine.attach.fake.publisher import encode  # noqa: E402
+from ui.attach.block_map import AttachMap, title_fitted  # noqa: E402
 
 
 def _cluster(ranks: int = 2) -> ClusterState:

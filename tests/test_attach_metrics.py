@@ -129,7 +129,7 @@ def test_scrape_over_http_and_failures_are_reported_not_raised(metrics_server):
 
 
 def test_the_fake_publishers_exposition_parses_with_every_metric():
-    from engine.attach.fake_spawn import FakeProcess
+    from engine.attach.fake.spawn import FakeProcess
     from engine.attach.metrics import fetch
 
     fake = FakeProcess("--rate", "2000", "--duration", "1.5", "--metrics-port", "0", "--kv-cache-metrics",

@@ -98,7 +98,7 @@ def test_an_endpoint_given_twice_is_refused_whoever_takes_it():
 
 def test_file_attach_refuses_an_endpoint_twice_as_the_command_line_does():
     pytest.importorskip("PySide6")
-    from ui.attach_dialog import parse_lines
+    from ui.attach.dialog import parse_lines
 
     with pytest.raises(SourceError, match="tcp://h:5558 is given twice"):
         parse_lines("vllm tcp://h:5557,dp=2,replay=5600\nsglang tcp://h:5558")

@@ -19,7 +19,7 @@ from engine.attach.block_state import token_list
 from engine.attach.cluster import ClusterState
 from engine.attach.events import (AllBlocksCleared, BlockRemoved, BlockStored, decode_batch, event_meta,
                                   is_placeholder, medium_of, plain)
-from engine.attach.fake_publisher import encode, replay_frames
+from engine.attach.fake.publisher import encode, replay_frames
 
 DATA = os.path.join(os.path.dirname(__file__), "data", "attach", "real_frames.json")
 REAL = json.load(open(DATA))

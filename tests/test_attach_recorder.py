@@ -10,8 +10,8 @@ import numpy as np
 from engine.attach.cluster import ClusterState
 from engine.attach.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from engine.attach.recorder import Recorder
-from engine.policy_lab import run_lab
-from engine.trace import AccessTrace
+from engine.lab.policy_lab import run_lab
+from engine.kv.access_trace import AccessTrace
 
 
 def _recorded():
@@ -67,7 +67,7 @@ def test_saved_file_is_an_access_trace_with_the_raw_events(tmp_path):
 
 def test_cli_records_a_live_stream_and_policy_lab_replays_it(tmp_path, capsys):
     from app.cli import main
-    from engine.attach.fake_spawn import FakeProcess
+    from engine.attach.fake.spawn import FakeProcess
 
     fake = FakeProcess("--flavor", "vllm", "--encoding", "map", "--rate", "2000", "--duration", "2",
                        "--capacity", "400", "--linger", "10")

@@ -289,7 +289,7 @@ def test_a_source_too_far_behind_sheds_its_oldest_frames_and_says_so(attach, mon
         from types import SimpleNamespace
 
         from app.attach import _summary, _summary_text
-        from ui.attach_panels import behind_text
+        from ui.attach.panels import behind_text
 
         assert "SHEDDING" in behind_text(st) and f"{st.shed:,} shed" in behind_text(st)
         (js,) = _summary(SimpleNamespace(cluster=cl, statuses=lambda: [st]))["sources"]

@@ -10,7 +10,7 @@ import time
 import pytest
 import zmq
 
-from engine.attach.fake_spawn import FakeProcess
+from engine.attach.fake.spawn import FakeProcess
 from engine.attach.session import AttachSession
 from engine.attach.source import parse_source
 

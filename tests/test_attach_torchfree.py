@@ -21,7 +21,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
 def test_every_attach_module_imports_without_torch():
     mods = [f"engine.attach.{m[:-3]}" for m in sorted(os.listdir(os.path.join(ROOT, "engine", "attach")))
             if m.endswith(".py") and m != "__init__.py"]
-    mods += ["ui.attach_window", "ui.attach_dialog", "app.attach", "app.attach_soak"]
+    mods += ["ui.attach.window", "ui.attach.dialog", "app.attach", "app.bench.attach_soak"]
     out = _run("import importlib\n"
                f"for m in {mods!r}:\n"
                "    importlib.import_module(m)\n"

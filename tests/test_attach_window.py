@@ -15,10 +15,10 @@ pytest.importorskip("pytestqt")
 from PySide6 import QtGui  # noqa: E402
 
 from engine.attach import codes  # noqa: E402
-from engine.attach.fake_spawn import FakeProcess  # noqa: E402
+from engine.attach.fake.spawn import FakeProcess  # noqa: E402
 from engine.attach.session import AttachSession  # noqa: E402
 from engine.attach.source import parse_source  # noqa: E402
-from ui.attach_window import AttachWindow  # noqa: E402
+from ui.attach.window import AttachWindow  # noqa: E402
 
 
 @pytest.fixture
@@ -103,7 +103,7 @@ def test_window_on_a_live_fake_publisher(qtbot, fake, tmp_path):
 
 def test_metrics_absent_say_no_data_not_zero(qtbot):
     from engine.attach.metrics import parse_metrics
-    from ui.attach_panels import MetricsPanel
+    from ui.attach.panels import MetricsPanel
 
     p = MetricsPanel(["sglang-a"])
     qtbot.addWidget(p)
@@ -118,7 +118,7 @@ def test_metrics_absent_say_no_data_not_zero(qtbot):
 
 def test_file_attach_dialog_parses_lines_and_opens_a_window(qtbot, fake):
     from engine.attach.source import SourceError
-    from ui.attach_dialog import AttachDialog, open_attach_window, parse_lines
+    from ui.attach.dialog import AttachDialog, open_attach_window, parse_lines
 
     assert [s.label for s in parse_lines(f"# comment\nvllm {fake.pub},dp=2,name=x\n\nsglang tcp://h:1")] == \
         ["x/dp0", "x/dp1", "h:1"]
@@ -156,7 +156,7 @@ def test_the_window_opens_fitted_to_the_free_area_of_the_screen(qtbot, monkeypat
     the Metrics dock's right side, the Sources / Events docks and the status bar off a 1280 x 720 screen)."""
     from PySide6 import QtCore
 
-    from ui.attach_window import WANT_SIZE
+    from ui.attach.window import WANT_SIZE
 
     free = QtCore.QRect(*avail)
     monkeypatch.setattr(QtGui.QScreen, "availableGeometry", lambda self: QtCore.QRect(free))
@@ -202,7 +202,7 @@ def test_sources_table_columns_fit_their_text_without_resize_to_contents(qtbot):
     from PySide6 import QtWidgets
 
     from engine.attach.subscriber import SourceStatus
-    from ui.attach_panels import SourcesPanel
+    from ui.attach.panels import SourcesPanel
 
     def st(label, frames=0):
         return SourceStatus(label=label, endpoint="tcp://h:1", replay=None, frames=frames, malformed=0, batches=0,
@@ -228,8 +228,7 @@ def test_sources_table_columns_fit_their_text_without_resize_to_contents(qtbot):
 def test_metrics_charts_and_table_take_their_own_frames(qtbot, fake):
     """A scrape's metrics reach the charts at the charts' slot and the table at the table's, never both in one
     frame; refresh_all shows both at once."""
-    from ui import attach_window as aw
-
+    from ui.attach import window as aw
     specs = parse_source("vllm", f"{fake.pub},dp=2,name=fake,metrics={fake.metrics}")
     session = AttachSession(specs, []).start()
     win = AttachWindow(session, owns_session=True, refresh_ms=10_000)  # the test drives the frames

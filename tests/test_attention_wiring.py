@@ -22,7 +22,7 @@ import torch
 
 from conftest import Reference, prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,7 +34,7 @@ N = 24  # new tokens per request
 @pytest.fixture(scope="module")
 def mistral(tiny_mistral):
     """(LoadedModel, Reference) of the sliding-window model (window 24)."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(tiny_mistral), Reference(tiny_mistral)
 
@@ -49,7 +49,7 @@ def greedy(eng: Engine, ps: list[list[int]], n: int) -> list[list[int]]:
 
 
 def test_option_is_checked_and_each_backend_is_selectable(llama_model):
-    from engine.model import resolve_attention
+    from engine.model.llama_family import resolve_attention
 
     EngineOptions(attention="cpu").validate()
     with pytest.raises(ConfigError, match="attention: 'flash' is not one of auto, reference, cpu, triton"):
@@ -102,11 +102,11 @@ def test_sliding_window_tokens_equal_transformers(mistral, backend, block_size):
 
 def shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
     """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
-    (engine/seq_ops.py): before computing a token whose context would pass `limit`, keep the first n_keep tokens,
+    (engine/runtime/seq_ops.py): before computing a token whose context would pass `limit`, keep the first n_keep tokens,
     drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from engine.model import rotate_half
+    from engine.model.llama_family import rotate_half
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     inv = hf.model.rotary_emb.inv_freq.float()  # [D/2], default RoPE
@@ -257,7 +257,7 @@ def test_quantized_kv_cpu_logits_equal_reference(mistral, kv_dtype):
 def test_half_weights_run_on_the_cpu_path(mistral):
     """bf16 weights: the cpu backend attends in fp32 and returns bf16 (the reference path keeps transformers'
     bf16 arithmetic, tests/test_weights.py); both run, and agree on most tokens."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     _, ref = mistral
     model = load_model(ref.model.name_or_path, dtype=torch.bfloat16)
@@ -303,7 +303,7 @@ def test_cpu_prefill_both_paths_match_reference(case, dense):
 
 def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
     """The bench's arithmetic on a tiny model (no timing asserted): KV read per step is every row's blocks."""
-    from app.bench import long_context_bench
+    from app.bench.throughput import long_context_bench
     from app.cli import build_parser
 
     args = build_parser().parse_args(["bench", "--long", "40", "--batch", "2", "--model", tiny_llama,
@@ -319,7 +319,7 @@ def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
 
 
 def _block_bytes(path: str, bs: int) -> int:
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return Engine(load_model(path), CacheConfig(block_size=bs, device_budget_mb=1, host_budget_mb=0)).pool.block_bytes
 
@@ -352,7 +352,7 @@ def test_triton_backend_tokens_equal_transformers(mistral, tiny_mistral, tmp_pat
 
 def _triton_worker(out: str, path: str) -> None:
     from engine.attention.triton_paged import INTERPRET
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     assert INTERPRET, "run with TRITON_INTERPRET=1"
     model = load_model(path)

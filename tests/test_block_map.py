@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from PySide6.QtCore import Qt
 
-from engine.snapshot import SeqTable, Snapshot, TierSnapshot
+from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 from ui import palette as pal
-from ui.block_grid import grid_layout
-from ui.block_map import MODES, BlockMap
-from ui.block_map_bench import bench_block_map, fake_snapshot
+from ui.block_map.grid import grid_layout
+from ui.block_map.widget import MODES, BlockMap
+from ui.block_map.bench import bench_block_map, fake_snapshot
 
 BS = 4
 
@@ -265,7 +265,7 @@ def test_code_image_draws_rgb32_with_the_lut_colours(qtbot):
     cost 3.1 ms a paint, RGB32 0.37 ms): the pixels must still be the LUT's colours, cell by cell."""
     from PySide6.QtGui import QColor, QImage
 
-    from ui.code_image import CodeImage
+    from ui.block_map.code_image import CodeImage
 
     lut = np.zeros((256, 3), np.uint8)
     lut[:, 0] = np.arange(256)

@@ -8,9 +8,9 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine, RequestError
+from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams, SeqState
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 
 
 def make_machine(model):
@@ -112,7 +112,7 @@ def make_machine(model):
 
         @rule(dev=st.sampled_from([0.0, 0.004, 0.01, 0.03, 0.08]), host=st.sampled_from([0.0, 0.01, 0.06, 0.2]))
         def resize(self, dev, host):
-            # Budgets alone change in place (engine/tier_resize.py): same pool, block ids kept, or refused unchanged.
+            # Budgets alone change in place (engine/kv/resize.py): same pool, block ids kept, or refused unchanged.
             pool, tables = self.engine.pool, {s.id: list(s.blocks) for s in self.engine.seqs.values()}
             try:
                 self.engine.reconfigure(device_budget_mb=dev, host_budget_mb=host)

@@ -67,8 +67,7 @@ def test_plain_kvscope_without_a_display_explains_headless():
 def test_headless_screenshot_and_open_snapshot_round_trip(tiny_llama, tmp_path):
     import numpy as np
 
-    from engine import snapshot_io
-
+    from engine.telemetry import snapshot_io
     png = tmp_path / "live.png"
     kvscope("--headless", "--screenshot", str(png), "--run-for", "4", "--model", tiny_llama)
     snap, extra = snapshot_io.load(str(tmp_path / "live.json"))
@@ -87,8 +86,7 @@ def test_headless_screenshot_and_open_snapshot_round_trip(tiny_llama, tmp_path):
 
 
 def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_path):
-    from engine import snapshot_io
-
+    from engine.telemetry import snapshot_io
     trace = tmp_path / "mine.jsonl"
     trace.write_text("".join(json.dumps({"arrival_s": 0.2 * i, "session": f"mine-{i}", "prompt_tokens": p,
                                          "max_new_tokens": 400}) + "\n" for i, p in enumerate(prompts(5, [8, 20, 33]))))
@@ -205,7 +203,7 @@ def test_record_trace_to_a_bad_path_fails_before_the_model_loads(tmp_path, capsy
 
 
 def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp_path, capsys, monkeypatch):
-    from engine.scheduler import Scheduler
+    from engine.runtime.scheduler import Scheduler
 
     monkeypatch.setattr(Scheduler, "_place", lambda self, *a: None)  # tiers with no room for a step, ever
     rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--json", "hello there", "--block-size", "1",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.codecs import Appends, ChannelCodec, DeltaCodec, Geometry, TokenCodec, codecs_for, fp16_ceil
+from engine.kv.codecs import Appends, ChannelCodec, DeltaCodec, Geometry, TokenCodec, codecs_for, fp16_ceil
 from engine.config import KVDtype
 
 G = Geometry(layers=2, kv_heads=3, block_size=8, head_dim=16)

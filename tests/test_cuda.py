@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.block_pool import BlockPool, Tier
+from engine.kv.block_pool import BlockPool, Tier
 from engine.config import CacheConfig, KVDtype
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,4 @@
-"""Decode steps through the CUDA-graph path (engine/decode_graphs.py), checked on the CPU in "static" mode: the
+"""Decode steps through the CUDA-graph path (engine/runtime/cuda_graphs.py), checked on the CPU in "static" mode: the
 same padded, static-shaped step a graph replays (bucketed batch, null-block table padding, padding rows that
 write the sink block), run eagerly. Capture itself needs CUDA: app/gpu_check.py runs these checks there."""
 
@@ -9,9 +9,9 @@ import torch
 
 from conftest import prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 
 N = 12
 

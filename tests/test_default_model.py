@@ -11,7 +11,7 @@ import pytest
 
 from conftest import Reference
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -19,14 +19,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def default_model():
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     return load_model(None)
 
 
 @pytest.fixture(scope="module")
 def default_ref() -> Reference:
-    from engine.loader import hf_reference_dir
+    from engine.model.loader import hf_reference_dir
 
     return Reference(hf_reference_dir())
 
@@ -96,7 +96,7 @@ def test_block_size_change_mid_generation_is_exact(default_model, default_ref):
 def test_ui_bench_runs_every_part_and_reports_frames(tmp_path):
     """`kvscope bench --ui`, scaled down: each part runs on real widgets and a real engine and reports
     frame times; the panels it times are the ones on screen (the tabbed-away Residency panel is not)."""
-    code = ("import json; from app.ui_bench import run_ui_bench; "
+    code = ("import json; from app.bench.ui_frames import run_ui_bench; "
             "print(json.dumps(run_ui_bench(big=20_000, medium=5_000, stall_s=3.0, say=lambda *a: None)))")
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)

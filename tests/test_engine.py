@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from conftest import Reference, prompts
-from engine.block_pool import RESERVED, Tier
+from engine.kv.block_pool import RESERVED, Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
-from engine.engine import Engine, RequestError
+from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams
 
 N = 16
@@ -259,7 +259,7 @@ def test_dtype_change_mid_run_is_lossy_and_continues(llama_model):
 
 
 def test_qwen2_and_mistral_sliding_window_match_transformers(tiny_qwen2, tiny_mistral):
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     for path, lengths in ((tiny_qwen2, [5, 40]), (tiny_mistral, [10, 50])):
         model, ref = load_model(path), Reference(path)
@@ -284,7 +284,7 @@ def test_snapshot_arrays_match_the_pool(llama_model):
 
 
 def test_access_trace_records_every_read_with_hits_and_misses(llama_model, tmp_path):
-    from engine.trace import AccessTrace
+    from engine.kv.access_trace import AccessTrace
 
     ps = prompts(16, [60, 33, 71, 12])
     eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.05, host_budget_mb=1, prefetch_depth=1),

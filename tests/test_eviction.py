@@ -8,10 +8,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig
-from engine.eviction import LRU, S3FIFO, Heat, make_policy, s3fifo_sizes
-from engine.tiers import Tier
+from engine.kv.eviction import LRU, S3FIFO, Heat, make_policy, s3fifo_sizes
+from engine.kv.tiers import Tier
 
 BLOCK_BYTES = 16  # geometry (1 layer, 1 head, head_dim 2), block_size 1, fp32: K and V of 8 bytes each
 
@@ -305,11 +305,11 @@ def test_s3fifo_batch_equals_single_evictions(cap, keys, pinned, n, host):
     n = min(n, len(cand))
     if n == 0:
         return
-    batch = a.policy.victims(a, ta, cand.copy(), n, 9.0)
+    batch = a.policy.victims(ta, cand.copy(), n, 9.0, a.config.decay)
     assert len(batch) == n and len(set(batch.tolist())) == n and set(batch.tolist()) <= set(cand.tolist())
     singles, left = [], cand.copy()
     for _ in range(n):
-        v = b.policy.victims(b, tb, left.copy(), 1, 9.0)
+        v = b.policy.victims(tb, left.copy(), 1, 9.0, b.config.decay)
         singles.append(int(v[0]))
         left = left[left != v[0]]
     assert batch.tolist() == singles
@@ -341,7 +341,7 @@ def test_engine_on_s3fifo_stays_exact_under_pressure(llama_model, llama_ref):
     """Prefix reuse, eviction, demotion and promotion with S3-FIFO choosing: tokens equal transformers'."""
     from conftest import prompts
     from engine.config import EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     from engine.sequence import SamplingParams
 
     shared = prompts(7, [48])[0]

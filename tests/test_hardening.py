@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool, Tier
-from engine.codecs import fp8_supported
+from engine.kv.block_pool import RESERVED, BlockPool, Tier
+from engine.kv.codecs import fp8_supported
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
-from engine.engine import Engine, RequestError
+from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams
 
 

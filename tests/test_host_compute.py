@@ -19,14 +19,14 @@ import torch
 
 from conftest import Reference, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend
-from engine import model_runner
+from engine.runtime import model_runner
 from engine.attention import cpu_paged, host_compute, reference
 from engine.attention.host_compute import attend_split, merge_partials, split_by_tier
-from engine.block_pool import RESERVED
+from engine.kv.block_pool import RESERVED
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 from test_host_tier import _engine, _mb
 from test_paged_attention import DTYPES, Case, build
 
@@ -195,7 +195,7 @@ def spy(monkeypatch):
         assert split.host.block_table.device.type == "cpu"
         return real(device_side, host_side, q, layer, kv, split, **kw)
 
-    import engine.model
+    import engine.model.llama_family
     monkeypatch.setattr(engine.model, "attend_split", counting_split)
     return seen
 
@@ -234,7 +234,7 @@ def test_compute_mode_reads_a_demoted_prefix_on_the_host(llama_model, llama_ref,
 @pytest.mark.parametrize("attention", ["cpu", "reference"])
 def test_compute_mode_sliding_window_equals_transformers(tiny_mistral, attention):
     """The tiny Mistral's window of 24, contexts past it, a device tier of 1 block of 7: windows over both tiers."""
-    from engine.loader import load_model
+    from engine.model.loader import load_model
 
     model, ref = load_model(tiny_mistral), Reference(tiny_mistral)
     ps = prompts(20, [10, 31, 57])
@@ -245,7 +245,7 @@ def test_compute_mode_sliding_window_equals_transformers(tiny_mistral, attention
 
 @pytest.mark.parametrize("kv_dtype", ["fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8"])
 def test_quantized_formats_give_the_tokens_stream_mode_gives(llama_model, kv_dtype):
-    from engine.codecs import fp8_supported
+    from engine.kv.codecs import fp8_supported
 
     if kv_dtype == "fp8" and not fp8_supported():
         pytest.skip("no float8_e4m3fn in this torch")

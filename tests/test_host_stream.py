@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
-from engine.loader import load_model
+from engine.runtime.engine import Engine
+from engine.model.loader import load_model
 from engine.sequence import SamplingParams
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 
 
 def _engine(model, dev_blocks: int, kv_dtype: str = "fp32", bs: int = 8, mode: str = "stream",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.errors import RequestError
 from engine.sequence import SamplingParams
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 
 N = 16
 

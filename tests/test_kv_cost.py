@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from conftest import prompts
-from engine import snapshot_io
-from engine.block_pool import Tier
+from engine.telemetry import snapshot_io
+from engine.kv.block_pool import Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 LOSSY = ("fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8")
@@ -46,7 +46,7 @@ def block_errors(e: Engine, seq) -> tuple[np.ndarray, np.ndarray]:
 
 @pytest.mark.parametrize("n", [21, 100])  # a decode-sized step (reduced after the last layer) and a prefill (per layer)
 def test_a_blocks_error_is_its_worst_token_and_layer_relative_rms_error(llama_model, monkeypatch, n):
-    from engine.model_runner import StepKV
+    from engine.runtime.step_kv import StepKV
 
     written = {}  # layer -> the K and V the model computed (in hand) this step
     write = StepKV.write
@@ -167,7 +167,7 @@ def test_key_channel_outliers(llama_model, llama_ref):
 
 
 def test_the_dense_reference_equals_transformers(llama_model, llama_ref):
-    from engine.shadow import dense_logits
+    from engine.fidelity.shadow import dense_logits
 
     e = engine(llama_model, "fp32")
     tokens = prompts(10, [37])[0]
@@ -282,9 +282,9 @@ def test_snapshot_files_carry_the_new_fields_and_older_files_still_open(llama_mo
 
 @pytest.mark.parametrize("dtype", LOSSY + ("fp32",))
 def test_reading_back_token_by_token_equals_decoding_whole_blocks(dtype):
-    from engine.codecs import Appends, Geometry, codecs_for
+    from engine.kv.codecs import Appends, Geometry, codecs_for
     from engine.config import KVDtype
-    from engine.kv_error import stored, token_axes
+    from engine.fidelity.block_error import stored, token_axes
 
     g = Geometry(2, 3, 8, 16)
     torch.manual_seed(0)

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from ui import palette as pal
 
@@ -87,7 +87,7 @@ def test_a_snapshot_without_errors_draws_no_data(bm, llama_model):
 
 
 def test_the_shadow_chart_beside_the_hit_rate(qtbot, llama_model):
-    from ui.panels import HitRatePanel
+    from ui.panels.charts import HitRatePanel
 
     panel = HitRatePanel()
     qtbot.addWidget(panel)
@@ -119,7 +119,7 @@ def test_the_shadow_chart_beside_the_hit_rate(qtbot, llama_model):
 
 
 def test_the_cost_panel_shows_the_shadow_and_the_key_channels(qtbot, llama_model):
-    from ui.cost_panel import ROWS, CostPanel
+    from ui.panels.cost import ROWS, CostPanel
 
     panel = CostPanel()
     qtbot.addWidget(panel)
@@ -146,8 +146,8 @@ def test_the_cost_panel_shows_the_shadow_and_the_key_channels(qtbot, llama_model
 def test_the_legend_line_fits_a_narrow_block_map(qtbot, width):
     """At 1280 x 720 the map is ~430 px wide: the kv error legend (colour bar, swatches, the selection swatch) once ran
     past its right edge. Colour bars shrink, then swatch labels drop their "(...)" hints; the line always fits."""
-    from ui.block_legend import _Legend
-    from ui.kv_cost import error_legend
+    from ui.block_map.legend import _Legend
+    from ui.panels.kv_cost import error_legend
 
     lg = _Legend()
     qtbot.addWidget(lg)

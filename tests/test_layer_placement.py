@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
-from engine.tiers import Tier, tier_sizes
+from engine.kv.tiers import Tier, tier_sizes
 
 N = 12
 

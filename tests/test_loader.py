@@ -1,4 +1,4 @@
-"""engine.loader / engine.tokenizer: tiny random HF models, refusals, and the default GGUF's cache.
+"""engine.model.loader / engine.model.tokenizer: tiny random HF models, refusals, and the default GGUF's cache.
 
 The default model is converted once per module into a temporary cache (~20 s on 2 cores), so the
 suite never depends on, or writes to, the user's ~/.cache/kvscope.
@@ -23,11 +23,11 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models as tok_models
 from tokenizers import pre_tokenizers
 
-from engine import gguf_cache, loader
-from engine.gguf_cache import CONVERT_STAGE
-from engine.loader import ModelLoadError, hf_reference_dir, load_model
-from engine.safetensors_io import read_safetensors
-from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.model import gguf_cache, loader
+from engine.model.gguf_cache import CONVERT_STAGE
+from engine.model.loader import ModelLoadError, hf_reference_dir, load_model
+from engine.model.safetensors_io import read_safetensors
+from engine.model.tokenizer import StreamDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -265,7 +265,7 @@ def test_warm_load_skips_conversion(default_model) -> None:
 def test_warm_load_never_imports_transformers(default_model) -> None:
     code = (
         "import sys, time; import torch; t = time.perf_counter()\n"
-        "from engine.loader import load_model; m = load_model()\n"
+        "from engine.model.loader import load_model; m = load_model()\n"
         "print(round(time.perf_counter() - t, 3), 'transformers' in sys.modules, m.spec.num_layers)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ), capture_output=True,
@@ -407,7 +407,7 @@ def test_orphaned_build_dirs_are_removed(default_model) -> None:
         return {p.name for p in models.iterdir() if p.name.startswith(".building-")}
 
     # A conversion killed midway, in a process that has exited since: its directory is an orphan.
-    code = ("import os, signal\nfrom engine import gguf_cache, loader\n"
+    code = ("import os, signal\nfrom engine.model import gguf_cache, loader\n"
             "gguf_cache._convert_gguf = lambda *args: os.kill(os.getpid(), signal.SIGKILL)\n"
             "gguf_cache.converted_dir(loader.default_model_path(), None, rebuild=True)\n")
     killed = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ))

@@ -24,7 +24,7 @@ import torch
 
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, make_backend
 from engine.attention.cpu_paged import gather_head_major
-from engine.codecs import Geometry, codecs_for, fp8_supported
+from engine.kv.codecs import Geometry, codecs_for, fp8_supported
 from engine.config import KVDtype
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

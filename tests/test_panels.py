@@ -12,7 +12,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from PySide6.QtTest import QTest
 
 from engine.config import KNOBS
-from engine.snapshot import SeqTable
+from engine.telemetry.snapshot import SeqTable
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def app_style(qapp):
 
 def _knob(qtbot, name: str, value, width: int = 230):
     """A knob control as wide as in the Controls dock (its label takes the rest), showing `value`."""
-    from ui.controls import KnobControl
+    from ui.panels.controls import KnobControl
 
     c = KnobControl(KNOBS[name])
     qtbot.addWidget(c)
@@ -106,7 +106,7 @@ def test_arrow_keys_step_one_stop_and_a_typed_value_is_kept(qtbot, app_style):
     c.show_value(5)
     assert c.stops[c.slider.value()] == 4 and c.spin.value() == 5
     # Every stop is inside the knob's range, for every slider.
-    from ui.controls import slider_stops
+    from ui.panels.controls import slider_stops
 
     for knob in KNOBS.values():
         if not knob.choices:
@@ -131,7 +131,7 @@ def _seqs(ids, states=None) -> SimpleNamespace:
 
 @pytest.fixture
 def seq_table(qtbot, app_style):
-    from ui.list_panels import SequencesPanel
+    from ui.panels.lists import SequencesPanel
 
     t = SequencesPanel()
     qtbot.addWidget(t)
@@ -195,8 +195,8 @@ def test_ids_values_and_headers_fit_their_columns(seq_table):
 
 
 def test_events_show_byte_counts_in_binary_units_and_config_lists_refusals(qtbot):
-    from engine.telemetry import Event
-    from ui.list_panels import EventsPanel
+    from engine.telemetry.snapshotter import Event
+    from ui.panels.lists import EventsPanel
 
     p = EventsPanel()
     qtbot.addWidget(p)
@@ -221,7 +221,7 @@ def _series_snapshot(t: np.ndarray, **cols) -> SimpleNamespace:
 def test_rates_after_an_idle_gap_are_a_gap_not_a_zero(qtbot):
     """The engine's series after 20 s of idling: the first sample after the gap is exactly 0 (its window
     emptied) and the line would ramp across the gap. The chart shows no data there instead."""
-    from ui.panels import HitRatePanel
+    from ui.panels.charts import HitRatePanel
 
     t = np.concatenate((np.arange(0, 5, 0.1), np.arange(25, 30, 0.1)))
     n, first_after = len(t), 50
@@ -244,7 +244,7 @@ def test_rates_after_an_idle_gap_are_a_gap_not_a_zero(qtbot):
 
 
 def test_the_heat_key_covers_no_bars(qtbot):
-    from ui.panels import HeatPanel
+    from ui.panels.charts import HeatPanel
 
     p = HeatPanel()
     qtbot.addWidget(p)

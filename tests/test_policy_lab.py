@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.policy_lab import (default_capacities, first_reads, format_table, main, near_half, plot, run_lab,
+from engine.lab.policy_lab import (default_capacities, first_reads, format_table, main, near_half, plot, run_lab,
                                scan_polluted_trace)
-from engine.policy_sim import POLICIES, replay
-from engine.trace import MAX_TRACE_ROWS, AccessTrace
+from engine.lab.policy_sim import POLICIES, replay
+from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
 from test_eviction import cached_block, lid_of, make_pool, read
 
 
@@ -464,7 +464,7 @@ def test_a_small_zip_bomb_keeps_memory_small(tmp_path):
                 z.writestr(c + ".npy", npy(v))
     assert os.path.getsize(path) < 3_000_000
     # VmHWM, the peak RSS of this process image: ru_maxrss would carry over the forking pytest's peak.
-    code = ("import sys\nfrom engine.policy_lab import main\nrc = main([sys.argv[1]])\n"
+    code = ("import sys\nfrom engine.lab.policy_lab import main\nrc = main([sys.argv[1]])\n"
             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
             "print(rc, hwm)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,4 +1,4 @@
-"""engine/quality.py: teacher-forced comparison of a lossy KV cache against the lossless one."""
+"""engine/lab/quality.py: teacher-forced comparison of a lossy KV cache against the lossless one."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import torch
 
 from conftest import prompts
 from engine.config import CacheConfig
-from engine.engine import Engine
-from engine.quality import compare, run_forced
+from engine.runtime.engine import Engine
+from engine.lab.quality import compare, run_forced
 from engine.sequence import SamplingParams
 
 

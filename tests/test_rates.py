@@ -1,4 +1,4 @@
-"""The window's own windowed rates (ui/rates.py): a rate means what its tooltip says, and "no data" is NaN,
+"""The window's own windowed rates (ui/charts/rates.py): a rate means what its tooltip says, and "no data" is NaN,
 never a 0 or a stale value."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ui.rates import GAP_S, RATES, RateHistory, mask_engine_series
+from ui.charts.rates import GAP_S, RATES, RateHistory, mask_engine_series
 
 
 def _counters(reads=0, misses=0, prompt=0, reused=0, evictions=0, generated=0) -> dict:

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import prompts
-from engine.codecs import Codec
+from engine.kv.codecs import Codec
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 N = 12

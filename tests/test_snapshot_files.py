@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from conftest import prompts
-from engine import snapshot_io
+from engine.telemetry import snapshot_io
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -214,7 +214,7 @@ def test_a_file_over_the_size_cap_is_refused_before_it_is_read(tmp_path):
 
 def test_colour_modes_match_the_block_map():
     pytest.importorskip("PySide6")
-    from ui.block_map import MODES
+    from ui.block_map.widget import MODES
 
     assert set(snapshot_io.COLOUR_MODES) == set(MODES)
 

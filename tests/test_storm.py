@@ -25,8 +25,7 @@ def test_a_short_storm_breaks_nothing():
 
 def test_the_storm_counts_what_it_claims(monkeypatch):
     """A storm that hid failures would pass anything: an engine whose step raises is counted, not swallowed."""
-    from engine import engine as engine_mod
-
+    from engine.runtime import engine as engine_mod
     real = engine_mod.Engine._step
     calls = [0]
 

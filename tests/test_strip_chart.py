@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from PySide6 import QtCore, QtGui
 
-from ui.strip_chart import StripChart, nice_ceiling
+from ui.charts.strip_chart import StripChart, nice_ceiling
 
 
 @given(st.floats(min_value=1e-6, max_value=1e12, allow_nan=False))

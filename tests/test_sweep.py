@@ -12,9 +12,9 @@ import struct
 import pytest
 
 from app.cli import _add_cache_flags, _add_model_flags
-from app.sweep import add_sweep_flags, run_sweep
-from app.sweep_report import BIN_EDGES_S
-from engine.workloads import load_trace
+from app.bench.sweep import add_sweep_flags, run_sweep
+from app.bench.sweep_report import BIN_EDGES_S
+from engine.workloads.requests import load_trace
 
 TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "example_trace.jsonl")
 
@@ -168,7 +168,7 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
     from app.trace_workload import TraceWorkload
     from conftest import prompts
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     ps = prompts(7, [12, 30, 9])
     lines = [{"arrival_s": 0.0, "session": "a", "prompt_tokens": ps[0], "max_new_tokens": 6},
@@ -213,7 +213,7 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
 def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
     from app.trace_workload import TraceWorkload
     from engine.config import CacheConfig
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
     from engine.errors import RequestError
 
     eng = Engine(llama_model, CacheConfig(block_size=4))
@@ -238,7 +238,7 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
 def test_live_trace_clock_stands_still_while_paused(llama_model, tmp_path):
     from app.trace_workload import TraceWorkload
     from engine.config import CacheConfig
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"arrival_s": a, "session": f"s{i}", "prompt_tokens": [5, 6, 7],

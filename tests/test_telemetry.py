@@ -9,7 +9,7 @@ import pytest
 
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 
@@ -98,8 +98,7 @@ def test_snapshot_fields_match_the_engine(engine):
 def test_marks_record_changes_and_engine_actions_and_survive_a_snapshot_file(llama_model, tmp_path):
     import json
 
-    from engine import snapshot_io
-
+    from engine.telemetry import snapshot_io
     now = [50.0]
     eng = Engine(llama_model, CacheConfig(block_size=4), EngineOptions(context_limit=32, n_keep=4),
                  clock=lambda: now[0])

@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 
 from conftest import prompts
-from engine.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
-from engine.tiers import Tier
+from engine.kv.tiers import Tier
 
 N = 14
 

@@ -49,7 +49,7 @@ def returns_within(fn, seconds: float = 20.0):
 def _reader(name: str):
     """A reader of a user's file, as a call on a path, and the size cap it reads under."""
     if name == "bench --trace":
-        from engine.workloads import load_trace
+        from engine.workloads.requests import load_trace
 
         return load_trace, user_file.MAX_JSONL_BYTES
     if name == "--replay":
@@ -60,7 +60,7 @@ def _reader(name: str):
         from app.commands import _read_prompt_file
 
         return (lambda p: list(_read_prompt_file(p, 8))), user_file.MAX_JSONL_BYTES
-    from engine.trace import MAX_FILE_BYTES, AccessTrace
+    from engine.kv.access_trace import MAX_FILE_BYTES, AccessTrace
 
     return AccessTrace.load, MAX_FILE_BYTES
 
@@ -158,7 +158,7 @@ def test_a_valid_surrogate_pair_and_a_byte_order_mark_are_fine(tmp_path):
 def test_bench_trace_refuses_a_line_that_cannot_run_by_its_number(tmp_path, row, problem):
     # Before: deep JSON was a RecursionError traceback (exit 1); a lone surrogate, n_forks 10^9 or a
     # 10^12 max_new_tokens passed, to loop, hang or never finish once replayed.
-    from engine.workloads import load_trace
+    from engine.workloads.requests import load_trace
 
     path = jsonl(tmp_path / "t.jsonl", GOOD, row)
     with pytest.raises(ValueError) as err:
@@ -214,7 +214,7 @@ def test_bench_trace_where_nothing_can_run_says_why_and_exits_2(tiny_llama, tmp_
 @pytest.fixture
 def engine(llama_model):
     from engine.config import CacheConfig, EngineOptions
-    from engine.engine import Engine
+    from engine.runtime.engine import Engine
 
     now = [0.0]
     eng = Engine(llama_model, CacheConfig(block_size=4), EngineOptions(), clock=lambda: now[0])
@@ -276,8 +276,7 @@ def test_a_replay_streams_its_file(engine, tmp_path, monkeypatch):
     # Before: the whole trace was read into a list, and every request that had arrived was handed to the
     # engine at once (200,000 lines: 15 s in the first tick before the first step).
     import app.trace_workload as tw
-    from engine import workloads
-
+    from engine.workloads import requests as workloads
     n = 3000
     path = jsonl(tmp_path / "many.jsonl", *({**GOOD, "session": f"s{i}", "arrival_s": 0,
                                              "prompt_tokens": [5, 6, 7 + i % 50], "max_new_tokens": 1}
@@ -355,8 +354,8 @@ def test_a_model_path_or_a_model_file_that_is_a_fifo_is_refused(tiny_llama, tmp_
     # Before: --model FIFO, or a model directory whose tokenizer.json is one, blocked until killed.
     import shutil
 
-    from engine.loader import load_model
-    from engine.model_spec import ModelLoadError
+    from engine.model.loader import load_model
+    from engine.model.spec import ModelLoadError
 
     with pytest.raises(ModelLoadError, match="is not a regular file or a directory"):
         returns_within(lambda: load_model(fifo))
@@ -383,7 +382,7 @@ def test_a_preset_that_is_a_fifo_or_too_deep_is_refused_in_one_line(tmp_path, fi
     # Before: File > Load preset on a FIFO froze the window; on deeply nested TOML it raised RecursionError.
     from types import SimpleNamespace
 
-    from ui.controls import ControlsPanel
+    from ui.panels.controls import ControlsPanel
 
     said: list[str] = []
     fake = SimpleNamespace(show_error=said.append, refused=SimpleNamespace(emit=lambda kind, text: said.append(text)),

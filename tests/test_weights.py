@@ -13,9 +13,9 @@ import torch
 
 from conftest import prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
-from engine.engine import Engine
-from engine.loader import load_model, resolve_weights_dtype
-from engine.model_spec import expected_shapes
+from engine.runtime.engine import Engine
+from engine.model.loader import load_model, resolve_weights_dtype
+from engine.model.spec import expected_shapes
 from engine.sequence import SamplingParams
 
 MB = 2**20
@@ -87,7 +87,7 @@ def test_weights_are_held_once(tiny_llama, dtype):
 
 
 def test_in_memory_weights_are_fused_in_place(tiny_llama):
-    """A state dict built in memory (separate q/k/v tensors, as app/bench.py makes one): the engine fuses them
+    """A state dict built in memory (separate q/k/v tensors, as app/bench/throughput.py makes one): the engine fuses them
     once and re-points the dict at the fused rows, so the unfused originals are freed, not kept beside them."""
     loaded = load_model(tiny_llama)
     loaded.weights = {k: v.clone() for k, v in loaded.weights.items()}  # separate storages, like a fresh dict
@@ -161,7 +161,7 @@ def test_default_model_bf16_greedy_agrees_with_transformers_bf16(capsys):
     """SmolLM2 with bf16 weights and bf16 KV against transformers in bf16 on the same weights: 128 greedy
     tokens on each of 3 chat prompts (each run alone, as transformers' generate runs it). Agreement is the
     fraction of positions whose tokens are equal; the identical prefix is reported beside it."""
-    from engine.loader import hf_reference_dir
+    from engine.model.loader import hf_reference_dir
 
     loaded = load_model(None, dtype=torch.bfloat16)
     texts = ["What is the capital of France, and why is it famous?", "Write a short poem about the sea.",
@@ -185,7 +185,7 @@ def rss() -> int:
 
 
 def test_codec_alloc_commits_memory_as_it_is_written():
-    from engine.codecs import Geometry, codecs_for
+    from engine.kv.codecs import Geometry, codecs_for
     from engine.config import KVDtype
 
     g = Geometry(layers=4, kv_heads=2, block_size=16, head_dim=64)
@@ -280,7 +280,7 @@ def test_generate_peak_rss_is_one_copy_of_the_weights(default_model_loaded, dtyp
     stays within 1.4x the weight bytes (the KV tiers, 1.25 GB configured, are committed as used: ~MBs)."""
     if sys.platform != "linux":
         pytest.skip("ru_maxrss units are Linux's")
-    base = peak_rss_of("import torch, engine.engine, app.commands")
+    base = peak_rss_of("import torch, engine.runtime.engine, app.commands")
     peak = peak_rss_of("import sys; from app.cli import main; "
                        f"sys.exit(main(['generate', 'hi', '--max-new-tokens', '8', '--weights-dtype', '{dtype}']))")
     weights = weight_bytes(default_model_loaded.spec, resolve_weights_dtype(dtype))

@@ -11,7 +11,7 @@ import pytest
 from app.runner import EngineRunner
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 pytest.importorskip("PySide6")
@@ -153,15 +153,14 @@ def test_screenshot_and_json_round_trip_through_open_snapshot(qtbot, window, run
 
 
 def test_damaged_snapshot_file_gets_a_clear_error(tmp_path):
-    from engine import snapshot_io
-
+    from engine.telemetry import snapshot_io
     bad = tmp_path / "bad.json"
     bad.write_text('{"format": "kvscope-snapshot", "version": 1, "snapshot": {"tiers": 3}}')
     with pytest.raises(snapshot_io.SnapshotFileError, match="damaged"):
         snapshot_io.load(str(bad))
     with pytest.raises(snapshot_io.SnapshotFileError, match="not JSON"):
         snapshot_io.from_json("{", "x.json")
-    from engine.snapshot_fields import _Bad
+    from engine.telemetry.snapshot_fields import _Bad
 
     with pytest.raises(_Bad, match=r"extra.events\[0\]\[1\]"):
         snapshot_io._extra({"events": [[1.0, 2, "x"]]})
@@ -173,7 +172,7 @@ def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_
     """The demo workload runs; block size and dtype change from the controls; no sequence is lost and no
     block leaks."""
     from engine.sequence import SeqState
-    from engine.demo_workload import DemoWorkload
+    from engine.workloads.demo import DemoWorkload
     from ui.main_window import MainWindow
 
     eng = Engine(llama_model, CacheConfig(block_size=16, device_budget_mb=0.5, host_budget_mb=2, demote_after_s=0.5),
@@ -222,7 +221,7 @@ def test_block_size_and_dtype_sliders_during_the_demo_lose_nothing(qtbot, llama_
 
 
 def test_record_trace_button_saves_a_trace_of_the_reads(qtbot, window, runner, tmp_path):
-    from engine.trace import AccessTrace
+    from engine.kv.access_trace import AccessTrace
 
     path = str(tmp_path / "rec.npz")
     window.controls.trace_path = lambda: path
@@ -303,7 +302,7 @@ def test_a_config_change_is_marked_on_the_time_series(qtbot, window, runner):
 def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama_model):
     """Issue 10's cost signals in the window: a tiny device tier streams from the host tier (device hit < 100 %,
     streamed > 0); after a change the second column starts afresh ("—" until something is read) and names it."""
-    from ui.cost_panel import CostPanel
+    from ui.panels.cost import CostPanel
 
     eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.02, host_budget_mb=1, host_reads="stream"))
     eng.generate(prompts(41, [30, 45]), SamplingParams(max_new_tokens=6, ignore_eos=True))
@@ -317,7 +316,7 @@ def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama
     assert float(share[:-2]) > 0 and hit[1].text() == hit[0].text()
     assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.2f} MB/tok" and c.streamed_bytes > 0
     assert "staging a layer ahead" in streamed[0].toolTip()
-    from ui.panels import MemoryPanel
+    from ui.panels.charts import MemoryPanel
 
     mem = MemoryPanel()
     qtbot.addWidget(mem)

@@ -9,7 +9,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from app.runner import EngineRunner
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
 
@@ -176,9 +176,9 @@ def test_refused_changes_are_in_events(qtbot, window, runner, tmp_path):
 
 
 def test_tokens_per_second_falls_to_zero_while_paused(qtbot, window, runner, monkeypatch):
-    import ui.rates
+    import ui.charts.rates
 
-    monkeypatch.setattr(ui.rates, "WINDOW_S", 1.0, raising=False)
+    monkeypatch.setattr(ui.charts.rates, "WINDOW_S", 1.0, raising=False)
     window.rates.window_s = 1.0  # a 1 s window so the test need not wait 5
     busy(runner)
     qtbot.waitUntil(lambda: runner.engine.counters.generated > 20, timeout=10_000)

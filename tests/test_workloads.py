@@ -9,13 +9,13 @@ import json
 import pytest
 
 from engine.config import CacheConfig, EngineOptions
-from engine.engine import Engine
+from engine.runtime.engine import Engine
 from engine.sequence import SeqState
-from engine.tokenizer import Tokenizer
-from engine.chat_format import ChatFormat
-from engine.corpus import DEFAULT_SYSTEM_PROMPT
-from engine.demo_workload import MAX_LIVE, DemoWorkload
-from engine.workloads import (KINDS, Request, forks, load_trace, long_documents, mixed, returning_users, save_trace,
+from engine.model.tokenizer import Tokenizer
+from engine.model.chat_format import ChatFormat
+from engine.workloads.corpus import DEFAULT_SYSTEM_PROMPT
+from engine.workloads.demo import MAX_LIVE, DemoWorkload
+from engine.workloads.requests import (KINDS, Request, forks, load_trace, long_documents, mixed, returning_users, save_trace,
                               shared_system_chat)
 
 @pytest.fixture(scope="module")

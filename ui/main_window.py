@@ -10,17 +10,17 @@ import time
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from engine import snapshot_io
+from engine.telemetry import snapshot_io
 from engine.errors import ConfigError, RequestError
-from engine.snapshot import Snapshot
+from engine.telemetry.snapshot import Snapshot
 from ui import dock_layout
-from ui.block_map import BlockMap
-from ui.controls import ControlsPanel
-from ui.list_panels import EventsPanel, SequencesPanel
-from ui.cost_panel import CostPanel
-from ui.panels import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
-from ui.prompt_panel import PromptPanel
-from ui.rates import RateHistory
+from ui.block_map.widget import BlockMap
+from ui.panels.controls import ControlsPanel
+from ui.panels.lists import EventsPanel, SequencesPanel
+from ui.panels.cost import CostPanel
+from ui.panels.charts import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
+from ui.panels.prompt import PromptPanel
+from ui.charts.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
@@ -122,7 +122,7 @@ class MainWindow(QtWidgets.QMainWindow):
         act.triggered.connect(self._save_dialog)
         file.addAction(act)
         file.addAction("Open snapshot…", self._open_dialog)
-        from ui.attach_dialog import open_attach_window  # File > Attach…: vLLM / SGLang servers, read-only
+        from ui.attach.dialog import open_attach_window  # File > Attach…: vLLM / SGLang servers, read-only
 
         file.addAction("&Attach to vLLM / SGLang…", lambda: open_attach_window(self))
         file.addSeparator()

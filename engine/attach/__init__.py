@@ -4,5 +4,5 @@ Everything here is Qt-free and torch-free (an import-linter contract and tests/t
 it to that): `events` decodes frames, `subscriber` reads one publisher (sequence gaps, replay), `block_state`
 and `cluster` turn events into per-endpoint / rank / medium block tables with numpy views for the window,
 `metrics` scrapes /metrics, `session` ties them together, `recorder` writes a trace for the policy lab, and
-`fake_publisher` / `fake_workload` stand in for a server in tests and benches.
+`fake/` stands in for a server in tests and benches.
 """

@@ -1,7 +1,7 @@
 """`kvscope attach --bench-decode`: how many events per second the decoder takes, for payloads shaped as the
 servers send them (engine/attach/wire.py: vLLM 0.33 and SGLang 0.5 byte for byte, and the older layouts).
 
-The payloads are the fake workload's (engine/attach/fake_workload.py: chat requests storing and evicting
+The payloads are the fake workload's (engine/attach/fake/workload.py: chat requests storing and evicting
 blocks of 16 tokens, 50 events per batch), encoded once; the timed loop is `decode_batch` alone, on this
 thread, over and over for a fixed time per shape, then the same with each batch applied to a ClusterState as
 the ingest process does. Reported per shape: events/s both ways, MB/s, and which path the batches took
@@ -15,7 +15,7 @@ import time
 import msgspec
 
 from engine.attach.events import decode_batch
-from engine.attach.fake_workload import FakeCache
+from engine.attach.fake.workload import FakeCache
 
 # (label, flavor, layout, hash kind): today's servers first
 SHAPES = (("vllm 0.33 (tagged maps, bytes hashes)", "vllm", "tagged", "bytes"),

@@ -1,6 +1,6 @@
 """Record an attached event stream to a trace the policy lab replays (`kvscope policy-lab FILE.npz`).
 
-The file is an ordinary KV Scope access trace (columns t, seq, block, tier, hit: engine/trace.py) with the raw
+The file is an ordinary KV Scope access trace (columns t, seq, block, tier, hit: engine/kv/access_trace.py) with the raw
 events beside it (columns ev_*), so `policy-lab` reads it unchanged and nothing is lost for later tools.
 
 Events carry no request ids and no cache hits, so the reads are inferred, and only for the GPU medium:
@@ -28,7 +28,7 @@ from array import array
 import numpy as np
 
 from engine.attach.events import KIND_REMOVED, KIND_STORED, EventBatch, medium_of
-from engine.trace import AccessTrace
+from engine.kv.access_trace import AccessTrace
 
 MEDIA = {"GPU": 0, "CPU": 1, "DISK": 2}
 KIND_CLEARED = 2

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import (DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats, query_positions, read_blocks,
-                              visibility)
+from engine.attention.interface import DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats
+from engine.attention.reading import query_positions, read_blocks, visibility
 from engine.attention.host_compute import lse_of
-from engine.codecs import Parts
+from engine.kv.codecs import Parts
 
 _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
 
@@ -23,7 +23,7 @@ _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
 def gather_head_major(parts: Parts, fmt: KVFormat, layer: int, slots: torch.Tensor) -> torch.Tensor:
     """fp32 [B, Hkv, c, bs, D] of blocks slots [B, c]: the codec's decode, laid out head-major.
 
-    Same arithmetic as engine/codecs.py's decode, element for element (the tests compare them exactly).
+    Same arithmetic as engine/kv/codecs.py's decode, element for element (the tests compare them exactly).
     Each part is read as rows of (slot, head) with index_select, a row copy about 3x faster on the CPU than
     advanced indexing over two dims.
     """

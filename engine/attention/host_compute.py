@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import PagedBatch, PagedKV, key_positions
+from engine.attention.interface import PagedBatch, PagedKV
+from engine.attention.reading import key_positions
 
 HIDDEN = 1 << 62  # a key position after every query: never visible
 

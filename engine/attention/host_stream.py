@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.codecs import Parts
+from engine.kv.codecs import Parts
 
 SIDES = ("k", "v")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.attention import DecodeAsPrefill, PagedBatch, PagedKV, read_blocks, visibility
-from engine.codecs import codecs_for
+from engine.attention.interface import DecodeAsPrefill, PagedBatch, PagedKV
+from engine.attention.reading import read_blocks, visibility
+from engine.kv.codecs import codecs_for
 
 
 class ReferenceBackend(DecodeAsPrefill):

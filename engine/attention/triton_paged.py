@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 import torch
 
-from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats
+from engine.attention.interface import KVFormat, PagedBatch, PagedKV, kv_formats
 from engine.attention.cpu_paged import ChunkedPagedBackend
 from engine.attention.host_compute import lse_of
 

@@ -1,0 +1,372 @@
+"""`kvscope bench --compare hf`: the engine and transformers on the same model, prompts and process.
+
+(a) one request, P-token prompt, N new tokens, greedy: engine vs `generate`;
+(b) B requests x (P-token prompt + M new tokens): engine vs `generate_batch` (transformers' paged
+continuous batching) and vs `generate` run once per request.
+Throughput is generated tokens per wall-clock second, prefill included.
+
+`kvscope bench --long [CONTEXT]` instead: B sequences (--batch) of CONTEXT tokens (2048) prefilled, then decode
+steps timed against the memory floor, the bytes a step must read (weights + every sequence's KV) over the memcpy
+bandwidth measured in the same run; `--attention` picks the backend.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from app.bench.prompts import bench_prompts
+from app.commands import open_engine
+from app.options import cache_config
+
+def _timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from engine.model.loader import hf_reference_dir
+    from engine.sequence import SamplingParams
+
+    if getattr(args, "shadow_every_s", None) is None:
+        args.shadow_every_s = 0.0  # benchmarks time the engine alone unless shadow steps are asked for
+    if getattr(args, "long", None):
+        return cmd_bench_long(args)
+    if getattr(args, "quality", False):
+        from app.bench.quality import cmd_bench_quality
+
+        return cmd_bench_quality(args)
+    engine, _ = open_engine(args)
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
+    one = bench_prompts(engine.tokenizer, 1, P)
+    many = bench_prompts(engine.tokenizer, B, P)[::-1]  # not the same first prompt as (a): no prefix reuse
+    hf = AutoModelForCausalLM.from_pretrained(hf_reference_dir(args.model), dtype=torch.float32).to(args.device).eval()
+    dev = torch.device(args.device)
+
+    def hf_generate(p: list[int], n: int) -> list[int]:
+        with torch.inference_mode():
+            out = hf.generate(torch.tensor([p], device=dev), max_new_tokens=n, do_sample=False, eos_token_id=None,
+                              pad_token_id=engine.spec.eos_token_ids[0])
+        return out[0, len(p):].tolist()
+
+    def eng_run(ps: list[list[int]], n: int) -> list[list[int]]:
+        engine.reset_prefix_cache()
+        return engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+
+    # Warm-up: first calls pay one-off allocation and kernel selection costs on both sides.
+    say("[bench] warm-up")
+    eng_run([one[0][:32]], 4)
+    hf_generate(one[0][:32], 4)
+
+    say(f"[bench] (a) 1 x ({P} prompt + {N} new), greedy")
+    e_out, e_s = _timed(lambda: eng_run(one, N))
+    seq = engine.seqs[max(engine.seqs)]
+    e_ttft = seq.ttft
+    h_out, h_s = _timed(lambda: hf_generate(one[0], N))
+    # transformers' time to first token: the same call with one new token (best of two).
+    h_ttft = min(_timed(lambda: hf_generate(one[0], 1))[1] for _ in range(2))
+    res = {"batch1": {"engine_tok_s": N / e_s, "generate_tok_s": N / h_s, "engine_s": e_s, "generate_s": h_s,
+                      "engine_ttft_s": e_ttft, "generate_ttft_s": h_ttft,
+                      "engine_decode_tok_s": (N - 1) / (e_s - e_ttft), "generate_decode_tok_s": (N - 1) / (h_s - h_ttft),
+                      "tokens_equal": e_out[0] == h_out}}
+
+    say(f"[bench] (b) {B} x ({P} prompt + {M} new)")
+    eb_out, eb_s = _timed(lambda: eng_run(many, M))
+    gcfg = GenerationConfig(max_new_tokens=M, min_new_tokens=M, do_sample=False,
+                            eos_token_id=engine.spec.eos_token_ids[0], pad_token_id=engine.spec.eos_token_ids[0])
+    try:
+        with torch.inference_mode():
+            hb, hb_s = _timed(lambda: hf.generate_batch(inputs=many, generation_config=gcfg, progress_bar=False))
+        hb_out = [list(v.generated_tokens) for v in hb.values()]
+        gb_tok_s = B * M / hb_s
+        gb_err = None
+    except Exception as e:  # report, don't hide: the peer failed on this machine
+        gb_tok_s, hb_s, hb_out, gb_err = None, None, [], f"{type(e).__name__}: {e}"
+    hs_out, hs_s = _timed(lambda: [hf_generate(p, M) for p in many])
+    res["batch"] = {
+        "requests": B, "engine_tok_s": B * M / eb_s, "generate_batch_tok_s": gb_tok_s, "generate_sequential_tok_s":
+        B * M / hs_s, "engine_s": eb_s, "generate_batch_s": hb_s, "generate_sequential_s": hs_s,
+        "tokens_equal_sequential": eb_out == hs_out, "generate_batch_error": gb_err,
+        "generate_batch_tokens_equal": sorted(map(tuple, hb_out)) == sorted(map(tuple, eb_out)) if hb_out else None,
+    }
+    c = engine.counters
+    res["ratios"] = {
+        # Decode throughput (tokens after the first, per second after it): the target's "batch-1 decode".
+        "batch1_vs_generate": res["batch1"]["engine_decode_tok_s"] / res["batch1"]["generate_decode_tok_s"],
+        "batch1_end_to_end_vs_generate": res["batch1"]["engine_tok_s"] / res["batch1"]["generate_tok_s"],
+        "batch8_vs_generate_batch": (res["batch"]["engine_tok_s"] / gb_tok_s) if gb_tok_s else None,
+        "batch8_vs_generate_sequential": res["batch"]["engine_tok_s"] / res["batch"]["generate_sequential_tok_s"],
+    }
+    res["step_split"] = {"forward_s": c.forward_s, "bookkeeping_s": c.bookkeeping_s,
+                         "bookkeeping_fraction": c.bookkeeping_s / max(c.forward_s + c.bookkeeping_s, 1e-9)}
+    cost = engine.telemetry.cost_signals()
+    cost["device_hit_rate"] = c.device_hit_rate
+    res["cost"] = {k: (None if isinstance(v, float) and v != v else v) for k, v in cost.items()}  # NaN: no data
+    res["config"] = engine.config.as_dict()
+    res["model"] = engine.spec.name
+    res["device"] = args.device
+    res["torch_threads"] = torch.get_num_threads()
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    b1, bb, r = res["batch1"], res["batch"], res["ratios"]
+    print(f"model {res['model']} on {args.device}, {res['torch_threads']} threads, {engine.config.summary()}")
+    print(f"(a) batch 1      decode: engine {b1['engine_decode_tok_s']:6.1f} tok/s, generate "
+          f"{b1['generate_decode_tok_s']:6.1f} tok/s, ratio {r['batch1_vs_generate']:.2f}x | end to end (with "
+          f"{P}-token prefill): {b1['engine_tok_s']:.1f} vs {b1['generate_tok_s']:.1f} tok/s, "
+          f"{r['batch1_end_to_end_vs_generate']:.2f}x | TTFT {b1['engine_ttft_s'] * 1e3:.0f} vs "
+          f"{b1['generate_ttft_s'] * 1e3:.0f} ms | tokens equal: {b1['tokens_equal']}")
+    gb = f"{bb['generate_batch_tok_s']:7.1f}" if bb["generate_batch_tok_s"] else "  n/a  "
+    print(f"(b) batch {B}      engine {bb['engine_tok_s']:7.1f} tok/s   generate_batch {gb} tok/s   "
+          f"generate x{B} {bb['generate_sequential_tok_s']:7.1f} tok/s")
+    if r["batch8_vs_generate_batch"]:
+        print(f"    ratios       vs generate_batch {r['batch8_vs_generate_batch']:.2f}x   "
+              f"vs sequential generate {r['batch8_vs_generate_sequential']:.2f}x   "
+              f"tokens equal to generate: {bb['tokens_equal_sequential']}")
+    else:
+        print(f"    generate_batch failed: {bb['generate_batch_error']}; vs sequential "
+              f"{r['batch8_vs_generate_sequential']:.2f}x")
+    k = res["cost"]
+
+    def show(x, fmt):
+        return "no data" if x is None else fmt.format(x)
+
+    print(f"cost: TTFT p50/p95 {show(k['ttft_p50'], '{:.3f}')} / {show(k['ttft_p95'], '{:.3f}')} s, waiting "
+          f"{k['waiting']}, preempted {k['preemptions']}, promotion stall {k['promote_stall_s']:.3f} s, promoted / "
+          f"demoted {show(k['promoted_mb_per_token'], '{:.3f}')} / {show(k['demoted_mb_per_token'], '{:.3f}')} MB per "
+          f"token, device hit rate (keys read) {show(k['device_hit_rate'], '{:.3f}')}, streamed from host "
+          f"{show(k['streamed_share'], '{:.3f}')} of keys, {show(k['streamed_mb_per_token'], '{:.3f}')} MB per token "
+          "copied as stored")
+    s = res["step_split"]
+    print(f"step time: forward {s['forward_s']:.2f} s, cache bookkeeping {s['bookkeeping_s']:.2f} s "
+          f"({100 * s['bookkeeping_fraction']:.1f} %)")
+    return 0
+
+
+def memcpy_bandwidth(device: str = "cpu", mb: int = 512, repeats: int = 5) -> float:
+    """Bytes copied per second by dst.copy_(src) of an `mb` MB buffer (best of `repeats`; pages touched first)."""
+    import torch
+
+    src = torch.ones(mb << 18, dtype=torch.float32, device=device)
+    dst = torch.zeros_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return src.numel() * src.element_size() / best
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def model_weight_bytes(model) -> int:
+    """Bytes of the forward pass's weights, each storage once (a tied lm_head is the embedding)."""
+    seen: dict[int, int] = {}
+    tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer if t is not None]
+    for t in tensors:
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, steps: int = 10) -> dict:
+    """B sequences x `args.long` tokens of context: prefill, then `steps` decode steps timed against the memory
+    floor (bandwidth: a `copy_mb` MB memcpy), and the top ops of 3 more steps under the torch profiler."""
+    import numpy as np
+    import torch
+
+    from engine.kv.block_pool import blocks_for
+    from engine.config import EngineOptions
+    from engine.runtime.engine import Engine
+    from engine.model.loader import load_model, resolve_weights_dtype
+    from engine.sequence import SamplingParams
+
+    B, ctx = args.batch, args.long
+    config = cache_config(args)
+    options = EngineOptions(device=args.device, weights_dtype=getattr(args, "weights_dtype", None) or "auto",
+                            attention=getattr(args, "attention", None) or "auto",
+                            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto", max_batch=max(16, B))
+    options.validate()
+    model = load_model(args.model, dtype=resolve_weights_dtype(options.weights_dtype, options.device),
+                       device=options.device)
+    s = model.spec
+    # The device tier must hold every sequence's whole context (plus the steps): a budget that is too small is
+    # raised to fit, so the bench measures attention, not eviction.
+    from engine.kv.codecs import Geometry, codecs_for
+
+    kc, vc = codecs_for(config.kv_dtype)
+    geom = Geometry(layers=s.num_layers, kv_heads=s.num_kv_heads, block_size=config.block_size, head_dim=s.head_dim)
+    block_bytes = sum(kc.block_bytes(geom).values()) + sum(vc.block_bytes(geom).values())
+    need_mb = B * (blocks_for(ctx + 3 * steps, config.block_size) + 2) * block_bytes / 2**20
+    if config.device_budget_mb < need_mb:
+        config = config.replace(device_budget_mb=float(np.ceil(need_mb)))
+    engine = Engine(model, config, options)
+    ps = bench_prompts(engine.tokenizer, B, ctx)
+    say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention, {engine.config.summary()}")
+    t0 = time.perf_counter()
+    # First token, a warm-up step, the timed steps and 3 profiled ones; no sequence finishes before the end.
+    # Sequences prefilled first decode while the others prefill (a chunk of max_batched_tokens a step): room for
+    # those tokens too.
+    room = steps + 8 + 2 * B * -(-ctx // options.max_batched_tokens)
+    ids = [engine.add_request(p, SamplingParams(max_new_tokens=room, ignore_eos=True)) for p in ps]
+    while any(engine.seqs[i].first_token_at is None for i in ids):
+        engine.step()
+    prefill_s = time.perf_counter() - t0
+    say(f"[bench] prefilled in {prefill_s:.1f} s; decoding")
+    engine.step()  # warm-up: first decode step's allocations
+    times, fwd = [], []
+    for _ in range(steps):
+        f0 = engine.counters.forward_s
+        _sync(args.device)
+        t = time.perf_counter()
+        outs = engine.step()
+        _sync(args.device)
+        times.append(time.perf_counter() - t)
+        fwd.append(engine.counters.forward_s - f0)
+        assert len(outs) == B, "every sequence decodes each step"
+    ctx_now = [engine.seqs[i].num_cached for i in ids]
+    bs = engine.config.block_size
+    kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
+    weights = model_weight_bytes(engine.model)
+    say("[bench] memcpy bandwidth")
+    bw = memcpy_bandwidth(args.device, copy_mb)
+    floor = (weights + kv_read) / bw
+    step_s = float(np.median(times))
+    res = {"sequences": B, "context_tokens": ctx, "attention": engine.model.attention, "device": args.device,
+           "model": s.name, "weights_dtype": str(engine.model.dtype).replace("torch.", ""),
+           "config": engine.config.as_dict(), "torch_threads": torch.get_num_threads(), "prefill_s": prefill_s,
+           "decode_steps": steps, "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
+           "forward_ms_median": 1e3 * float(np.median(fwd)), "weights_bytes": weights, "kv_bytes_read": kv_read,
+           "memcpy_gbps": bw / 1e9, "floor_ms": 1e3 * floor, "step_over_floor": step_s / floor,
+           "target_over_floor": 1.5}
+    say("[bench] profiling 3 decode steps")
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(args.device).startswith("cuda") else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            engine.step()
+        _sync(args.device)
+    cuda = str(args.device).startswith("cuda")
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
+    total = sum(getattr(e, key, 0) for e in events) or 1
+    res["profile_top_ops"] = [{"op": e.key, "calls_per_step": e.count / 3, "ms_per_step": getattr(e, key) / 3e3,
+                               "share": getattr(e, key) / total} for e in events[:12]]
+    return res
+
+
+def cmd_bench_long(args: argparse.Namespace) -> int:
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    res = long_context_bench(args, say)
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    print(f"model {res['model']} ({res['weights_dtype']}) on {res['device']}, {res['torch_threads']} threads, "
+          f"{res['attention']} attention, {res['sequences']} x {res['context_tokens']} tokens of context")
+    print(f"decode step: median {res['step_ms_median']:.1f} ms (forward {res['forward_ms_median']:.1f} ms, min "
+          f"{res['step_ms_min']:.1f} ms) | memory floor {res['floor_ms']:.1f} ms = ({res['weights_bytes'] / 1e6:.0f} MB "
+          f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy | "
+          f"step / floor {res['step_over_floor']:.2f}x (target <= {res['target_over_floor']}x)")
+    print("top ops per decode step (self time):")
+    for op in res["profile_top_ops"]:
+        print(f"  {op['ms_per_step']:8.2f} ms  {100 * op['share']:5.1f} %  {op['calls_per_step']:7.1f} calls  {op['op']}")
+    return 0
+
+
+def tiny_random_model(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 4096):
+    """An in-memory random Llama with the default model's tokenizer: for measuring the cache, not the model."""
+    import dataclasses
+
+    import torch
+
+    from engine.model.loader import LoadedModel, load_model
+
+    base = load_model(None)
+    spec = dataclasses.replace(base.spec, num_layers=layers, hidden_size=hidden, intermediate_size=2 * hidden,
+                               num_heads=heads, num_kv_heads=kv_heads, head_dim=hidden // heads, vocab_size=vocab,
+                               sliding_window=(None,) * layers, name="tiny-random")
+    g = torch.Generator().manual_seed(0)
+    w = {"model.embed_tokens.weight": torch.randn(vocab, hidden, generator=g), "model.norm.weight": torch.ones(hidden)}
+    hd = hidden // heads
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for name, shape in (("self_attn.q_proj", (heads * hd, hidden)), ("self_attn.k_proj", (kv_heads * hd, hidden)),
+                            ("self_attn.v_proj", (kv_heads * hd, hidden)), ("self_attn.o_proj", (hidden, heads * hd)),
+                            ("mlp.gate_proj", (2 * hidden, hidden)), ("mlp.up_proj", (2 * hidden, hidden)),
+                            ("mlp.down_proj", (hidden, 2 * hidden))):
+            w[p + name + ".weight"] = torch.randn(*shape, generator=g) * 0.1
+        w[p + "input_layernorm.weight"] = torch.ones(hidden)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(hidden)
+    return LoadedModel(spec=spec, weights=w, tokenizer=base.tokenizer, source="tiny-random", cache_dir=None)
+
+
+def filled_engine(n_blocks: int, seq_tokens: int = 1000):
+    """An engine whose pool of n_blocks one-token blocks is ~95% held by live sequences, half of them
+    paused and demoted to the host tier. Returns (engine, sequence count, seconds to fill)."""
+    import numpy as np
+
+    from engine.config import CacheConfig, EngineOptions
+    from engine.runtime.engine import Engine
+    from engine.sequence import SamplingParams
+
+    model = tiny_random_model()
+    s = model.spec
+    per_block = s.num_layers * s.num_kv_heads * s.head_dim * 2 * 4  # fp32, block_size 1
+    half_mb = n_blocks / 2 * per_block / 2**20
+    now = [1000.0]  # a clock well past zero, so a bench can lay history before the fill
+    eng = Engine(model, CacheConfig(block_size=1, device_budget_mb=half_mb, host_budget_mb=half_mb,
+                                    demote_after_s=1.0),
+                 EngineOptions(max_batch=4096, max_batched_tokens=1 << 16), clock=lambda: now[0])
+    rng = np.random.default_rng(0)
+    seq_tokens = max(1, min(seq_tokens, n_blocks // 8))  # small pools (tests) still hold several sequences
+    per_phase = max(1, int(0.95 * n_blocks / 2) // seq_tokens)
+    # Admission reserves each request's peak (prompt + max_new_tokens) over both tiers (engine/runtime/scheduler.py), and
+    # the second half is admitted beside the first half's blocks: what the fill leaves free is what they may
+    # still generate.
+    max_new = max(1, (n_blocks - 4 - 2 * per_phase * seq_tokens) // per_phase - 1)
+    n_seqs = 2 * per_phase
+    t0 = time.perf_counter()
+    ids: list[int] = []
+    for phase in range(2):
+        batch = [eng.add_request(rng.integers(3, s.vocab_size, seq_tokens).tolist(),
+                                 SamplingParams(max_new_tokens=max_new, ignore_eos=True)) for _ in range(per_phase)]
+        while any(eng.seqs[i].first_token_at is None for i in batch):
+            eng.step()
+        ids += batch
+        if phase == 0:  # park the first half: paused, idle past demote_after_s, so on the host tier
+            for i in batch:
+                eng.pause(i)
+            now[0] += 2.0
+            eng.step()
+    return eng, n_seqs, time.perf_counter() - t0
+
+
+def snapshot_bench(n_blocks: int, repeats: int = 20) -> dict:
+    """Time `snapshot()` (per-tier metadata arrays plus the sequence table) on a filled pool."""
+    import numpy as np
+
+    eng, n_seqs, fill_s = filled_engine(n_blocks)
+    eng.snapshot()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        snap = eng.snapshot()
+        times.append(time.perf_counter() - t)
+    used = [int(np.count_nonzero(t.state)) for t in snap.tiers]
+    return {"blocks": sum(t.capacity for t in snap.tiers), "used_device": used[0], "used_host": used[1],
+            "sequences": n_seqs, "fill_s": fill_s, "snapshot_ms_median": 1e3 * float(np.median(times)),
+            "snapshot_ms_max": 1e3 * float(np.max(times))}

@@ -1,0 +1,15 @@
+"""The KV cache itself: where every block's K and V live, who holds them, and which go when room runs out.
+
+Layers, lowest first (a module imports only those above it in this list, and nothing outside engine.kv but
+engine.config / engine.errors / engine.sequence / engine.user_file):
+
+- `codecs`: the storage formats (fp32 / fp16 / 8-bit values / delta keys) as parts arrays, encode and decode.
+- `tiers`: one tier's slab of fixed-size slots (`TierPool`: device or host memory, per-slot metadata arrays).
+- `eviction`: the policies (LRU-K, heat, S3-FIFO) that pick victims from a tier's read-only arrays.
+- `block_pool`: `BlockPool`, both tiers and the logical block ids mapped onto their slots; ref counts,
+  prefix cache, migrations between tiers; `invariants` checks it.
+- `resize` / `resize_undo`: a budget change applied in place, and its undo journal.
+- `residency`, `manager`: `KVManager`, the door the scheduler and runner use (allocate, append, free, fork,
+  demote idle blocks, prefetch), and `relayout` for a change of block size or dtype.
+- `access_trace`: every block read, recorded for the policy lab.
+"""

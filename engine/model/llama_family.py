@@ -1,0 +1,374 @@
+"""A Llama-family forward pass (Llama, Mistral, Qwen2) whose attention reads the paged KV cache.
+
+The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
+device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
+(engine/attention/: `cpu` and `triton` read the blocks in place; `reference` is the original path, which
+decodes every block of the table into a dense copy and runs SDPA under a mask). Blocks on the host tier are read
+from it (streamed), or with host_reads="compute" attended on the host and merged with the device part by
+log-sum-exp (engine/attention/host_compute.py).
+Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv heads, D = head dim.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend
+from engine.attention.host_compute import TierSplit, attend_on_host, attend_split, split_by_tier
+from engine.config import ConfigError, EngineOptions
+from engine.model.loader import ModelSpec, resolve_weights_dtype
+
+
+def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtype = torch.float32) -> str:
+    """The backend `name` runs as (ConfigError when it cannot run here); an explicit name is kept.
+
+    auto: triton on CUDA when triton imports, else the in-place torch path (`cpu`, which runs on any device).
+    On the CPU with bf16/fp16 weights auto keeps `reference`: half weights on a CPU are the mode that matches
+    transformers in that dtype bit for bit (SDPA in the half type over exactly the valid keys), and the in-place
+    path attends in fp32 instead (closer to fp32, but greedy tokens drift from transformers' half-precision ones).
+    """
+    if name not in EngineOptions.ATTENTION:
+        raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
+    if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError("attention: 'triton' needs a CUDA device (or TRITON_INTERPRET=1, the interpreter)")
+    if name != "auto":
+        return name
+    if torch.device(device).type == "cuda":
+        try:
+            import triton  # noqa: F401
+        except Exception:  # not installed, or broken for this build: the torch path still reads in place
+            return "cpu"
+        return "triton"
+    return "cpu" if dtype == torch.float32 else "reference"
+
+
+@dataclass
+class AttnGroup:
+    """Sequences attended together: one decode group (q_len 1 each) or one prefill sequence."""
+
+    rows: torch.Tensor  # [B*Q] indices into the step's T tokens, row-major by sequence
+    q_len: int
+    table: torch.Tensor  # [B, NB] device slots of each sequence's blocks (padded with the null block)
+    kpos: torch.Tensor  # [B, NB*bs] position of each gathered key; masked where kvalid is False
+    kvalid: torch.Tensor  # [B, NB*bs] bool
+    qpos: torch.Tensor  # [B, Q] positions of the queries
+    ctx: torch.Tensor | None = None  # [B] keys of each row (its first ctx[b] table entries' tokens); None: kvalid.sum(1)
+    key_pos: torch.Tensor | None = None  # kpos when some row is repositioned; None: key i sits at position i
+    on_host: torch.Tensor | None = None  # [B, NB] bool: blocks read from the host tier (PagedBatch.on_host)
+    host_table: torch.Tensor | None = None  # [B, NB] their host-tier slots (a CPU tensor)
+    host_compute: bool = False  # host_reads="compute": attention over the host blocks runs on the host (split)
+    staged_table: torch.Tensor | None = None  # [B, NB] each host block's row in the step's staging (streamed)
+
+    def paged(self) -> PagedBatch:
+        """The group as an attention backend reads it."""
+        ctx = self.ctx if self.ctx is not None else self.kvalid.sum(1)
+        return PagedBatch(block_table=self.table, context_lens=ctx, q_pos=self.qpos, key_pos=self.key_pos,
+                          on_host=self.on_host, host_table=self.host_table, staged_table=self.staged_table)
+
+    def split(self, block_size: int) -> TierSplit | None:
+        """The group's device and host parts when its host blocks are attended on the host, else None (streamed)."""
+        return split_by_tier(self.paged(), block_size) if self.host_compute and self.on_host is not None else None
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    groups: list[AttnGroup]
+    logit_rows: torch.Tensor  # [R] rows of T whose next-token logits are wanted
+
+
+class KVStore(Protocol):
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new K/V [T, Hkv, D] for the step's tokens."""
+
+    def gather(self, layer: int, group: "AttnGroup") -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 K/V of the group's blocks, from the tier each is in: [B, NB, Hkv, bs, D] each."""
+
+    def paged(self) -> PagedKV:
+        """The tier's K/V parts as they lie, for the in-place backends."""
+
+
+def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
+    """inv_freq [D/2] and the attention scaling for the model's RoPE variant."""
+    d = spec.head_dim
+    base = spec.rope_theta
+    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    params = dict(spec.rope_scaling or {})
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return inv, 1.0
+    if kind == "linear":
+        return inv / float(params["factor"]), 1.0
+    if kind == "llama3":
+        import math
+
+        factor = float(params["factor"])
+        low, high = float(params["low_freq_factor"]), float(params["high_freq_factor"])
+        old_ctx = float(params["original_max_position_embeddings"])
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, scaled), 1.0
+    raise ValueError(f"RoPE type {kind!r} is not supported")
+
+
+SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, in] @ w[out, in].T, picking the fastest CPU kernel for the row count.
+
+    Decode steps have a handful of rows. For those, MKL's gemm with the weight as the left operand
+    (w @ x.T) streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest
+    padded to two (the one-column case takes a slow gemv path). Measured in `kvscope bench`.
+    """
+    T = x.shape[0]
+    if x.device.type != "cpu" or T > SMALL_BATCH or x.dtype != torch.float32:
+        # bf16/fp16: F.linear is transformers' kernel, and w @ x.T rounds differently there (greedy drifts).
+        return F.linear(x, w)
+    if T == 1:
+        return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()
+    return torch.mm(w, x.t()).t().contiguous()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaFamily:
+    """The forward pass, in the weights dtype (`dtype`: fp32, bf16, fp16 or auto = bf16 on CUDA, fp32 on CPU).
+
+    Weights are used where they lie when the loaded dict already has this dtype and device (the loader fuses
+    q/k/v and gate/up as consecutive rows of one buffer): no copy. Otherwise each is cast/moved once; fused
+    copies replace the dict's entries when they hold the same values (same dtype and device), so the unfused
+    originals are freed and every weight exists once.
+    """
+
+    def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
+                 dtype: "str | torch.dtype" = "auto", attention: str = "auto"):
+        self.spec = spec
+        self.device = device
+        self.dtype = resolve_weights_dtype(dtype, device)
+        self.use_attention(attention)  # after self.dtype: auto depends on it
+        self._dev = torch.empty(0, device=device).device  # concrete (cuda -> cuda:0), to compare with tensors'
+        w = weights
+        own = self._own
+        self.embed = own(w["model.embed_tokens.weight"])
+        self.lm_head = self.embed if spec.tie_word_embeddings else own(w["lm_head.weight"])
+        self.norm = own(w["model.norm.weight"])
+        self.layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
+            qkv = self._fused(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+            qkv_b = self._fused(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if spec.attention_bias else None
+            gate_up = self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            self.layers.append(
+                (own(w[p + "input_layernorm.weight"]), qkv, qkv_b, own(w[a + "o_proj.weight"]),
+                 own(w[p + "post_attention_layernorm.weight"]), gate_up, own(w[p + "mlp.down_proj.weight"]))
+            )
+        inv, self.attn_scaling = rope_inv_freq(spec)
+        self.inv_freq = inv.to(device)
+        self.scale = spec.head_dim**-0.5
+
+    def use_attention(self, name: str) -> None:
+        """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
+        self.attention = resolve_attention(name, self.device, self.dtype)
+        self.backend: AttentionBackend | None = None if self.attention == "reference" else make_backend(self.attention)
+        # host_reads="compute": (device part, host part) backends, each with partial() -> (out, lse). The host part
+        # is the CPU path (triton's too: the kernel is for the GPU); reference computes both by its formula.
+        if self.backend is None:
+            self.split_sides = (make_backend("reference"),) * 2
+        else:
+            self.split_sides = (self.backend, make_backend("cpu") if self.attention == "triton" else self.backend)
+
+    def _fits(self, t: torch.Tensor) -> bool:
+        return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()
+
+    def _own(self, t: torch.Tensor) -> torch.Tensor:
+        """t itself when it already has the model's dtype and device, else one converted copy."""
+        return t if self._fits(t) else t.to(device=self._dev, dtype=self.dtype).contiguous()
+
+    def _fused(self, w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+        """The tensors `names` stacked by rows: a view when they are consecutive rows of one buffer already."""
+        parts = [w[n] for n in names]
+        first = parts[0]
+        rows = sum(t.shape[0] for t in parts)
+        if all(self._fits(t) and t.shape[1:] == first.shape[1:] for t in parts) and all(
+            t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            and t.storage_offset() == prev.storage_offset() + prev.numel()
+            for prev, t in zip(parts, parts[1:])
+        ):
+            return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+        fused = torch.empty((rows, *first.shape[1:]), dtype=self.dtype, device=self._dev)
+        row = 0
+        for t in parts:
+            fused[row: row + t.shape[0]].copy_(t)
+            row += t.shape[0]
+        if all(t.dtype == self.dtype and t.device == self._dev for t in parts):
+            # Same values: the caller's dict now names rows of the fused buffer, and the originals can go.
+            row = 0
+            for n, t in zip(names, parts):
+                w[n] = fused[row: row + t.shape[0]]
+                row += t.shape[0]
+        return fused
+
+    # -- pieces -------------------------------------------------------------------------------
+    def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
+            return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
+        # As transformers' LlamaRMSNorm for half types: normalize in fp32, round to the dtype, then scale in it.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return w * h.to(x.dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Computed in fp32, then rounded to `dtype` (as transformers' rotary embedding does)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attn_scaling).to(dtype), (emb.sin() * self.attn_scaling).to(dtype)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] rotated by per-token cos/sin [T, D]."""
+        return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """K-shift: re-rotate cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes additively)."""
+        freqs = delta.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return self.rotate(k, emb.cos(), emb.sin())
+
+    # -- forward ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+        s = self.spec
+        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
+        T = x.shape[0]
+        cos, sin = self.cos_sin(batch.positions, x.dtype)
+        attend = self._reference_attention(batch, kv, x) if self.backend is None else self._paged_attention(batch, kv, x)
+        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
+            h = self._rms(x, ln1)
+            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
+            if qkv_b is not None:
+                qkv = qkv + qkv_b
+            qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k in one pass
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+            kv.write(li, k, v)
+            attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
+            x = x + linear(attn.reshape(T, H * D), o_w)
+            h = self._rms(x, ln2)
+            gate, up = linear(h, gu_w).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, down_w)
+        x = self._rms(x[batch.logit_rows], self.norm)
+        return linear(x, self.lm_head).float()  # [R, vocab]
+
+    def _reference_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+        """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table decoded into a dense fp32
+        copy (kv.gather), permuted head-major, cast to the weights dtype, and SDPA under a bool mask."""
+        s = self.spec
+        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        T = x.shape[0]
+        # Half types: attend over the gathered keys up to the last valid one, not the padded blocks' tail.
+        # The masked tail changes how bf16 SDPA rounds (fp32 is exact either way), so without the cut greedy
+        # tokens drift from transformers', whose cache holds exactly the valid keys.
+        spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
+        masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}
+        # host_reads="compute": groups with host blocks attended by the formula on each tier, merged
+        paged = kv.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
+        splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
+
+        def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+            if window not in masks:
+                masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
+            attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
+            for g, mask, n, split in zip(batch.groups, masks[window], spans, splits):
+                B, NB = g.table.shape
+                if split is not None:
+                    qg = q[g.rows].view(B, g.q_len, H, D)
+                    o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window)
+                    attn[g.rows] = o.reshape(B * g.q_len, H, D)
+                    continue
+                kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
+                kb, vb = kb.to(q.device), vb.to(q.device)
+                S = NB * kb.shape[3]
+                # Attention in the weights dtype, as transformers computes it (a no-op for fp32).
+                kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
+                vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
+                qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
+                if x.is_cuda and H != Hkv:
+                    # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
+                    # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
+                    kb, vb = kb.repeat_interleave(H // Hkv, dim=1), vb.repeat_interleave(H // Hkv, dim=1)
+                o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=H != kb.shape[1])
+                attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
+            return attn
+
+        return attend
+
+    def _paged_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+        """attend(layer, q [T, H, D], window) -> [T, H, D] through `self.backend`, reading the device tier's
+        blocks where they lie: decode(...) for the decode group, prefill(...) for each prompt chunk.
+
+        The backend computes in fp32 (online softmax over chunks or tiles) and returns q's dtype; it reads
+        exactly the keys each row's context length and positions make visible, so no mask or span is built.
+        """
+        backend, scale = self.backend, self.scale
+        T = x.shape[0]
+        paged = kv.paged()
+        groups = [(g, g.paged(), g.split(paged.block_size)) for g in batch.groups]
+        # One group holding every row in order (all decodes, or one prompt chunk): no gather/scatter of rows.
+        whole = len(groups) == 1 and groups[0][0].rows.shape[0] == T
+        sides = self.split_sides
+
+        def run(li: int, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, split: TierSplit | None,
+                window: int | None) -> torch.Tensor:
+            if paged.k["data"][li].device != q.device:  # device_layers: this layer's K/V are in host memory
+                return attend_on_host(sides[1], q, li, paged, pb, g.q_len, scale=scale, window=window)
+            if split is not None:  # host_reads="compute": device part here, host part on the host, merged
+                qg = q.view(g.table.shape[0], g.q_len, *q.shape[1:])
+                return attend_split(*sides, qg, li, paged, split, scale=scale, window=window).view(q.shape)
+            if g.q_len == 1:
+                return backend.decode(q, li, paged, pb, scale=scale, window=window)  # [B, H, D]
+            B, Q, (_, H, D) = g.table.shape[0], g.q_len, q.shape
+            return backend.prefill(q.view(B, Q, H, D), li, paged, pb, scale=scale, window=window).view(B * Q, H, D)
+
+        def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+            if whole:
+                return run(li, q, *groups[0], window)
+            attn = torch.empty(q.shape, dtype=x.dtype, device=x.device)
+            for g, pb, split in groups:
+                attn[g.rows] = run(li, q[g.rows], g, pb, split, window)
+            return attn
+
+        return attend
+
+    @staticmethod
+    def _span(g: AttnGroup) -> int:
+        """Gathered keys up to and including the group's last valid one (on CUDA: one host sync per group)."""
+        valid = g.kvalid.any(dim=0)
+        return int(torch.where(valid, torch.arange(valid.shape[0], device=valid.device), 0).max()) + 1
+
+    @staticmethod
+    def _mask(g: AttnGroup, window: int | None) -> torch.Tensor:
+        """[B, 1, Q, S] bool: key visible to query (causal by position, inside the window if any)."""
+        kpos = g.kpos[:, None, :]  # [B, 1, S]
+        qpos = g.qpos[:, :, None]  # [B, Q, 1]
+        m = g.kvalid[:, None, :] & (kpos <= qpos)
+        if window is not None:
+            m = m & (kpos > qpos - window)
+        return m[:, None]

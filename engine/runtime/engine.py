@@ -1,0 +1,397 @@
+"""The engine: continuous batching over the paged, tiered block cache, with llama.cpp-style
+sequence operations and live reconfiguration.
+
+One way through a step: the scheduler (scheduler.py) picks the sequences and their token counts and,
+through the KV manager (kv_manager.py), makes their blocks resident; the model runner (model_runner.py)
+turns that into tensors, runs the model and samples; the engine commits the tokens. Sequence operations
+live in seq_ops.py, re-laying the cache for a new geometry in relayout.py.
+
+Threading: `step()` and the sequence operations run on one thread (the engine thread). Other threads
+may call `submit()` (a command run between steps), `reconfigure()` (applied between two steps: it
+waits for the step in flight, then applies or raises), `snapshot()` and `take_events()`.
+Two locks: `lock` guards the engine's state and is released while the model runs; `step_lock` is held
+for a whole step, so whatever takes it runs between two steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for
+from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
+from engine.errors import RequestError
+from engine.kv.manager import KVManager
+from engine.model.loader import LoadedModel
+from engine.model.llama_family import LlamaFamily
+from engine.runtime.model_runner import ModelRunner
+from engine.kv.relayout import relayout
+from engine.runtime.scheduler import Scheduled, Scheduler
+from engine.runtime.seq_ops import SequenceOps
+from engine.fidelity.shadow import Shadow
+from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
+from engine.runtime.clock import PausableClock
+from engine.telemetry.counters import Counters
+from engine.telemetry.snapshotter import Event, Telemetry
+from engine.kv.tiers import tier_sizes
+
+__all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
+
+
+@dataclass(frozen=True)
+class TokenOut:
+    seq_id: int
+    token: int
+    finished: bool
+
+
+class Engine(SequenceOps):
+    def __init__(self, model: LoadedModel, config: CacheConfig | None = None, options: EngineOptions | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.loaded = model
+        self.spec = model.spec
+        self.tokenizer = model.tokenizer
+        self.options = options or EngineOptions()
+        config = config or CacheConfig()
+        config.validate()
+        self.device = torch.device(self.options.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but torch sees no CUDA device")
+        self.clock = PausableClock(clock)  # the engine's time: stands still while the engine is paused
+        self.options.validate(self.spec.max_position_embeddings)
+        self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype)
+        self.model.use_attention(self.options.attention)
+        self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
+        self.counters = Counters()
+        self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
+                                  self.context_limit, self.counters)
+        self.shadow = Shadow(self)  # lossless reference steps, sampled (engine/fidelity/shadow.py)
+        self.lock = threading.RLock()
+        self.step_lock = threading.RLock()
+        # A step loop re-takes step_lock at once, and locks are not fair: a waiting reconfigure would starve.
+        # Waiting changes are counted here, and step() lets them go first.
+        self._turn = threading.Condition()
+        self._changes_waiting = 0
+        self.telemetry = Telemetry(self)
+        self.seqs: dict[int, Sequence] = {}
+        self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
+        self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
+                                   self.context_limit, shift=self._context_shift, abort=self._finish)
+        self._next_id = 0
+        self._pending: collections.deque[Callable[[], None]] = collections.deque()
+        self._finished: collections.deque[int] = collections.deque()
+        self._kept: set[int] = set()  # finished sequences a caller still has to read (see keep/forget)
+        self.eos = set(self.spec.eos_token_ids)
+
+    # -- views kept for callers (telemetry, tests, the window) ----------------------------------
+    @property
+    def config(self) -> CacheConfig:
+        return self.kv.config
+
+    @property
+    def pool(self) -> BlockPool:
+        return self.kv.pool
+
+    @property
+    def trace(self):
+        return self.kv.trace
+
+    @property
+    def waiting(self) -> collections.deque[int]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[int]:
+        return self.scheduler.running
+
+    # -- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, label: str = "") -> int:
+        sampling = sampling or SamplingParams()
+        with self.lock:
+            prompt_ids = self.check_request(prompt_ids, sampling)
+            seq = self._new_seq(prompt_ids, sampling, label)
+            self.scheduler.add(seq)
+            self.telemetry.emit("request", seq=seq.id, prompt_tokens=len(prompt_ids))
+            return seq.id
+
+    def check_request(self, prompt_ids, sampling: SamplingParams) -> list[int]:
+        """The prompt as a list of ints if this engine can serve it now; else RequestError naming why."""
+        if not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+            raise RequestError("the prompt must be a non-empty list of token ids")
+        check_token_ids(prompt_ids, self.spec.vocab_size)
+        if not isinstance(sampling, SamplingParams):
+            raise RequestError("sampling must be SamplingParams")
+        self._check_fits(len(prompt_ids), sampling.max_new_tokens)
+        return [int(t) for t in prompt_ids]
+
+    def _check_fits(self, prompt_len: int, max_new: int) -> None:
+        peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
+        need = blocks_for(peak, self.config.block_size)
+        dev, host = self.kv.capacity(Tier.DEVICE), self.kv.capacity(Tier.HOST)
+        if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
+            raise RequestError(
+                f"request needs {need} blocks of {self.config.block_size} tokens ({peak} tokens) but the device and "
+                f"host tiers hold {dev} + {host}; raise device_budget_mb or host_budget_mb, or shorten the prompt"
+            )
+        if prompt_len > self.context_limit:
+            raise RequestError(f"prompt of {prompt_len} tokens exceeds the context limit of {self.context_limit}")
+
+    def _new_seq(self, tokens: list[int], sampling: SamplingParams, label: str) -> Sequence:
+        sid = self._next_id
+        self._next_id += 1
+        seq = Sequence(id=sid, prompt_len=len(tokens), sampling=sampling, tokens=tokens, pos=list(range(len(tokens))),
+                       arrival=self.clock(), label=label)
+        if not sampling.greedy:
+            g = torch.Generator(device="cpu")
+            g.manual_seed(sampling.seed if sampling.seed is not None else sid)
+            seq.rng = g
+        self.seqs[sid] = seq
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        """Run fn on the engine thread between steps."""
+        with self.lock:
+            self._pending.append(fn)
+
+    def _apply_pending(self) -> None:
+        while True:
+            with self.lock:
+                if not self._pending:
+                    return
+                fn = self._pending.popleft()
+                fn()
+
+    # -- configuration ------------------------------------------------------------------------
+    def reconfigure(self, **changes) -> CacheConfig:
+        """Apply a config change between two steps and return the new config, or raise ConfigError.
+
+        From any thread: it waits for the step in flight (if any) and applies under the engine's lock,
+        so nothing it accepts is dropped and nothing it refuses has changed. A refusal is also an event.
+        """
+        with self._turn:
+            self._changes_waiting += 1
+        try:
+            with self.step_lock, self.lock:
+                return self._reconfigure(changes)
+        finally:
+            with self._turn:
+                self._changes_waiting -= 1
+                self._turn.notify_all()
+
+    def _reconfigure(self, changes: dict) -> CacheConfig:
+        try:
+            new = self.config.replace(**changes)
+            self.kv.require_supported(new)
+            self._check_budget(new)
+            self._apply_config(new, changes)
+        except ConfigError as e:
+            self.telemetry.emit("config_error", changes={k: _label(v) for k, v in changes.items()}, message=str(e))
+            raise
+        return new
+
+    def _check_budget(self, new: CacheConfig) -> None:
+        per = self.kv.bytes_per_block(new)
+        sizes = tier_sizes(new, self.spec.num_layers, per, RESERVED)
+        dev, host = sizes.dev_cap, sizes.host_cap
+        need = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
+                               new.block_size) for s in self.seqs.values() if not s.done), default=0)
+        if dev + host < need:
+            raise ConfigError(
+                f"budgets give {dev} + {host} blocks of {per} bytes (device + host); a live sequence needs {need}: "
+                "raise a budget or finish that sequence first; nothing was changed")
+        live = sum(blocks_for(s.num_cached, new.block_size) for s in self.seqs.values() if not s.done)
+        if dev + host < live:
+            raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {live}; nothing was changed")
+
+    def is_lossy_change(self, changes: "dict | KVDtype | str") -> bool:
+        """Whether applying `changes` (knob -> value; a bare dtype means {"kv_dtype": it}) can alter stored K/V."""
+        if not isinstance(changes, dict):
+            changes = {"kv_dtype": changes}
+        return change_is_lossy(self.config, self.config.replace(**changes))
+
+    def _apply_config(self, new: CacheConfig, changes: dict) -> None:
+        """Under both locks. Raises ConfigError with the engine unchanged if the new layout cannot be built."""
+        old = self.config
+        layout = (new.block_size, new.kv_dtype, new.device_layers) != (old.block_size, old.kv_dtype, old.device_layers)
+        budgets = (new.device_budget_mb, new.host_budget_mb) != (old.device_budget_mb, old.host_budget_mb)
+        held: dict = {}
+        if budgets and not layout:  # in place: tiers grow or shrink, blocks (and the prefix cache) stay
+            try:
+                self.kv.resize(new, self.clock())
+            except CacheFull as e:
+                raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # undone by engine/kv/resize_undo.py before it got here
+                raise ConfigError(f"resizing the tiers failed ({_why(e)}); the change was undone, nothing was changed") from e
+        elif layout:
+            try:
+                held = relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
+            except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
+                raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # the plan only builds the new pool; the copy phase undoes itself (relayout.py)
+                raise ConfigError(f"re-laying the cache failed ({_why(e)}); nothing was changed") from e
+        else:
+            self.kv.set_policy(new)
+        self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
+                            summary=new.summary(), **held)
+
+    # -- the step -----------------------------------------------------------------------------
+    def step(self) -> list[TokenOut]:
+        with self._turn:
+            self._turn.wait_for(lambda: self._changes_waiting == 0, timeout=5.0)
+        with self.step_lock:
+            return self._step()
+
+    def _step(self) -> list[TokenOut]:
+        self._apply_pending()
+        with self.lock:
+            t0 = time.perf_counter()
+            now = self.clock()
+            self.kv.demote_idle(now)
+            self.scheduler.admit(now)
+            sched = self.scheduler.schedule(now)
+            if not sched:
+                self.scheduler.watch_progress([], now)
+                return []
+            run, writes = self.runner.prepare(self.pool, sched)
+            t1 = time.perf_counter()
+        logits = run()
+        shadow = self.shadow.pick(sched, logits, now)
+        with self.lock:
+            t2 = time.perf_counter()
+            outs = self._commit(sched, writes, self.runner.sample(sched, logits))
+            t3 = time.perf_counter()
+            self.counters.forward_s += t2 - t1
+            self.counters.bookkeeping_s += (t1 - t0) + (t3 - t2)
+            self.counters.steps += 1
+            self.scheduler.watch_progress(sched, now)
+            self.telemetry.after_step(now)
+        self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
+        return outs
+
+    def _commit(self, sched: Scheduled, writes, tokens: list[int]) -> list[TokenOut]:
+        """The step's K/V are in their blocks: advance each sequence, append its sampled token, finish it."""
+        now = self.clock()
+        self.kv.commit_step(*writes)
+        touched = []
+        outs = []
+        for (seq, n), tok in zip(sched, tokens):
+            old = seq.num_cached
+            seq.num_cached += n
+            if seq.num_cached > seq.canonical and seq.canonical == old and seq.pos[old:seq.num_cached] == list(
+                    range(old, seq.num_cached)):
+                seq.canonical = seq.num_cached
+            self.kv.hash_full_blocks(seq, old)
+            touched.append(seq.table())
+            if seq.pending > 0:  # a prompt chunk that is not the last: no token yet
+                continue
+            seq.tokens.append(tok)
+            seq.pos.append(seq.pos[-1] + 1)
+            seq.output.append(tok)
+            self.counters.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = now
+                seq.ttft = now - seq.arrival
+                self.telemetry.ttft(seq.ttft)
+            finished = (tok in self.eos and not seq.sampling.ignore_eos) or len(seq.output) >= seq.sampling.max_new_tokens
+            if finished:
+                self._finish(seq, "eos" if tok in self.eos else "length", now)
+            outs.append(TokenOut(seq.id, tok, finished))
+        self.kv.touch(touched, now)
+        return outs
+
+    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
+        seq.state = SeqState.FINISHED
+        seq.finish_reason = reason
+        seq.finished_at = now
+        self.scheduler.remove(seq)
+        self.kv.release(seq)
+        self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
+        if seq.id not in self._kept:
+            self._finished.append(seq.id)
+        while len(self._finished) > self.options.keep_finished:
+            self.seqs.pop(self._finished.popleft(), None)
+
+    # -- traces and the prefix cache --------------------------------------------------------------
+    def start_trace(self) -> None:
+        """Record every block read from now on (see engine/kv/access_trace.py)."""
+        from engine.kv.access_trace import TraceRecorder
+
+        with self.lock:
+            self.kv.trace = TraceRecorder()
+            self.telemetry.emit("trace", recording=True)
+
+    def stop_trace(self, path: str | None = None):
+        """Stop recording; save to path (.npz) if given; return the AccessTrace."""
+        with self.lock:
+            rec, self.kv.trace = self.kv.trace, None
+        if rec is None:
+            return None
+        trace = rec.trace()
+        if path:
+            trace.save(path)
+        self.telemetry.emit("trace", recording=False, rows=len(trace), path=path or "")
+        return trace
+
+    def reset_prefix_cache(self) -> int:
+        with self.lock:
+            n = self.kv.reset_prefix_cache()
+            self.telemetry.emit("prefix_cache_reset", blocks=n)
+            return n
+
+    # -- run helpers ----------------------------------------------------------------------------
+    def run_until_done(self, max_steps: int = 1_000_000) -> None:
+        for _ in range(max_steps):
+            if not self.has_work():
+                return
+            self.step()
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        sps = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, sps)]
+        self.run_until_done()
+        return [self.seqs[i].output for i in ids]
+
+    # -- observation ----------------------------------------------------------------------------
+    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None):
+        return self.telemetry.snapshot(tables, timeout)
+
+    def take_events(self) -> list[Event]:
+        return self.telemetry.take_events()
+
+    def cuda_memory(self) -> tuple[int, int]:
+        """torch's CUDA allocator: (allocated, reserved) bytes on the engine's device."""
+        return torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device)
+
+    def check_invariants(self) -> None:
+        with self.lock:
+            self.kv.check(self.seqs.values())
+            for s in self.seqs.values():
+                assert len(s.tokens) == len(s.pos), f"seq {s.id}: tokens/positions out of step"
+                if s.done:
+                    assert not s.blocks, f"finished seq {s.id} holds blocks"
+                    continue
+                assert len(s.blocks) == blocks_for(s.num_cached, self.config.block_size) or s.state == SeqState.RUNNING, (
+                    f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
+                assert len(s.blocks) == len(s.hashes)
+
+
+def _why(e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
+
+
+def _label(value) -> str:
+    """A knob value as events show it: a dtype by its name ("int8-kivi", not "6")."""
+    return value.label if isinstance(value, KVDtype) else str(value)

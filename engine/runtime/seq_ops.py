@@ -1,0 +1,190 @@
+"""llama.cpp-style sequence operations: seq_rm, seq_add (K-shift), seq_div, seq_cp (fork), seq_keep,
+the context shift, and the lifecycle calls (cancel, pause, resume, extend, keep, forget).
+
+A mixin of the Engine: each operation takes the engine's lock, works through the KV manager and the
+scheduler, and either completes or raises RequestError with nothing changed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kv.block_pool import blocks_for
+from engine.errors import RequestError
+from engine.sequence import SamplingParams, Sequence, SeqState
+
+
+class SequenceOps:
+    # -- llama.cpp's operations -----------------------------------------------------------------
+    def seq_rm(self, sid: int, p0: int, p1: int | None = None) -> None:
+        """Remove the tokens whose positions are in [p0, p1) (p1 None: to the end)."""
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            keep = [i for i, q in enumerate(seq.pos) if not (p0 <= q < p1)]
+            if len(keep) == len(seq.tokens):
+                return
+            if not keep:
+                raise RequestError("seq_rm would remove every token; finish the sequence instead")
+            self._rewrite(seq, keep, deltas=None)
+            self.telemetry.emit("seq_rm", seq=sid, p0=p0, p1=None if p1 == float("inf") else p1)
+
+    def seq_add(self, sid: int, p0: int, p1: int | None, delta: int) -> None:
+        """Shift positions in [p0, p1) by delta, re-rotating the cached keys (K-shift)."""
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            new = [q + delta if p0 <= q < p1 else q for q in seq.pos]
+            self._reposition(seq, new)
+            self.telemetry.emit("seq_add", seq=sid, p0=p0, delta=delta)
+
+    def seq_div(self, sid: int, p0: int, p1: int | None, d: int) -> None:
+        """Integer-divide positions in [p0, p1) by d (self-extend), re-rotating keys."""
+        if d < 1:
+            raise RequestError("seq_div needs d >= 1")
+        with self.lock:
+            seq = self._live(sid)
+            p1 = float("inf") if p1 is None or p1 < 0 else p1
+            new = [q // d if p0 <= q < p1 else q for q in seq.pos]
+            self._reposition(seq, new)
+            self.telemetry.emit("seq_div", seq=sid, p0=p0, d=d)
+
+    def seq_cp(self, sid: int, sampling: SamplingParams | None = None, label: str = "") -> int:
+        """Fork: a new sequence sharing every block (ref counts); copy-on-write at the first divergent write."""
+        with self.lock:
+            src = self._live(sid)
+            dst = self._new_seq(list(src.tokens), sampling or src.sampling, label or f"fork of {sid}")
+            dst.prompt_len = src.prompt_len
+            dst.pos = list(src.pos)
+            dst.repositioned = src.repositioned
+            dst.output = list(src.output)
+            self.kv.share(dst, src)
+            dst.num_cached, dst.canonical = src.num_cached, src.canonical
+            dst.first_token_at, dst.ttft = src.first_token_at, src.ttft
+            if src.state == SeqState.RUNNING:
+                self.scheduler.add_running(dst)
+            else:
+                self.scheduler.add(dst)
+            self.telemetry.emit("seq_cp", seq=sid, new=dst.id, shared=len(dst.blocks))
+            return dst.id
+
+    def seq_keep(self, sid: int) -> None:
+        """Drop every sequence but this one."""
+        with self.lock:
+            self._live(sid)
+            for other in list(self.seqs.values()):
+                if other.id != sid and not other.done:
+                    self._finish(other, "seq_keep", self.clock())
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    def cancel(self, sid: int) -> None:
+        with self.lock:
+            self._finish(self._live(sid), "cancelled", self.clock())
+
+    def pause(self, sid: int) -> None:
+        with self.lock:
+            seq = self._live(sid)
+            self.scheduler.remove(seq)
+            seq.state = SeqState.PAUSED
+            self.telemetry.emit("pause", seq=sid)
+
+    def resume(self, sid: int) -> None:
+        with self.lock:
+            seq = self._live(sid)
+            if seq.state != SeqState.PAUSED:
+                return
+            self.scheduler.add(seq)
+            self.telemetry.emit("resume", seq=sid)
+
+    def extend(self, sid: int, tokens: list[int], max_new_tokens: int) -> None:
+        """Append a new user turn to a finished or paused sequence and generate again (multi-turn chat)."""
+        with self.lock:
+            seq = self.seqs[sid]
+            if seq.done:
+                raise RequestError(f"sequence {sid} has finished and released its blocks")
+            self._check_fits(len(seq.tokens) + len(tokens), max_new_tokens)
+            for t in tokens:
+                seq.tokens.append(t)
+                seq.pos.append(seq.pos[-1] + 1)
+            seq.sampling = SamplingParams(max_new_tokens=len(seq.output) + max_new_tokens,
+                                          temperature=seq.sampling.temperature, top_p=seq.sampling.top_p,
+                                          seed=seq.sampling.seed, ignore_eos=seq.sampling.ignore_eos)
+            if seq.state == SeqState.PAUSED:
+                self.resume(sid)
+
+    def keep(self, sid: int) -> None:
+        """Keep this sequence in `seqs` after it finishes, whatever keep_finished says, until forget(sid):
+        for a caller that reads its output later (only the newest keep_finished others are kept)."""
+        with self.lock:
+            self._kept.add(sid)
+
+    def forget(self, sid: int) -> None:
+        """Drop a finished sequence that keep() held."""
+        with self.lock:
+            self._kept.discard(sid)
+            seq = self.seqs.get(sid)
+            if seq is not None and seq.done:
+                del self.seqs[sid]
+
+    def _live(self, sid: int) -> Sequence:
+        seq = self.seqs.get(sid)
+        if seq is None or seq.done:
+            raise RequestError(f"no live sequence {sid}")
+        return seq
+
+    # -- re-laying a sequence's tail ----------------------------------------------------------------
+    def _context_shift(self, seq: Sequence) -> None:
+        """llama.cpp context shift: keep n_keep tokens, drop the next n_discard, K-shift the rest back."""
+        n_keep = min(self.options.n_keep, len(seq.tokens) - 2)
+        n_discard = self.options.n_discard or (len(seq.tokens) - n_keep) // 2
+        n_discard = max(1, min(n_discard, len(seq.tokens) - n_keep - 1))
+        p0 = seq.pos[n_keep]
+        keep = list(range(n_keep)) + list(range(n_keep + n_discard, len(seq.tokens)))
+        self._rewrite(seq, keep, deltas=-n_discard, shift_from=n_keep)
+        seq.shifts += 1
+        self.telemetry.emit("context_shift", seq=seq.id, n_keep=n_keep, n_discard=n_discard, at=p0)
+
+    def _reposition(self, seq: Sequence, new_pos: list[int]) -> None:
+        self._rewrite(seq, list(range(len(seq.tokens))), deltas=None, new_pos=new_pos)
+
+    def _rewrite(self, seq: Sequence, keep: list[int], deltas: int | None, shift_from: int | None = None,
+                 new_pos: list[int] | None = None) -> None:
+        """Keep tokens `keep` (indices, ascending) and re-lay the changed tail into new blocks.
+
+        Positions: if new_pos is given, use it; if deltas is given, tokens at kept index >= shift_from move
+        by deltas. Keys whose position changes are re-rotated (K-shift). Shared blocks are never written:
+        the tail gets fresh blocks, which is copy-on-write for free.
+        """
+        bs = self.config.block_size
+        now = self.clock()
+        old_pos = seq.pos
+        if new_pos is None:
+            new_pos = [old_pos[i] + (deltas if deltas is not None and shift_from is not None and j >= shift_from else 0)
+                       for j, i in enumerate(keep)]
+        # The first kept index that differs from before: everything from there is rewritten.
+        first = 0
+        while first < len(keep) and keep[first] == first and new_pos[first] == old_pos[first]:
+            first += 1
+        b0 = first // bs
+        cached_keep = [i for i in keep if i < seq.num_cached]
+        # Refuse before touching anything if the re-laid tail cannot get blocks.
+        need = blocks_for(max(len(cached_keep) - b0 * bs, 0), bs)
+        if not self.kv.room_to_relay(seq, b0, need):
+            raise RequestError(f"sequence {seq.id}: no room to re-lay {need} blocks (both tiers full of owned "
+                               "blocks); nothing was changed")
+        k_tail = v_tail = None
+        if seq.num_cached and len(cached_keep) > b0 * bs:
+            k, v = self.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+            idx = torch.as_tensor(cached_keep[b0 * bs:], device=self.device)
+            k_tail, v_tail = k[:, idx], v[:, idx]
+            delta = torch.as_tensor([new_pos[j] - old_pos[i] for j, i in enumerate(keep)
+                                     if i < seq.num_cached][b0 * bs:], device=self.device)
+            if bool((delta != 0).any()):
+                for layer in range(k_tail.shape[0]):
+                    k_tail[layer] = self.model.shift_keys(k_tail[layer], delta)
+        # Commit the token-level change, then the blocks.
+        seq.tokens = [seq.tokens[i] for i in keep]
+        seq.pos = new_pos
+        seq.repositioned = any(q != i for i, q in enumerate(new_pos))
+        seq.canonical = min(seq.canonical, first)
+        self.kv.relay_tail(seq, b0, k_tail, v_tail, len(cached_keep), now)

@@ -1,0 +1,72 @@
+"""The immutable snapshot records the engine publishes: `Snapshot`, with a `TierSnapshot` per tier and a
+`SeqTable` of the sequences.
+
+Plain frozen dataclasses of numpy arrays and small dicts; `Telemetry` (engine/telemetry/snapshotter.py) builds them,
+engine/telemetry/snapshot_io.py writes and reads them, the window draws them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+@dataclass(frozen=True)
+class TierSnapshot:
+    """One entry per slot of a tier. state: 0 free, 1 cached (no owner), 2 in use."""
+
+    name: str
+    capacity: int
+    block_bytes: int
+    state: np.ndarray  # uint8
+    owner: np.ndarray  # int32, -1 none (the sequence that allocated it)
+    ref: np.ndarray  # int32
+    fill: np.ndarray  # int32 tokens
+    heat: np.ndarray  # float32, decayed to the snapshot time (0 where free)
+    age: np.ndarray  # float32 seconds since last access (meaningless where state is free)
+    hashed: np.ndarray  # bool: full block in the prefix cache
+    # float32 reconstruction error of the block's K and V (engine/fidelity/block_error.py: relative RMS, max over its tokens
+    # and layers); NaN where free or not measured. None in snapshots built without them (read as no data).
+    kerr: np.ndarray | None = None
+    verr: np.ndarray | None = None
+
+    @property
+    def used(self) -> int:
+        return int(np.count_nonzero(self.state))
+
+
+@dataclass(frozen=True)
+class SeqTable:
+    id: np.ndarray
+    state: np.ndarray  # SeqState values
+    tokens: np.ndarray  # tokens in cache order (prompt kept + generated)
+    generated: np.ndarray
+    blocks_device: np.ndarray
+    blocks_host: np.ndarray
+    tokens_per_s: np.ndarray
+    ttft: np.ndarray  # seconds, nan until the first token
+    prefix_reused: np.ndarray
+    labels: tuple[str, ...]
+    block_tier: tuple[np.ndarray, ...]  # per sequence: tier of each of its blocks
+    block_slot: tuple[np.ndarray, ...]  # per sequence: slot of each of its blocks
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    t: float
+    model: dict
+    config: dict
+    tiers: tuple[TierSnapshot, ...]
+    seqs: SeqTable
+    counters: dict
+    windowed: dict
+    memory: dict
+    series: dict[str, np.ndarray]
+    residency: dict[str, np.ndarray]
+    timing: dict = field(default_factory=dict)
+    # Moments worth marking on the time series: (engine-clock time, kind, label), oldest first. Kinds:
+    # "config", "workload", "context_shift", "preempt".
+    marks: tuple = ()
+    # What the KV format costs (Telemetry.quality): kv_dtype, lossless, keys_seen, key_outliers [[layer, head,
+    # channel, absmax, ratio to the head's median channel]], shadow_every_s, shadow (the latest shadow step).
+    quality: dict = field(default_factory=dict)

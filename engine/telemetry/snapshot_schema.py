@@ -1,0 +1,303 @@
+"""The schema of a snapshot file's document: which fields a snapshot has, their dtypes, and the values the
+window draws or divides by.
+
+Checks every field's JSON type, each array's dtype and length (per tier: its capacity; per sequence table:
+one row per sequence), and the values (tier ids, states, fills within the block size, non-negative counts,
+finite floats, knobs within their ranges), using the field checkers of engine/telemetry/snapshot_fields.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from engine.config import KNOBS, CacheConfig, KVDtype
+from engine.sequence import SeqState
+from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
+from engine.telemetry.snapshot_fields import (_array, _Bad, _bool, _clip, _floats, _int, _ints, _list, _num, _obj, _plain,
+                                    _rest, _str)
+from engine.telemetry.counters import Counters
+from engine.telemetry.snapshotter import MARK_KINDS
+
+MAX_BLOCKS = 1 << 26  # slots per tier
+MAX_SEQS = 100_000  # rows of the sequence table
+MAX_POINTS = 1 << 20  # points of one time series or residency histogram
+MAX_MARKS = 100_000
+TIER_NAMES = ("device", "host")
+# The block map's colour modes (ui.block_map.widget.MODES; engine/ may not import ui/, a test keeps them equal).
+COLOUR_MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
+
+# The dtypes the writer produces, per field (dtype.str: byte order, kind, item size).
+TIER_DTYPES = {"state": "|u1", "owner": "<i4", "ref": "<i4", "fill": "<i4", "heat": "<f4", "age": "<f4",
+               "hashed": "|b1"}
+TIER_OPTIONAL = {"kerr": "<f4", "verr": "<f4"}  # files from before the K/V error existed have none: no data
+SEQ_DTYPES = {"id": "<i4", "state": "|i1", "tokens": "<i4", "generated": "<i4", "blocks_device": "<i4",
+              "blocks_host": "<i4", "tokens_per_s": "<f4", "ttft": "<f4", "prefix_reused": "<i4"}
+TABLE_DTYPES = {"block_tier": "|i1", "block_slot": "<i8"}
+SERIES_DTYPE = "<f8"
+RESIDENCY_DTYPE = "<f4"
+
+SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality")  # files from before marks (quality) existed have none
+# Knobs added after snapshot files were first written: a file without one shows the default.
+LATER_KNOBS = ("shadow_every_s",)
+MAX_OUTLIERS = 1000
+
+
+def _snapshot(body: Any) -> Snapshot:
+    _obj(body, "snapshot")
+    body = _obj(body, "", SNAPSHOT_KEYS, SNAPSHOT_OPTIONAL, closed=True)  # fields named bare: t, tiers[0].heat
+    t = _num(body["t"], "t")
+    model = _model(body["model"])
+    config = _config(body["config"])
+    tiers = _tiers(body["tiers"], config["block_size"])
+    seqs = _seqs(body["seqs"], tuple(tier.capacity for tier in tiers))
+    counters = _counters(body["counters"])
+    windowed = _obj(body["windowed"], "windowed", ("tokens_per_s",))
+    windowed = {k: _num(v, f"windowed.{_clip(k, 40)}", nan_ok=True) for k, v in windowed.items()}  # NaN: no data
+    memory = _memory(body["memory"])
+    series = _series(body["series"])
+    residency = _residency(body["residency"])
+    timing = _obj(body.get("timing", {}), "timing")
+    timing = {k: _num(v, f"timing.{_clip(k, 40)}", nan_ok=True) for k, v in timing.items()}
+    marks = _marks(body.get("marks", []))
+    quality = _quality(body.get("quality", {}), model)
+    return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
+                    memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality)
+
+
+def _model(x: Any) -> dict:
+    m = _obj(x, "model", ("name", "device", "layers", "kv_heads", "head_dim"))
+    out = _rest(m, "model", ("name", "device", "architecture", "layers", "heads", "kv_heads", "head_dim",
+                             "context_limit"))
+    for k in ("name", "device", "architecture"):
+        if k in m:
+            out[k] = _str(m[k], f"model.{k}")
+    for k in ("layers", "heads", "kv_heads", "head_dim", "context_limit"):
+        if k in m:
+            out[k] = _int(m[k], f"model.{k}", 1, 1 << 24)
+    return out
+
+
+def _config(x: Any) -> dict:
+    c = _obj(x, "config", tuple(k for k in KNOBS if k not in LATER_KNOBS), LATER_KNOBS, closed=True)
+    out = {}
+    for name, knob in KNOBS.items():
+        if name not in c:
+            out[name] = getattr(CacheConfig(), name)
+            continue
+        v, where = c[name], f"config.{name}"
+        if knob.kind is KVDtype or knob.kind is str:
+            out[name] = _str(v, where, knob.choices)
+        elif knob.kind is int:
+            out[name] = _int(v, where, int(knob.lo), int(knob.hi))
+        else:
+            out[name] = _num(v, where, knob.lo, knob.hi)
+    return out
+
+
+def _tiers(x: Any, block_size: int) -> tuple[TierSnapshot, ...]:
+    out = []
+    for i, t in enumerate(_list(x, "tiers", len(TIER_NAMES))):
+        where = f"tiers[{i}]"
+        t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), tuple(TIER_OPTIONAL), closed=True)
+        name = _str(t["name"], f"{where}.name", (TIER_NAMES[i],))
+        cap = _int(t["capacity"], f"{where}.capacity", 0, MAX_BLOCKS)
+        block_bytes = _int(t["block_bytes"], f"{where}.block_bytes", 0, 1 << 40)
+        arrays = {}
+        for field, dt in TIER_DTYPES.items():
+            a = _array(t[field], f"{where}.{field}", dt, max_len=MAX_BLOCKS)
+            if len(a) != cap:
+                raise _Bad(f"{where}.{field}", f"{len(a):,} values, expected {cap:,} (the tier's capacity)")
+            arrays[field] = a
+        _ints(arrays["state"], f"{where}.state", 0, 2, " (0 free, 1 cached, 2 in use)")
+        _ints(arrays["owner"], f"{where}.owner", -1, None, " (-1: no owner)")
+        _ints(arrays["ref"], f"{where}.ref", 0)
+        _ints(arrays["fill"], f"{where}.fill", 0, block_size, " (the block size)")
+        _floats(arrays["heat"], f"{where}.heat", lo=0.0)
+        _floats(arrays["age"], f"{where}.age")
+        for field, dt in TIER_OPTIONAL.items():
+            if t.get(field) is None:  # absent (an older file) or null: not measured
+                arrays[field] = np.full(cap, np.nan, np.float32)
+                continue
+            a = _array(t[field], f"{where}.{field}", dt, max_len=MAX_BLOCKS)
+            if len(a) != cap:
+                raise _Bad(f"{where}.{field}", f"{len(a):,} values, expected {cap:,} (the tier's capacity)")
+            _floats(a, f"{where}.{field}", lo=0.0, nan_ok=True)  # NaN: not measured
+            arrays[field] = a
+        out.append(TierSnapshot(name=name, capacity=cap, block_bytes=block_bytes, **arrays))
+    return tuple(out)
+
+
+def _seqs(x: Any, capacities: tuple[int, ...]) -> SeqTable:
+    names = tuple(f.name for f in dataclasses.fields(SeqTable))
+    s = _obj(x, "seqs", names, closed=True)
+    cols = {}
+    n = None
+    for field, dt in SEQ_DTYPES.items():
+        a = _array(s[field], f"seqs.{field}", dt, max_len=MAX_SEQS)
+        if n is None:
+            n = len(a)
+        elif len(a) != n:
+            raise _Bad(f"seqs.{field}", f"{len(a):,} values, expected {n:,} (one per sequence, as seqs.id)")
+        cols[field] = a
+    _ints(cols["id"], "seqs.id", 0)
+    _ints(cols["state"], "seqs.state", min(SeqState), max(SeqState), " (a sequence state)")
+    for field in ("tokens", "generated", "blocks_device", "blocks_host", "prefix_reused"):
+        _ints(cols[field], f"seqs.{field}", 0)
+    _floats(cols["tokens_per_s"], "seqs.tokens_per_s", lo=0.0)
+    _floats(cols["ttft"], "seqs.ttft", nan_ok=True)  # NaN until the first token
+    labels = tuple(_str(v, f"seqs.labels[{i}]") for i, v in enumerate(_list(s["labels"], "seqs.labels", n)))
+    tables = {}
+    for field, dt in TABLE_DTYPES.items():
+        lst = _list(s[field], f"seqs.{field}", n)
+        tables[field] = tuple(_array(v, f"seqs.{field}[{i}]", dt, max_len=MAX_BLOCKS) for i, v in enumerate(lst))
+    for i, (tier, slot) in enumerate(zip(tables["block_tier"], tables["block_slot"])):
+        if len(tier) != len(slot):
+            raise _Bad(f"seqs.block_slot[{i}]", f"{len(slot):,} values, expected {len(tier):,} (as block_tier[{i}])")
+        _ints(tier, f"seqs.block_tier[{i}]", 0, len(capacities) - 1, " (tier ids: 0 device, 1 host)")
+        for k, cap in enumerate(capacities):
+            _ints(slot[tier == k], f"seqs.block_slot[{i}]", 0, cap - 1, f" (slots of tier {k}: its capacity - 1)")
+    return SeqTable(**cols, labels=labels, **tables)
+
+
+def _counters(x: Any) -> dict:
+    c = _obj(x, "counters", ("device_hit_rate", "prefix_hit_rate"))
+    ints = {f.name for f in dataclasses.fields(Counters) if f.type in ("int", int)}
+    out = {}
+    for k, v in c.items():
+        where = f"counters.{_clip(k, 40)}"
+        if k in ints:
+            out[k] = _int(v, where, 0)
+        elif k in ("device_hit_rate", "prefix_hit_rate"):
+            out[k] = _num(v, where, 0.0, 1.0, nan_ok=True)  # NaN: nothing counted yet
+        else:
+            out[k] = _num(v, where, nan_ok=True)  # ttft_p50 is NaN before any first token
+    return out
+
+
+def _memory(x: Any) -> dict:
+    m = _obj(x, "memory", ("tiers", "block_bytes", "rss_bytes", "system_total_bytes", "system_used_bytes", "gpu"))
+    out = _rest(m, "memory", ("tiers", "block_bytes", "rss_bytes", "system_total_bytes", "system_used_bytes", "gpu"))
+    for k in ("block_bytes", "rss_bytes", "system_total_bytes", "system_used_bytes"):
+        out[k] = _num(m[k], f"memory.{k}", lo=0)
+    if "stream_staging_bytes" in m:  # read by the memory panel; older snapshots have none
+        out["stream_staging_bytes"] = _num(m["stream_staging_bytes"], "memory.stream_staging_bytes", lo=0)
+    tiers = _obj(m["tiers"], "memory.tiers", TIER_NAMES)
+    out["tiers"] = _rest(tiers, "memory.tiers", TIER_NAMES)
+    nums = ("k_bytes", "v_bytes", "scale_bytes", "metadata_bytes", "capacity_bytes", "capacity_blocks", "used_blocks")
+    for name in TIER_NAMES:
+        where = f"memory.tiers.{name}"
+        t = _obj(tiers[name], where, (*nums, "device"))  # what the memory panel reads
+        d = _rest(t, where, (*nums, "used_bytes", "device", "pinned"))
+        for k in (*nums, "used_bytes"):
+            if k in t:
+                d[k] = _num(t[k], f"{where}.{k}", lo=0)
+        d["device"] = _str(t["device"], f"{where}.device")
+        if "pinned" in t:
+            d["pinned"] = _bool(t["pinned"], f"{where}.pinned")
+        out["tiers"][name] = d
+    gpu = _obj(m["gpu"], "memory.gpu", ("available",))
+    g = _rest(gpu, "memory.gpu", ("available", "reason", "name", "nvml_error", "torch_allocated_bytes",
+                                  "torch_reserved_bytes", "nvml_used_bytes", "nvml_total_bytes"))
+    g["available"] = _bool(gpu["available"], "memory.gpu.available")
+    if g["available"]:
+        _obj(gpu, "memory.gpu", ("torch_allocated_bytes", "torch_reserved_bytes"))
+    for k in ("reason", "name", "nvml_error"):
+        if k in gpu:
+            g[k] = _str(gpu[k], f"memory.gpu.{k}")
+    for k in ("torch_allocated_bytes", "torch_reserved_bytes", "nvml_used_bytes", "nvml_total_bytes"):
+        if k in gpu:
+            g[k] = _num(gpu[k], f"memory.gpu.{k}", lo=0)
+    out["gpu"] = g
+    return out
+
+
+def _series(x: Any) -> dict:
+    s = _obj(x, "series", ("t",) if x else ())
+    out = {}
+    for k, v in s.items():
+        where = f"series.{_clip(k, 40)}"
+        _str(k, where)
+        a = _array(v, where, SERIES_DTYPE, max_len=MAX_POINTS)
+        if out and len(a) != len(next(iter(out.values()))):
+            first = next(iter(out))
+            raise _Bad(where, f"{len(a):,} points, expected {len(out[first]):,} (as series.{_clip(first, 40)})")
+        _floats(a, where, nan_ok=(k != "t"))  # NaN where a reading was unavailable (NVML on a CPU run)
+        out[k] = a
+    return out
+
+
+def _residency(x: Any) -> dict:
+    r = _obj(x, "residency")
+    out = {}
+    for k, v in r.items():
+        where = f"residency.{_clip(k, 40)}"
+        _str(k, where)
+        a = _array(v, where, RESIDENCY_DTYPE, max_len=MAX_POINTS)
+        _floats(a, where, nan_ok=True)  # the histograms skip NaN; infinities they cannot place
+        out[k] = a
+    return out
+
+
+def _marks(x: Any) -> tuple:
+    out = []
+    for i, m in enumerate(_list(x, "marks", max_n=MAX_MARKS)):
+        where = f"marks[{i}]"
+        t, kind, label = _list(m, where, 3)
+        out.append((float(_num(t, f"{where}[0]")), _str(kind, f"{where}[1]", MARK_KINDS), _str(label, f"{where}[2]")))
+    return tuple(out)
+
+
+MAX_EVENTS = 100_000
+
+
+def _extra(x: Any) -> dict:
+    e = _plain(_obj(x, "extra"), "extra")
+    for k in ("caption", "png"):
+        if k in e:
+            _str(e[k], f"extra.{k}")
+    if "colour_mode" in e:
+        _str(e["colour_mode"], "extra.colour_mode", COLOUR_MODES)
+    if "selected" in e:
+        _int(e["selected"], "extra.selected", -1)
+    if "events" in e:  # the window's Events panel: [time, kind, text] lines
+        ev = e["events"]
+        if not isinstance(ev, list) or len(ev) > MAX_EVENTS:
+            raise _Bad("extra.events", f"expected a list of at most {MAX_EVENTS} [time, kind, text] lines")
+        for i, line in enumerate(ev):
+            if not isinstance(line, list) or len(line) != 3:
+                raise _Bad(f"extra.events[{i}]", "expected [time, kind, text]")
+            _num(line[0], f"extra.events[{i}][0]")
+            _str(line[1], f"extra.events[{i}][1]")
+            _str(line[2], f"extra.events[{i}][2]")
+    return e
+
+
+def _quality(x: Any, model: dict) -> dict:
+    """What the KV format costs (engine/telemetry/snapshot.py Snapshot.quality); unknown keys kept as free-form JSON."""
+    q = _obj(x, "quality")
+    known = ("kv_dtype", "lossless", "keys_seen", "key_outliers", "shadow_every_s", "shadow")
+    out = _rest(q, "quality", known)
+    if "kv_dtype" in q:
+        out["kv_dtype"] = _str(q["kv_dtype"], "quality.kv_dtype", KNOBS["kv_dtype"].choices)
+    if "lossless" in q:
+        out["lossless"] = _bool(q["lossless"], "quality.lossless")
+    if "keys_seen" in q:
+        out["keys_seen"] = _int(q["keys_seen"], "quality.keys_seen", 0)
+    if "shadow_every_s" in q:
+        out["shadow_every_s"] = _num(q["shadow_every_s"], "quality.shadow_every_s", 0.0)
+    dims = [model.get(k, 1 << 24) - 1 for k in ("layers", "kv_heads", "head_dim")]
+    rows = []
+    for i, row in enumerate(_list(q.get("key_outliers", []), "quality.key_outliers", max_n=MAX_OUTLIERS)):
+        where = f"quality.key_outliers[{i}]"
+        lyr, head, ch, amax, ratio = _list(row, where, 5)
+        rows.append([_int(lyr, f"{where}[0]", 0, dims[0]), _int(head, f"{where}[1]", 0, dims[1]),
+                     _int(ch, f"{where}[2]", 0, dims[2]), _num(amax, f"{where}[3]", 0.0), _num(ratio, f"{where}[4]", 0.0)])
+    out["key_outliers"] = rows
+    sh = _obj(q.get("shadow", {}), "quality.shadow")
+    out["shadow"] = {k: (_str(v, f"quality.shadow.{_clip(k, 40)}") if isinstance(v, str)
+                         else _num(v, f"quality.shadow.{_clip(k, 40)}", nan_ok=True)) for k, v in sh.items()}
+    return out

@@ -1,0 +1,398 @@
+"""What the engine tells the outside: counters, an event feed, and immutable numpy snapshots.
+
+A snapshot never copies KV data: per tier it copies the per-slot metadata arrays (contiguous
+copies, a few ms at a million blocks), plus small per-sequence and time-series arrays. The snapshot
+records themselves are in engine/telemetry/snapshot.py; `Telemetry` here collects and builds them.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import psutil
+
+from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
+
+RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
+SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
+SERIES_PERIOD_S = 0.1
+WINDOW_S = 5.0  # windowed rates look this far back
+MARK_KINDS = ("config", "workload", "context_shift", "preempt")
+MARKS_KEPT = 512
+# Per shadow step (engine/fidelity/shadow.py), NaN between them: KL(reference ‖ engine), flip rate, max |logit error|.
+SHADOW_SERIES = ("shadow_kld", "shadow_flip_rate", "shadow_logit_err")
+AUTO_TABLES_MAX = 200_000  # block-table entries above which snapshots list blocks only for chosen sequences
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float
+    kind: str
+    fields: dict
+
+
+class Telemetry:
+    def __init__(self, engine):  # engine.runtime.engine.Engine; not imported, so this module stays torch-free
+        self.engine = engine
+        self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
+        self.marks: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=MARKS_KEPT)
+        self.history: collections.deque[tuple] = collections.deque()
+        self.series: collections.deque[tuple] = collections.deque(maxlen=SERIES_LEN)
+        self.residency = {k: collections.deque(maxlen=RESIDENCY_SAMPLES)
+                          for k in ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime")}
+        self.ttfts: collections.deque[float] = collections.deque(maxlen=RESIDENCY_SAMPLES)
+        self._last_series = 0.0
+        self._proc = psutil.Process(os.getpid())
+        self._nvml = None
+        self._nvml_error = ""
+        self._table_cache: dict[int, tuple[int, np.ndarray]] = {}
+        self._table_ids: list[int] = []
+        # Device blocks per sequence (sid -> (table_version, count)), valid for one placement epoch
+        # (id(pool), pool.moves); the concatenated tables behind a full recount, kept while no table changes.
+        self._dev_cache: dict[int, tuple[int, int]] = {}
+        self._dev_epoch: tuple[int, int] | None = None
+        self._flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    # -- inputs -------------------------------------------------------------------------------
+    def emit(self, kind: str, **fields) -> None:
+        self.events.append(Event(time.time(), kind, fields))
+        if kind in MARK_KINDS:
+            self.marks.append((self.engine.clock(), kind, _mark_label(kind, fields)))
+        c = self.engine.counters
+        if kind == "context_shift":
+            c.context_shifts += 1
+        elif kind == "cow":
+            c.cow_copies += 1
+        elif kind == "config":
+            c.config_changes += 1
+
+    def on_pool_event(self, kind: str, **f) -> None:
+        c = self.engine.counters
+        if kind == "evict":
+            c.evictions += 1
+            self.residency["age_at_eviction"].append(f["age"])
+            self.residency["lifetime"].append(f["age"])
+            return  # too frequent for the feed one by one; batched below
+        if kind == "promote":
+            c.promotions += f["n"]
+            c.promoted_bytes += f["nbytes"]
+        elif kind == "demote":
+            c.demotions += f["n"]
+            c.demoted_bytes += f["nbytes"]
+        self.emit(kind, **f)
+
+    def record_prefix_hit(self, gaps: np.ndarray, ages: np.ndarray) -> None:
+        self.residency["reuse_gap"].extend(gaps.tolist())
+        self.residency["age_at_hit"].extend(ages.tolist())
+
+    def cost_signals(self) -> dict[str, float]:
+        """What a change costs, as the window and `kvscope bench` show it (NaN: nothing counted yet).
+
+        ttft_p50 / ttft_p95: seconds from arrival to first token over the last requests; waiting / running: sequences
+        queued and admitted now; preemptions: since start; promote_stall_s: seconds steps spent copying blocks to
+        the device tier before they could run (on CUDA: issuing the side-stream copies; the compute stream's wait
+        for them is not timed); promoted_mb_per_token / demoted_mb_per_token: MB moved between tiers
+        per generated token; streamed_share: keys attention read from the host tier where they are, as a share of
+        all keys read; streamed_mb_per_token: MB of host blocks copied as stored to the compute device's staging to
+        be read there (host_reads=stream, or promote's overflow), per generated token."""
+        c, e = self.engine.counters, self.engine
+        t = np.asarray(self.ttfts, dtype=np.float64)
+        per_tok = (lambda b: b / 2**20 / c.generated) if c.generated else (lambda b: float("nan"))
+        return {
+            "ttft_p50": float(np.percentile(t, 50)) if len(t) else float("nan"),
+            "ttft_p95": float(np.percentile(t, 95)) if len(t) else float("nan"),
+            "waiting": len(e.waiting), "running": len(e.running), "preemptions": c.preemptions,
+            "promote_stall_s": c.promote_stall_s,
+            "promoted_mb_per_token": per_tok(c.promoted_bytes), "demoted_mb_per_token": per_tok(c.demoted_bytes),
+            "streamed_share": c.read_tokens_streamed / c.read_tokens if c.read_tokens else float("nan"),
+            "streamed_mb_per_token": per_tok(c.streamed_bytes),
+        }
+
+    def ttft(self, seconds: float) -> None:
+        self.ttfts.append(seconds)
+
+    def after_step(self, now: float) -> None:
+        c = self.engine.counters
+        point = (now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused, c.evictions, c.promotions,
+                 c.demotions, c.generated)
+        self.history.append(point)
+        while self.history and now - self.history[0][0] > WINDOW_S:
+            self.history.popleft()
+        if now - self._last_series >= SERIES_PERIOD_S:
+            self._last_series = now
+            w = self._windowed(now)
+            pool = self.engine.pool
+            gpu = self.gpu()
+            self.series.append((now, w["device_hit_rate"], w["prefix_hit_rate"], c.device_hit_rate, c.prefix_hit_rate,
+                                w["evictions_per_s"], w["promotions_per_s"], w["demotions_per_s"], w["tokens_per_s"],
+                                pool.tiers[0].used * pool.block_bytes, pool.tiers[1].used * pool.block_bytes,
+                                self._proc.memory_info().rss, gpu.get("nvml_used_bytes", np.nan),
+                                gpu.get("torch_allocated_bytes", np.nan)) + self.engine.shadow.take_point())
+
+    # -- outputs ------------------------------------------------------------------------------
+    def take_events(self) -> list[Event]:
+        out = []
+        while self.events:
+            out.append(self.events.popleft())
+        return out
+
+    def _windowed(self, now: float) -> dict[str, float]:
+        nan = float("nan")  # no data: nothing counted in the window (drawn as a gap, never as 0)
+        if len(self.history) < 2:
+            return {"device_hit_rate": nan, "prefix_hit_rate": nan, "evictions_per_s": nan, "promotions_per_s": nan,
+                    "demotions_per_s": nan, "tokens_per_s": nan}
+        a, b = self.history[0], self.history[-1]
+        dt = max(b[0] - a[0], 1e-6)
+        reads, misses = b[1] - a[1], b[2] - a[2]
+        prompt, reused = b[3] - a[3], b[4] - a[4]
+        return {
+            "device_hit_rate": 1.0 - misses / reads if reads else nan,
+            "prefix_hit_rate": reused / prompt if prompt else nan,
+            "evictions_per_s": (b[5] - a[5]) / dt,
+            "promotions_per_s": (b[6] - a[6]) / dt,
+            "demotions_per_s": (b[7] - a[7]) / dt,
+            "tokens_per_s": (b[8] - a[8]) / dt,
+        }
+
+    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None) -> Snapshot | None:
+        """tables: which sequences' block lists (tier, slot) to include: "all", a set of ids, or "auto"
+        (all while the tables hold at most AUTO_TABLES_MAX entries, else none).
+
+        timeout: wait at most this long for the engine lock (a step's bookkeeping, a context shift or a
+        re-layout holds it) and return None if it stays busy; None waits as long as it takes.
+        """
+        e = self.engine
+        if not e.lock.acquire(timeout=-1 if timeout is None else timeout):
+            return None
+        try:
+            return self._snapshot(tables)
+        finally:
+            e.lock.release()
+
+    def _snapshot(self, tables: str | set[int]) -> Snapshot:
+        e = self.engine
+        now = e.clock()
+        pool = e.pool
+        tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
+        seqs = self._seqs(now, tables)
+        counters = e.counters.as_dict()
+        counters.update(self.cost_signals())
+        windowed = self._windowed(now)
+        memory = self.memory()
+        names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
+                 "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
+                 "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes") + SHADOW_SERIES
+        arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
+        series = {n: arr[:, i].copy() for i, n in enumerate(names)}
+        residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
+        spec = e.spec
+        model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
+                 "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+                 "device": str(e.device), "context_limit": e.context_limit}
+        steps = max(e.counters.steps, 1)
+        timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
+                  "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
+        return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
+                        windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
+                        marks=tuple(self.marks), quality=self.quality())
+
+    def quality(self) -> dict:
+        """What the KV format costs (engine/fidelity/block_error.py, engine/fidelity/shadow.py): the key channels with outliers, the
+        latest shadow step (empty before the first) and the shadow period."""
+        e = self.engine
+        errors = e.runner.errors
+        return {"kv_dtype": e.config.kv_dtype.label, "lossless": e.config.kv_dtype.lossless,
+                "keys_seen": errors.keys_seen, "key_outliers": errors.outliers(),
+                "shadow_every_s": e.config.shadow_every_s, "shadow": dict(e.shadow.last)}
+
+    def _tier(self, pool, t, now: float) -> TierSnapshot:
+        # float32 throughout (half the bytes to move; exp is the costliest op here), each array written once:
+        # at a million blocks this is memory-bound, so temporaries cost as much as the arithmetic.
+        n = t.capacity
+        age = np.empty(n, np.float32)
+        np.subtract(now, t.last, out=age, casting="unsafe")  # in float64 (clocks run to large values), stored f32
+        heat = np.maximum(age, 0)
+        heat *= np.float32(np.log(pool.config.decay))
+        np.exp(heat, out=heat)
+        np.multiply(heat, t.heat, out=heat, casting="unsafe", dtype=np.float32)
+        ref = t.ref.copy()
+        state = np.greater_equal(t.lid, 0).view(np.uint8)  # 0 free, 1 cached, 2 in use
+        state += np.greater(ref, 0).view(np.uint8)
+        # K/V reconstruction error (engine/fidelity/block_error.py): NaN where free, or the slot's block was not measured.
+        bad = np.not_equal(t.err_born, t.born)
+        bad |= state == 0
+        no_data = np.where(bad, np.float32(np.nan), np.float32(0))  # added to both: branch-free
+        return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
+                            owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
+                            hashed=t.hash.view(np.int64) != 0, kerr=t.kerr + no_data, verr=t.verr + no_data)
+
+    def _tables(self) -> tuple[list[np.ndarray], bool]:
+        """Each sequence's block table as a numpy array, recopied only when the table changed; and whether
+        any table (or the set of sequences) changed since the last call."""
+        e = self.engine
+        out = []
+        changed = False
+        if len(self._table_cache) > 2 * len(e.seqs) + 64:
+            self._table_cache = {k: v for k, v in self._table_cache.items() if k in e.seqs}
+        for s in e.seqs.values():
+            hit = self._table_cache.get(s.id)
+            if hit is None or hit[0] != s.table_version:
+                hit = (s.table_version, np.asarray(s.blocks, dtype=np.int64))
+                self._table_cache[s.id] = hit
+                changed = True
+            out.append(hit[1])
+        ids = list(e.seqs)
+        if ids != self._table_ids:
+            self._table_ids, changed = ids, True
+        return out, changed
+
+    def _device_blocks(self, rows: list, arrays: list[np.ndarray], lens: np.ndarray, changed: bool) -> np.ndarray:
+        """Blocks on the device tier, per sequence.
+
+        Counts hold while blocks stay on their tiers (pool.moves unchanged): then only sequences whose
+        table changed are recounted. After a migration every sequence is recounted in one segmented sum
+        over the concatenated tables, which are themselves kept while no table changes.
+        """
+        pool = self.engine.pool
+        epoch = (id(pool), pool.moves)
+        if changed:
+            self._flat = None
+        cache = self._dev_cache
+        if epoch == self._dev_epoch:
+            stale = [i for i, s in enumerate(rows) if cache.get(s.id, (-1,))[0] != s.table_version]
+            if len(stale) <= 64:
+                for i in stale:
+                    s = rows[i]
+                    cache[s.id] = (s.table_version, int(np.count_nonzero(pool.tier[arrays[i]] == 0)))
+                if len(cache) > 2 * len(rows) + 64:
+                    live = {s.id for s in rows}
+                    self._dev_cache = cache = {k: v for k, v in cache.items() if k in live}
+                return np.fromiter((cache[s.id][1] for s in rows), dtype=np.int64, count=len(rows))
+        if self._flat is None:
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            nz = lens > 0  # reduceat would give an empty segment the element at its start
+            self._flat = (flat, (np.cumsum(lens) - lens)[nz], nz)
+        flat, starts, nz = self._flat
+        dev = np.zeros(len(rows), np.int64)
+        if len(starts):
+            dev[nz] = np.add.reduceat((pool.tier[flat] == 0).view(np.uint8), starts, dtype=np.int64)
+        self._dev_epoch = epoch
+        self._dev_cache = {s.id: (s.table_version, int(d)) for s, d in zip(rows, dev)}
+        return dev
+
+    def _seqs(self, now: float, tables: str | set[int]) -> SeqTable:
+        e = self.engine
+        pool = e.pool
+        rows = list(e.seqs.values())
+        arrays, changed = self._tables()
+        lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        dev = self._device_blocks(rows, arrays, lens, changed)
+        if tables == "auto":
+            tables = "all" if int(lens.sum()) <= AUTO_TABLES_MAX else set()
+        empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
+        if tables == "all":
+            flat = np.concatenate(arrays) if arrays else np.zeros(0, np.int64)
+            tier, slot = pool.tier[flat], pool.slot[flat]
+            ends = np.cumsum(lens)
+            block_tier = tuple(tier[a:b] for a, b in zip(ends - lens, ends))
+            block_slot = tuple(slot[a:b] for a, b in zip(ends - lens, ends))
+        else:
+            block_tier = tuple(pool.tier[arrays[i]] if s.id in tables else empty_t for i, s in enumerate(rows))
+            block_slot = tuple(pool.slot[arrays[i]] if s.id in tables else empty_s for i, s in enumerate(rows))
+
+        # One pass over the sequences for their scalar columns; the rates are computed on the arrays.
+        nan = float("nan")
+        cols = np.array([(s.id, int(s.state), len(s.tokens), len(s.output), s.prefix_reused,
+                          nan if s.ttft is None else s.ttft,
+                          nan if s.first_token_at is None else s.first_token_at,
+                          now if s.finished_at is None else s.finished_at) for s in rows],
+                        dtype=np.float64).reshape(len(rows), 8)
+        generated, first, end = cols[:, 3], cols[:, 6], cols[:, 7]
+        with np.errstate(invalid="ignore"):
+            tps = np.where((generated >= 2) & ~np.isnan(first),
+                           (generated - 1) / np.maximum(end - first, 1e-6), 0.0)
+        return SeqTable(
+            id=cols[:, 0].astype(np.int32),
+            state=cols[:, 1].astype(np.int8),
+            tokens=cols[:, 2].astype(np.int32),
+            generated=generated.astype(np.int32),
+            blocks_device=dev.astype(np.int32),
+            blocks_host=(lens - dev).astype(np.int32),
+            tokens_per_s=tps.astype(np.float32),
+            ttft=cols[:, 5].astype(np.float32),
+            prefix_reused=cols[:, 4].astype(np.int32),
+            labels=tuple(s.label for s in rows),
+            block_tier=block_tier,
+            block_slot=block_slot,
+        )
+
+    def memory(self) -> dict:
+        e = self.engine
+        pool = e.pool
+        tiers = {}
+        for t in pool.tiers:
+            nb = t.nbytes()
+            tiers[t.tier.name.lower()] = {
+                "k_bytes": nb.get("k_data", 0),
+                "v_bytes": nb.get("v_data", 0),
+                "scale_bytes": sum(v for k, v in nb.items() if not k.endswith("_data")),
+                "metadata_bytes": t.metadata_bytes(),
+                "capacity_bytes": t.capacity * pool.block_bytes,  # the blocks' (k/v/scale bytes add reserved_bytes)
+                "reserved_bytes": sum(nb.values()) - t.capacity * pool.block_bytes,  # device: the null and sink blocks
+                "used_bytes": t.used * pool.block_bytes,
+                "capacity_blocks": t.capacity,
+                "used_blocks": t.used,
+                "device": str(t.k["data"].device),
+                "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and e.device.type == "cuda" else False,
+            }
+            if t.null_slot is not None:  # per-layer placement: the device tier's layers [N, L) sit in host memory
+                tiers[t.tier.name.lower()].update(device_layers=pool.sizes.dev_layers,
+                                                  host_layers_bytes=pool.sizes.spilled_bytes)
+        vm = psutil.virtual_memory()
+        out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
+               # buffers host blocks are streamed through, on the compute device (engine/attention/host_stream.py)
+               "stream_staging_bytes": e.runner.stream.nbytes(),
+               "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
+        return out
+
+    def gpu(self) -> dict:
+        """NVML and torch allocator readings, or {'available': False, 'reason': ...}."""
+        e = self.engine
+        if e.device.type != "cuda":
+            return {"available": False, "reason": "no GPU: the device tier is a budgeted CPU pool"}
+        allocated, reserved = e.cuda_memory()
+        out: dict[str, Any] = {"available": True, "torch_allocated_bytes": allocated, "torch_reserved_bytes": reserved}
+        if self._nvml is None and not self._nvml_error:
+            try:
+                import pynvml
+
+                pynvml.nvmlInit()
+                idx = e.device.index or 0
+                self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx)
+            except Exception as ex:  # NVML missing or the driver refuses: say so, keep the torch numbers
+                self._nvml_error = f"NVML unavailable: {ex}"
+        if self._nvml is not None:
+            import pynvml
+
+            info = pynvml.nvmlDeviceGetMemoryInfo(self._nvml)
+            out.update(nvml_used_bytes=int(info.used), nvml_total_bytes=int(info.total),
+                       name=str(pynvml.nvmlDeviceGetName(self._nvml)))
+        else:
+            out["nvml_error"] = self._nvml_error
+        return out
+
+
+def _mark_label(kind: str, fields: dict) -> str:
+    if kind == "config":
+        changes = ", ".join(f"{k}={v}" for k, v in fields.get("changes", {}).items())
+        return changes + (" (lossy)" if fields.get("lossy") else "")
+    if kind == "workload":
+        return f"workload: {fields.get('name', '?')}"
+    if kind == "context_shift":
+        return f"context shift, seq {fields.get('seq', '?')}"
+    return f"preempted seq {fields.get('seq', '?')} ({fields.get('mode', '?')})"
