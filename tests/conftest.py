@@ -178,3 +178,103 @@ def bm(qtbot):
     w.show()
     qtbot.waitExposed(w)
     return w
+
+
+# -- markers (registered in pyproject.toml) ----------------------------------------------------------------------
+# qt: every test that uses qtbot (directly or through a fixture); gpu: every test skipped without CUDA (a skipif
+# whose reason names CUDA); triton, subprocess and slow: the tests named below, by file and test function (all of
+# its parameters) or by node id with parameters. slow is also set in the test files (test_default_model.py,
+# test_loader.py, test_weights.py). Timings: --durations on 2 shared CPUs (load 3-6), 2026-12-01.
+TRITON = {
+    "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
+    "test_host_compute.py": ["test_triton_partial_merges_with_the_host_part"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
+                                "test_triton_kernel_compiles_for_the_gpu"],
+}
+SUBPROCESS = {
+    "test_architecture.py": ["test_import_contracts_hold"],
+    "test_attach_state.py": ["test_a_block_lands_in_the_same_cell_in_every_process"],
+    "test_attach_torchfree.py": ["test_every_attach_module_imports_without_torch", "test_kvscope_attach_runs_without_torch",
+                                 "test_bad_endpoints_are_one_line_errors"],
+    "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
+    "test_cli.py": ["test_six_concurrent_requests_on_a_qwen2_directory", "test_bad_input_gets_a_clear_error",
+                    "test_info_prints_the_sizing_formula", "test_plain_kvscope_without_a_display_explains_headless",
+                    "test_headless_screenshot_and_open_snapshot_round_trip",
+                    "test_headless_window_replays_a_trace_and_refuses_a_bad_one",
+                    "test_help_lists_every_subcommand_and_every_sampling_flag_says_what_it_does",
+                    "test_every_subcommand_prints_its_help"],
+    "test_default_model.py": ["test_cli_json_tokens_equal_generate", "test_concurrent_requests_migrate_and_stay_exact",
+                              "test_shared_prefix_is_reused_and_output_unchanged",
+                              "test_ui_bench_runs_every_part_and_reports_frames"],
+    "test_host_compute.py": ["test_cli_host_reads_compute_end_to_end", "test_triton_partial_merges_with_the_host_part"],
+    "test_loader.py": ["test_warm_load_never_imports_transformers", "test_orphaned_build_dirs_are_removed"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_platform_check.py": ["test_a_display_with_no_server_exits_2_with_advice",
+                               "test_attach_checks_the_display_the_same_way",
+                               "test_a_plugin_whose_libraries_are_missing_is_named_with_the_packages"],
+    "test_policy_lab.py": ["test_a_small_zip_bomb_keeps_memory_small"],
+    "test_snapshot_files.py": ["test_open_snapshot_refuses_a_bad_file_in_one_line",
+                               "test_open_snapshot_refuses_a_fifo_without_blocking",
+                               "test_open_snapshot_still_opens_a_good_file"],
+    "test_user_files.py": ["test_headless_replay_of_a_fifo_and_of_an_unrunnable_prompt_exit_2"],
+    "test_weights.py": ["test_generate_peak_rss_is_one_copy_of_the_weights"],
+}
+SLOW = {
+    "test_admission.py": ["test_forks_and_pauses_preempt_a_bounded_number_of_times"],
+    "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
+    "test_cache_state.py": ["test_random_operations_keep_the_cache_consistent"],
+    "test_cli.py": ["test_ten_thousand_requests_stream_in_input_order_with_bounded_memory",
+                    "test_six_concurrent_requests_on_a_qwen2_directory", "test_bad_input_gets_a_clear_error",
+                    "test_headless_screenshot_and_open_snapshot_round_trip",
+                    "test_headless_window_replays_a_trace_and_refuses_a_bad_one", "test_every_subcommand_prints_its_help"],
+    "test_engine.py": ["test_tight_device_budget_migrates_and_stays_exact[0.01-recompute]",
+                       "test_tight_device_budget_migrates_and_stays_exact[2.0-swap]",
+                       "test_kshift_keys_equal_fresh_keys_and_generation_passes_context",
+                       "test_greedy_equals_transformers_at_any_block_size[1]",
+                       "test_fork_shares_blocks_then_diverges_like_two_runs", "test_live_reconfiguration_keeps_tokens"],
+    "test_hardening.py": ["test_any_small_budget_every_request_finishes_or_is_refused",
+                          "test_a_paused_sequence_on_a_full_device_tier_does_not_starve_the_others"],
+    "test_host_compute.py": ["test_cli_host_reads_compute_end_to_end", "test_triton_partial_merges_with_the_host_part",
+                             "test_compute_mode_tokens_equal_transformers[2-8-reference]",
+                             "test_compute_mode_tokens_equal_transformers[2-8-cpu]",
+                             "test_compute_mode_tokens_equal_transformers[2-16-cpu]"],
+    "test_host_tier.py": ["test_device_tier_smaller_than_one_sequence_keeps_tokens_exact[8-2-cpu-stream]",
+                          "test_device_tier_smaller_than_one_sequence_keeps_tokens_exact[8-2-cpu-promote]",
+                          "test_device_tier_smaller_than_one_sequence_keeps_tokens_exact[8-1-reference-stream]"],
+    "test_kv_cost_window.py": ["test_the_shadow_chart_beside_the_hit_rate"],
+    "test_layer_placement.py": ["test_tokens_are_exact_with_layers_on_the_host[reference]"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference",  # with the next: one 100 s interpreted run
+                                "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_storm.py": ["test_a_short_storm_breaks_nothing", "test_the_storm_counts_what_it_claims"],
+    "test_sweep.py": ["test_two_by_two_sweep_table_csv_json_and_plot_agree",
+                      "test_example_trace_replays_in_real_time_with_forks_and_demotion",
+                      "test_residency_histograms_fill_when_a_small_cache_evicts"],
+    "test_user_files.py": ["test_a_replay_streams_its_file",
+                           "test_headless_replay_of_a_fifo_and_of_an_unrunnable_prompt_exit_2"],
+    "test_window.py": ["test_residency_panel_shows_reuse_and_eviction_ages"],
+    "test_workloads.py": ["test_demo_workload_exercises_the_cache"],
+}
+_NAMED = {"triton": TRITON, "subprocess": SUBPROCESS, "slow": SLOW}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items) -> None:
+    modules = {}
+    for item in items:
+        file = os.path.basename(str(item.path))
+        name = item.name.split("[")[0]
+        modules.setdefault(file, getattr(item, "module", None))
+        if "qtbot" in item.fixturenames:
+            item.add_marker(pytest.mark.qt)
+        if any("CUDA" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+            item.add_marker(pytest.mark.gpu)
+        for marker, table in _NAMED.items():
+            if name in table.get(file, ()) or item.name in table.get(file, ()):
+                item.add_marker(getattr(pytest.mark, marker))
+    # A renamed test must not drop out of its marker silently: every name listed for a collected file exists.
+    for marker, table in _NAMED.items():
+        for file, names in table.items():
+            module = modules.get(file)
+            missing = [n for n in names if module is not None and not hasattr(module, n.split("[")[0])]
+            if missing:
+                raise pytest.UsageError(f"tests/conftest.py marks {marker} on tests that {file} no longer has: {missing}")
