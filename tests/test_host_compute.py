@@ -19,7 +19,7 @@ import torch
 
 from conftest import Reference, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend
-from engine.runtime import model_runner
+from engine.runtime import step_kv
 from engine.attention import cpu_paged, host_compute, reference
 from engine.attention.host_compute import attend_split, merge_partials, split_by_tier
 from engine.kv.block_pool import RESERVED
@@ -186,7 +186,7 @@ def spy(monkeypatch):
         return wrapped
 
     monkeypatch.setattr(host_compute, "merge_partials", counting_merge)
-    for mod in (cpu_paged, reference, model_runner):
+    for mod in (cpu_paged, reference, step_kv):
         monkeypatch.setattr(mod, "read_blocks", no_streaming(mod.read_blocks))
     real = host_compute.attend_split
 
@@ -196,7 +196,7 @@ def spy(monkeypatch):
         return real(device_side, host_side, q, layer, kv, split, **kw)
 
     import engine.model.llama_family
-    monkeypatch.setattr(engine.model, "attend_split", counting_split)
+    monkeypatch.setattr(engine.model.llama_family, "attend_split", counting_split)
     return seen
 
 
