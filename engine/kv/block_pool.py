@@ -102,9 +102,6 @@ class BlockPool:
     def ref_of(self, lid: int) -> int:
         return int(self.tiers[self.tier[lid]].ref[self.slot[lid]])
 
-    def fill_of(self, lid: int) -> int:
-        return int(self.tiers[self.tier[lid]].fill[self.slot[lid]])
-
     def hash_of(self, lid: int) -> int:
         return int(self.tiers[self.tier[lid]].hash[self.slot[lid]])
 
@@ -327,13 +324,6 @@ class BlockPool:
         """Copy-on-write: dst gets src's data and fill (any tiers)."""
         src, dst = self.tiers[self.tier[src_lid]], self.tiers[self.tier[dst_lid]]
         ss, ds = np.array([self.slot[src_lid]]), np.array([self.slot[dst_lid]])
-        self._copy(src, ss, dst, ds)
-        dst.fill[ds] = src.fill[ss]
-
-    def copy_from(self, other: "BlockPool", src_lid: int, dst_lid: int) -> None:
-        """Copy a block of another pool of the same format and block size, byte for byte, with its fill."""
-        src, dst = other.tiers[other.tier[src_lid]], self.tiers[self.tier[dst_lid]]
-        ss, ds = np.array([other.slot[src_lid]]), np.array([self.slot[dst_lid]])
         self._copy(src, ss, dst, ds)
         dst.fill[ds] = src.fill[ss]
 

@@ -33,12 +33,6 @@ class Tier(enum.IntEnum):
     HOST = 1
 
 
-class BlockState(enum.IntEnum):
-    FREE = 0
-    CACHED = 1  # no owner, kept for prefix reuse
-    IN_USE = 2
-
-
 class CacheFull(RuntimeError):
     """A tier cannot hold what was asked of it even after eviction."""
 
@@ -168,11 +162,6 @@ class TierPool:
     def copy_meta(self, dst: "TierPool", src_slots: np.ndarray, dst_slots: np.ndarray) -> None:
         for m in self.META + ("hist", "tokens"):
             getattr(dst, m)[dst_slots] = getattr(self, m)[src_slots]
-
-
-def _dev_of(t: TierPool) -> torch.device:
-    """The device of a tier's first layer (with per-layer placement the device tier's later layers may be on the host)."""
-    return t.k["data"].device
 
 
 def copy_slots(src: TierPool, src_slots: np.ndarray, dst: TierPool, dst_slots: np.ndarray,
