@@ -11,7 +11,7 @@ import collections
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import psutil
@@ -29,6 +29,45 @@ SHADOW_SERIES = ("shadow_kld", "shadow_flip_rate", "shadow_logit_err")
 AUTO_TABLES_MAX = 200_000  # block-table entries above which snapshots list blocks only for chosen sequences
 
 
+class _Totals(NamedTuple):
+    """The counters the windowed rates are differences of, after one step."""
+
+    t: float
+    read_tokens: int
+    read_tokens_missed: int
+    prompt_tokens: int
+    prompt_reused: int
+    evictions: int
+    promotions: int
+    demotions: int
+    generated: int
+
+
+class SeriesPoint(NamedTuple):
+    """One point of the snapshot's time series (a snapshot's `series` has one array per field, by name)."""
+
+    t: float
+    device_hit_rate_w: float  # over the last WINDOW_S (NaN: nothing read in it)
+    prefix_hit_rate_w: float
+    device_hit_rate: float  # since start
+    prefix_hit_rate: float
+    evictions_per_s: float
+    promotions_per_s: float
+    demotions_per_s: float
+    tokens_per_s: float
+    device_used_bytes: float
+    host_used_bytes: float
+    rss_bytes: float
+    gpu_used_bytes: float  # NaN without NVML
+    torch_allocated_bytes: float
+    shadow_kld: float  # per shadow step, NaN between them (SHADOW_SERIES)
+    shadow_flip_rate: float
+    shadow_logit_err: float
+
+
+assert SeriesPoint._fields[-len(SHADOW_SERIES):] == SHADOW_SERIES
+
+
 @dataclass(frozen=True)
 class Event:
     t: float
@@ -41,8 +80,8 @@ class Telemetry:
         self.engine = engine
         self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
         self.marks: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=MARKS_KEPT)
-        self.history: collections.deque[tuple] = collections.deque()
-        self.series: collections.deque[tuple] = collections.deque(maxlen=SERIES_LEN)
+        self.history: collections.deque[_Totals] = collections.deque()
+        self.series: collections.deque[SeriesPoint] = collections.deque(maxlen=SERIES_LEN)
         self.residency = {k: collections.deque(maxlen=RESIDENCY_SAMPLES)
                           for k in ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime")}
         self.ttfts: collections.deque[float] = collections.deque(maxlen=RESIDENCY_SAMPLES)
@@ -118,21 +157,26 @@ class Telemetry:
 
     def after_step(self, now: float) -> None:
         c = self.engine.counters
-        point = (now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused, c.evictions, c.promotions,
-                 c.demotions, c.generated)
-        self.history.append(point)
-        while self.history and now - self.history[0][0] > WINDOW_S:
+        self.history.append(_Totals(now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused,
+                                    c.evictions, c.promotions, c.demotions, c.generated))
+        while self.history and now - self.history[0].t > WINDOW_S:
             self.history.popleft()
         if now - self._last_series >= SERIES_PERIOD_S:
             self._last_series = now
             w = self._windowed(now)
             pool = self.engine.pool
             gpu = self.gpu()
-            self.series.append((now, w["device_hit_rate"], w["prefix_hit_rate"], c.device_hit_rate, c.prefix_hit_rate,
-                                w["evictions_per_s"], w["promotions_per_s"], w["demotions_per_s"], w["tokens_per_s"],
-                                pool.tiers[0].used * pool.block_bytes, pool.tiers[1].used * pool.block_bytes,
-                                self._proc.memory_info().rss, gpu.get("nvml_used_bytes", np.nan),
-                                gpu.get("torch_allocated_bytes", np.nan)) + self.engine.shadow.take_point())
+            kld, flips, logit_err = self.engine.shadow.take_point()
+            self.series.append(SeriesPoint(
+                t=now, device_hit_rate_w=w["device_hit_rate"], prefix_hit_rate_w=w["prefix_hit_rate"],
+                device_hit_rate=c.device_hit_rate, prefix_hit_rate=c.prefix_hit_rate,
+                evictions_per_s=w["evictions_per_s"], promotions_per_s=w["promotions_per_s"],
+                demotions_per_s=w["demotions_per_s"], tokens_per_s=w["tokens_per_s"],
+                device_used_bytes=pool.tiers[0].used * pool.block_bytes,
+                host_used_bytes=pool.tiers[1].used * pool.block_bytes, rss_bytes=self._proc.memory_info().rss,
+                gpu_used_bytes=gpu.get("nvml_used_bytes", np.nan),
+                torch_allocated_bytes=gpu.get("torch_allocated_bytes", np.nan),
+                shadow_kld=kld, shadow_flip_rate=flips, shadow_logit_err=logit_err))
 
     # -- outputs ------------------------------------------------------------------------------
     def take_events(self) -> list[Event]:
@@ -147,16 +191,16 @@ class Telemetry:
             return {"device_hit_rate": nan, "prefix_hit_rate": nan, "evictions_per_s": nan, "promotions_per_s": nan,
                     "demotions_per_s": nan, "tokens_per_s": nan}
         a, b = self.history[0], self.history[-1]
-        dt = max(b[0] - a[0], 1e-6)
-        reads, misses = b[1] - a[1], b[2] - a[2]
-        prompt, reused = b[3] - a[3], b[4] - a[4]
+        dt = max(b.t - a.t, 1e-6)
+        reads, misses = b.read_tokens - a.read_tokens, b.read_tokens_missed - a.read_tokens_missed
+        prompt, reused = b.prompt_tokens - a.prompt_tokens, b.prompt_reused - a.prompt_reused
         return {
             "device_hit_rate": 1.0 - misses / reads if reads else nan,
             "prefix_hit_rate": reused / prompt if prompt else nan,
-            "evictions_per_s": (b[5] - a[5]) / dt,
-            "promotions_per_s": (b[6] - a[6]) / dt,
-            "demotions_per_s": (b[7] - a[7]) / dt,
-            "tokens_per_s": (b[8] - a[8]) / dt,
+            "evictions_per_s": (b.evictions - a.evictions) / dt,
+            "promotions_per_s": (b.promotions - a.promotions) / dt,
+            "demotions_per_s": (b.demotions - a.demotions) / dt,
+            "tokens_per_s": (b.generated - a.generated) / dt,
         }
 
     def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None) -> Snapshot | None:
@@ -184,9 +228,7 @@ class Telemetry:
         counters.update(self.cost_signals())
         windowed = self._windowed(now)
         memory = self.memory()
-        names = ("t", "device_hit_rate_w", "prefix_hit_rate_w", "device_hit_rate", "prefix_hit_rate",
-                 "evictions_per_s", "promotions_per_s", "demotions_per_s", "tokens_per_s", "device_used_bytes",
-                 "host_used_bytes", "rss_bytes", "gpu_used_bytes", "torch_allocated_bytes") + SHADOW_SERIES
+        names = SeriesPoint._fields
         arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
         series = {n: arr[:, i].copy() for i, n in enumerate(names)}
         residency = {k: np.asarray(v, dtype=np.float32) for k, v in self.residency.items()}
