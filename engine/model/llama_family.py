@@ -11,6 +11,7 @@ Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,7 +19,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend
+from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend, visibility
 from engine.attention.host_compute import TierSplit, attend_on_host, attend_split, split_by_tier
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype
@@ -365,10 +366,8 @@ class LlamaFamily:
 
     @staticmethod
     def _mask(g: AttnGroup, window: int | None) -> torch.Tensor:
-        """[B, 1, Q, S] bool: key visible to query (causal by position, inside the window if any)."""
-        kpos = g.kpos[:, None, :]  # [B, 1, S]
-        qpos = g.qpos[:, :, None]  # [B, Q, 1]
-        m = g.kvalid[:, None, :] & (kpos <= qpos)
-        if window is not None:
-            m = m & (kpos > qpos - window)
-        return m[:, None]
+        """[B, 1, Q, S] bool: key visible to query, by the one visibility rule every backend uses
+        (engine/attention/reading.py: within the row's context length, causal by position, inside the window
+        if any). The group's kvalid is that context length as a mask (the runner sets kvalid[b, :ctx[b]]); the
+        positions are the group's own kpos even where the backends are told "key i at position i"."""
+        return visibility(dataclasses.replace(g.paged(), key_pos=g.kpos), g.q_len, g.kvalid.shape[1], window)[:, None]
