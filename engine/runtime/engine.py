@@ -31,7 +31,7 @@ from engine.model.loader import LoadedModel
 from engine.model.llama_family import LlamaFamily
 from engine.runtime.model_runner import ModelRunner
 from engine.kv.relayout import relayout
-from engine.runtime.scheduler import Scheduled, Scheduler
+from engine.runtime.scheduler import Scheduled, Scheduler, SchedulerOutput, Stall
 from engine.runtime.seq_ops import SequenceOps
 from engine.fidelity.shadow import Shadow
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
@@ -81,7 +81,7 @@ class Engine(SequenceOps):
         self.seqs: dict[int, Sequence] = {}
         self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
-                                   self.context_limit, shift=self._context_shift, abort=self._finish)
+                                   self.context_limit)
         self._next_id = 0
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
         self._finished: collections.deque[int] = collections.deque()
@@ -260,9 +260,10 @@ class Engine(SequenceOps):
             now = self.clock()
             self.kv.demote_idle(now)
             self.scheduler.admit(now)
-            sched = self.scheduler.schedule(now)
+            plan = self.scheduler.schedule(now)
+            sched = plan.batch
             if not sched:
-                self.scheduler.watch_progress([], now)
+                self._carry_out(plan, self.scheduler.watch_progress([], now), now)
                 return []
             run, writes = self.runner.prepare(self.pool, sched)
             t1 = time.perf_counter()
@@ -275,10 +276,23 @@ class Engine(SequenceOps):
             self.counters.forward_s += t2 - t1
             self.counters.bookkeeping_s += (t1 - t0) + (t3 - t2)
             self.counters.steps += 1
-            self.scheduler.watch_progress(sched, now)
+            self._carry_out(plan, self.scheduler.watch_progress(sched, now), now)
             self.telemetry.after_step(now)
         self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
         return outs
+
+    def _carry_out(self, plan: SchedulerOutput, stall: Stall | None, now: float) -> None:
+        """What the scheduler decided beyond the batch, after the step: context shifts, then a stalled sequence."""
+        for seq in plan.to_shift:
+            if seq.state != SeqState.RUNNING or len(seq.tokens) <= self.context_limit:
+                continue  # preempted or finished since
+            try:
+                self._context_shift(seq)
+            except RequestError:  # no room to re-lay its tail while others share it: recompute it later
+                self.scheduler.preempt(seq, now, recompute=True)
+        if stall is not None and not stall.seq.done:
+            stall.seq.error = stall.message
+            self._finish(stall.seq, "stalled", now)
 
     def _commit(self, sched: Scheduled, writes, tokens: list[int]) -> list[TokenOut]:
         """The step's K/V are in their blocks: advance each sequence, append its sampled token, finish it."""

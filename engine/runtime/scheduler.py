@@ -7,7 +7,9 @@ sequence count once). What does not fit waits, holding no block, and the queue's
 while others run it also waits for device-tier room for its first chunk. Then decodes first, then prompt chunks
 (chunked prefill) within the step's token budget; room for each scheduled sequence from idle sequences first, then
 by reading blocks on the host tier where they are and writing there (a device tier smaller than a sequence still
-serves). It decides; the KV manager moves blocks. It never touches the pool's arrays.
+serves). It decides; the KV manager moves blocks. It never touches the pool's arrays, and it calls nothing back
+in the engine: `schedule` returns a `SchedulerOutput` (the batch, and the sequences past the context limit that
+the engine shifts after the step), `watch_progress` a `Stall` (a sequence for the engine to finish).
 
 Progress: what running sequences were promised is always there, so every admitted sequence reaches its end
 without preempting another. Only something admission did not weigh (a fork, a longer max_new_tokens, smaller
@@ -20,28 +22,46 @@ needs, what is free) instead of spinning.
 from __future__ import annotations
 
 import collections
+from dataclasses import dataclass
 from typing import Callable
 
 from engine.kv.block_pool import blocks_for
 from engine.config import EngineOptions
-from engine.errors import RequestError
 from engine.kv.manager import KVManager
 from engine.sequence import Sequence, SeqState
 
 Scheduled = list[tuple[Sequence, int]]  # (sequence, tokens it computes this step)
 
 
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's decisions, for the engine to carry out (the scheduler calls nothing back up in it)."""
+
+    batch: Scheduled  # what runs this step: decodes first, then prompt chunks
+    # Running sequences past the context limit, left out of this batch: the engine context-shifts them after the
+    # step (a shift re-lays their tail into new blocks, which must not happen under this batch's placements);
+    # they are scheduled in the next step. One the engine cannot shift it hands back to `preempt`.
+    to_shift: tuple[Sequence, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stall:
+    """No sequence advanced for stall_steps steps: the engine finishes `seq` ("stalled") with `message` as its
+    error (the error event is already emitted)."""
+
+    seq: Sequence
+    message: str
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, seqs: dict[int, Sequence], options: EngineOptions, telemetry, counters,
-                 context_limit: int, shift: Callable[[Sequence], None], abort: Callable[[Sequence, str, float], None]):
+                 context_limit: int):
         self.kv = kv
         self.seqs = seqs
         self.options = options
         self.telemetry = telemetry
         self.counters = counters
         self.context_limit = context_limit
-        self.shift = shift  # context shift of a sequence at the limit (a sequence operation)
-        self.abort = abort  # finish a sequence with a reason
         self.waiting: collections.deque[int] = collections.deque()
         self.running: list[int] = []
         self.stalled = 0  # consecutive steps in which no sequence passed its furthest point
@@ -169,22 +189,21 @@ class Scheduler:
                    for o in (self.seqs[r] for r in self.active()))
 
     # -- the step's batch ---------------------------------------------------------------------
-    def schedule(self, now: float) -> Scheduled:
-        """Pick (sequence, tokens to compute) for this step and make their blocks resident and writable."""
+    def schedule(self, now: float) -> SchedulerOutput:
+        """Pick (sequence, tokens to compute) for this step and make their blocks resident and writable; name the
+        sequences that need a context shift first."""
         budget = self.options.max_batched_tokens
         active = [self.seqs[s] for s in self.active()]
         active.sort(key=lambda s: (s.pending > 1, s.arrival))  # decodes first, then prompt chunks by arrival
         sched: Scheduled = []
+        to_shift: list[Sequence] = []
         pinned: set[int] = set()  # blocks the sequences scheduled so far write into: they stay on the device
         for seq in active:
             if seq.state != SeqState.RUNNING:
                 continue  # preempted while making room for an earlier one
             if len(seq.tokens) > self.context_limit:
-                try:
-                    self.shift(seq)
-                except RequestError:  # no room to re-lay its tail while others share it: recompute it later
-                    self.preempt(seq, now, recompute=True)
-                    continue
+                to_shift.append(seq)
+                continue
             n = min(seq.pending, budget) if seq.pending > 1 else seq.pending
             if n <= 0:
                 continue
@@ -200,7 +219,7 @@ class Scheduler:
             budget -= n if n > 1 else 0
             if budget <= 0 and n > 1:
                 break
-        return sched
+        return SchedulerOutput(sched, tuple(to_shift))
 
     def _place(self, seq: Sequence, n: int, now: float, keep: set[int], pinned: set[int],
                sched: Scheduled) -> tuple[int, bool] | None:
@@ -262,10 +281,10 @@ class Scheduler:
         self.telemetry.emit("preempt", seq=seq.id, mode=mode)
 
     # -- progress -----------------------------------------------------------------------------
-    def watch_progress(self, sched: Scheduled, now: float) -> None:
+    def watch_progress(self, sched: Scheduled, now: float) -> Stall | None:
         """Progress is a sequence passing the furthest point it ever reached (tokens generated, then cached)
-        or finishing. After `stall_steps` steps without any, the newest stuck sequence is aborted with
-        finish_reason "stalled" and an error event."""
+        or finishing. After `stall_steps` steps without any, the newest stuck sequence is named (a Stall, with
+        an error event) for the engine to finish with finish_reason "stalled"."""
         moved = False
         for seq, _ in sched:
             mark = (len(seq.output), seq.num_cached)
@@ -275,10 +294,10 @@ class Scheduler:
         stuck = [s for s in self.seqs.values() if not s.done and s.state in (SeqState.WAITING, SeqState.RUNNING)]
         if moved or not stuck:
             self.stalled = 0
-            return
+            return None
         self.stalled += 1
         if self.stalled < self.options.stall_steps:
-            return
+            return None
         victim = max(stuck, key=lambda s: s.arrival)
         bs = self.kv.config.block_size
         peak = self.peak(victim)
@@ -287,9 +306,8 @@ class Scheduler:
                    f"{len(victim.blocks)}; {self.kv.free_blocks()} are free and running sequences were promised "
                    f"{self.promised()} ({self.kv.describe()}); raise the budgets or send fewer or shorter requests")
         self.telemetry.emit("error", seq=victim.id, message=message)
-        victim.error = message
-        self.abort(victim, "stalled", now)
         self.stalled = 0
+        return Stall(victim, message)
 
 
 def _shorter(n: int):
