@@ -101,3 +101,19 @@ def test_nine_or_twelve_maps_keep_their_titles_off_each_other_and_stay_in_view(q
     m.set_snapshot(c.snapshot("age"))
     qtbot.wait(50)
     _check_titles(m)
+
+
+def test_a_title_with_the_servers_capacity_says_it_once(qtbot):
+    """With num_gpu_blocks from /metrics the title reads "2,000 blocks of 2,500 (num_gpu_blocks, /metrics)" —
+    it read "2,000 blocks of 2,500 of 2,500 (...)" (the count and the note both carried the capacity)."""
+    c = _cluster(1)
+    m = AttachMap()
+    qtbot.addWidget(m)
+    m.capacity_fn = lambda key: 2500 if key[2] == "GPU" else None
+    m.show()
+    _shown(m, qtbot, 1600, 900)  # room for the whole title
+    m.set_snapshot(c.snapshot("age"))
+    qtbot.wait(50)
+    shown = m._labels[0].textItem.toPlainText()
+    assert shown.endswith("2,000 blocks of 2,500 (num_gpu_blocks, /metrics)"), shown
+    assert shown.count("2,500") == 1 and m.label_texts()[0] == shown

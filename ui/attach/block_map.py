@@ -279,7 +279,8 @@ class AttachMap(QWidget):
             room = int(right - self.vb.mapViewToScene(QPointF(0, 0)).x() - 10)  # the text item's margins
             if self._labels_shown[i][:2] == (text, room):
                 continue
-            shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""), of, room)
+            shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""),
+                                 " (num_gpu_blocks, /metrics)" if cap else of, room)
             self._labels_shown[i] = (text, room, shown)
             self._labels[i].setText(shown)  # its colour is set once, in frame_tiers
 
