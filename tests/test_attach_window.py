@@ -248,3 +248,32 @@ def test_metrics_charts_and_table_take_their_own_frames(qtbot, fake):
         assert sorted(k for k, _ in calls) == ["charts", "table"] or calls == []  # nothing new since: nothing due
     finally:
         win.close()
+
+
+def test_the_status_line_and_the_sources_table_count_the_same_events(qtbot, fake):
+    """Both come from one frame: the status line's 'events applied' is the Sources table's events column summed,
+    at every frame while the stream runs (they came from frames 0.2 s apart and disagreed by hundreds)."""
+    import re
+
+    specs = parse_source("vllm", f"{fake.pub},dp=2,name=fake")
+    session = AttachSession(specs, []).start()
+    win = AttachWindow(session, owns_session=True, refresh_ms=10_000)  # the test drives the frames
+    qtbot.addWidget(win)
+    try:
+        col = [win.sources.horizontalHeaderItem(c).text() for c in range(win.sources.columnCount())].index("events")
+        checked = 0
+        deadline = time.monotonic() + 20
+        while checked < 12 and time.monotonic() < deadline:
+            win.refresh()
+            time.sleep(0.03)
+            m = re.search(r"([\d,]+) events applied", win.status.text())
+            if m is None or win.sources.rowCount() == 0:
+                continue
+            table = sum(int(win.sources.item(r, col).text().replace(",", "")) for r in range(win.sources.rowCount()))
+            status = int(m.group(1).replace(",", ""))
+            if status:
+                assert status == table, (status, table, win.status.text())
+                checked += 1
+        assert checked >= 12
+    finally:
+        win.close()

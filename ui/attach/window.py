@@ -26,8 +26,9 @@ REFRESH_MS = 100
 WANT_SIZE = QtCore.QSize(1400, 900)  # on a screen with room for it; a smaller one gets all of its free area
 SLOW_EVERY = 5
 # Each panel other than the map has its own frame of every SLOW_EVERY, so no frame pays for two: 0 the slow
-# frame (the session's costlier per-group numbers), 1 the metrics charts, 2 the sources table, 3 the metrics
-# table, 4 the status line. A scrape's metrics (once a second) wait for their slot: at most 0.4 s.
+# frame (the session's costlier per-group numbers), 1 the metrics charts, 2 the sources table and the status
+# line (one frame's numbers, so their counts agree), 3 the metrics table. A scrape's metrics (once a second)
+# wait for their slot: at most 0.4 s.
 
 
 def _short_hash(h) -> str:
@@ -92,6 +93,9 @@ class AttachWindow(QtWidgets.QMainWindow):
         # Its text changes every half second: with a size hint that followed the text, each change re-laid out
         # the main window and repainted much of it (5 ms a frame in the soak); the bar's height stays as it is.
         self.status.setSizePolicy(QtWidgets.QSizePolicy.Ignored, QtWidgets.QSizePolicy.Fixed)
+        self.status.setToolTip("Counted at the Sources table's last update (2 a second), from the same frame: "
+                               "events applied is the sum of its events column; blocks resident the sum over the "
+                               "maps (whose titles update every frame, so while events flow they may be ahead)")
         self.statusBar().addWidget(self.status, 1)
         file = self.menuBar().addMenu("&File")
         file.addAction("Save &screenshot…", self._save_dialog)
@@ -156,10 +160,9 @@ class AttachWindow(QtWidgets.QMainWindow):
             self.metrics.update_table([x.latest for x in m.metrics], [x.error for x in m.metrics],
                                       m.event_times or {})
             self._metrics_table = None
-        if every_panel or slot == 2:
+        if every_panel or slot == 2:  # from the same frame: the status line's totals are the table's sums
             self.sources.update_status(list(fr.statuses), [a.events for a in snap.activity],
                                        [a.bad_events for a in snap.activity])
-        if every_panel or slot == 4:
             self._update_status(snap)
         self.frames += 1
         self._fps_n += 1
