@@ -133,7 +133,8 @@ def load_with_progress(args: argparse.Namespace):
     # frame in a reference cycle, and the cyclic GC may then run on any thread (an attach session's, say):
     # a widget destroyed there crashed the next processEvents.
     shiboken6.delete(win)
-    shiboken6.delete(bridge)
+    if not worker.is_alive():  # interrupted (Ctrl+C) while loading, the worker may still emit: keep its bridge
+        shiboken6.delete(bridge)
     if "error" in out:
         raise out["error"]
     worker.join()
