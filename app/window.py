@@ -122,12 +122,9 @@ def load_with_progress(args: argparse.Namespace):
         loop.exec()  # the signal is queued, so a load that ends first still ends this loop
     finally:
         signal.signal(signal.SIGINT, old)
-    if "error" not in out or not isinstance(out["error"], KeyboardInterrupt):
+    if not isinstance(out.get("error"), KeyboardInterrupt):
         worker.join()  # it has emitted its last signal
-    # Deliver what the worker queued (its signals cross threads as posted events) while the bridge and the
-    # window are still alive: left in the queue, they reached deleted objects at the next processEvents (a
-    # segfault in whatever ran the event loop next).
-    QtCore.QCoreApplication.sendPostedEvents()
+    QtCore.QCoreApplication.sendPostedEvents()  # the worker's last progress reports, to the window still there
     win.close()
     # Delete both Qt objects here, on the GUI thread. Left to Python, a raised error's traceback holds this
     # frame in a reference cycle, and the cyclic GC may then run on any thread (an attach session's, say):
@@ -137,7 +134,6 @@ def load_with_progress(args: argparse.Namespace):
         shiboken6.delete(bridge)
     if "error" in out:
         raise out["error"]
-    worker.join()
     return out["runner"]
 
 

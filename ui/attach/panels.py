@@ -217,10 +217,13 @@ class SourcesPanel(QtWidgets.QTableWidget):
                 changed = it.text() != text
                 if changed:
                     it.setText(text)
+                if need is None and not changed:
+                    continue
+                w = fm.horizontalAdvance(text) + pad
                 if need is not None:
-                    need[c] = max(need[c], fm.horizontalAdvance(text) + pad)
-                elif changed and fm.horizontalAdvance(text) + pad > self.columnWidth(c):
-                    self.setColumnWidth(c, fm.horizontalAdvance(text) + pad)
+                    need[c] = max(need[c], w)
+                elif w > self.columnWidth(c):
+                    self.setColumnWidth(c, w)
             self.item(r, 0).setToolTip(f"{s.endpoint}\nreplay: {s.replay or 'none'}\nlost seqs: "
                                        + (", ".join(f"{a}..{b}" for a, b in s.lost_ranges) or "none"))
         if need is not None:
