@@ -202,11 +202,13 @@ def test_repositioned_window_cpu_equals_reference(mistral):
 # -- quantized KV: the cpu path against the reference path -------------------------------------------
 
 
-def _side_by_side(model, config: CacheConfig, lengths: list[int]) -> tuple[list[Engine], list[list[torch.Tensor]]]:
-    """A reference-path and a cpu-path engine with the same requests, each recording its logits."""
+def _side_by_side(model, config: CacheConfig, lengths: list[int], backends: tuple[str, str] = ("reference", "cpu")
+                  ) -> tuple[list[Engine], list[list[torch.Tensor]]]:
+    """Two engines (a reference-path and a cpu-path one by default) with the same requests, each recording its
+    logits."""
     engines, logits = [], []
     config = config.replace(shadow_every_s=0)  # a shadow step is a forward pass of its own: not recorded here
-    for backend in ("reference", "cpu"):
+    for backend in backends:
         eng = Engine(model, config, EngineOptions(attention=backend, max_batched_tokens=16))
         logits.append([])
         _recording(eng, logits[-1])
@@ -266,6 +268,26 @@ def test_half_weights_run_on_the_cpu_path(mistral):
                             EngineOptions(attention=b, weights_dtype="bf16")), ps, 12) for b in BACKENDS}
     same = sum(a == b for x, y in zip(out["reference"], out["cpu"]) for a, b in zip(x, y))
     assert same >= 0.75 * sum(map(len, out["cpu"])), out
+
+
+# -- the inline reference path and ReferenceBackend: one dense_attention -------------------------------
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
+@pytest.mark.parametrize("bs", [1, 7, 16])
+def test_inline_reference_path_is_the_reference_backend_bit_for_bit(mistral, bs, kv_dtype):
+    """fp32 weights: the model's inline path (attention="reference": kv.gather + dense_attention) and the same
+    model reading through ReferenceBackend (decode/prefill over the paged table + dense_attention) give identical
+    logits at every step, on the sliding-window model (window 24, prompts past it, chunked prefill)."""
+    from engine.attention import make_backend
+
+    model, _ = mistral
+    engines, logits = _side_by_side(model, CacheConfig(block_size=bs, kv_dtype=kv_dtype), [12, 40, 70],
+                                    backends=("reference", "reference"))
+    engines[1].model.backend = make_backend("reference")  # the paged path, with the reference backend in it
+    assert engines[0].model.backend is None
+    _step_together(engines, logits, tol=0.0)
+    assert len(logits[1]) > N
 
 
 # -- the cpu backend's two prefill paths ---------------------------------------------------------------

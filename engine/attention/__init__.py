@@ -12,6 +12,10 @@ block size and storage format (tests/test_paged_attention.py):
 | `triton`    | `triton_paged.py` | a paged-decode kernel: one program per (sequence, kv head), K/V          |
 |             |                 | dequantized in registers; prefill falls back to the `cpu` path             |
 
+The reference's SDPA under a visibility mask is `reference.dense_attention`, written once: ReferenceBackend
+runs it in fp32 over the decoded table, and the model's inline `reference` path (engine/model/llama_family.py,
+no backend object: it reads through its KVStore) runs it in the weights dtype.
+
 Shapes: B sequences, Q queries each (1 for decode), H query heads, Hkv kv heads (H % Hkv == 0; query
 head h reads kv head h // (H // Hkv)), D head dim, NB blocks per table row, bs block size.
 

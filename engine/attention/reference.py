@@ -2,6 +2,11 @@
 
 Every block of the table is decoded into a dense fp32 copy (codec.decode), permuted head-major, and attended
 with SDPA under a bool mask. Two full copies of the context per layer and step: simple, not fast.
+
+`dense_attention` is that SDPA-under-a-visibility-mask step, written once: `ReferenceBackend.prefill` (and so
+decode) calls it on the decoded table in fp32, and the model's inline `reference` path
+(engine/model/llama_family.py, `LlamaFamily._reference_attention`, also the shadow's dense forward pass) calls it
+on its KVStore's gathered blocks in the weights dtype.
 """
 
 from __future__ import annotations
@@ -14,40 +19,68 @@ from engine.attention.reading import read_blocks, visibility
 from engine.kv.codecs import codecs_for
 
 
+def head_major(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [B, NB, Hkv, bs, D] -> [B, Hkv, NB*bs, D]: each kv head's keys in table order (one copy)."""
+    B, NB, Hkv, bs, D = blocks.shape
+    return blocks.permute(0, 2, 1, 3, 4).reshape(B, Hkv, NB * bs, D)
+
+
+def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor, *, scale: float,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """SDPA of q over dense K/V blocks under a bool visibility mask, computed in `dtype`.
+
+    q [B, Q, H, D]; kb, vb [B, NB, Hkv, bs, D] (any float dtype: a decoded table, or a KVStore's gather), on q's
+    device; mask [B, 1, Q, n] bool, True where a key is visible (reading.visibility), n <= NB*bs: only the first
+    n keys of the table are attended (the model's half-type span cut; n = NB*bs attends them all). Returns
+    [B, Q, H, D] in `dtype`: q, K and V are cast to it, and SDPA runs in it (fp32 for ReferenceBackend, the
+    weights dtype for the model's inline path).
+    """
+    H = q.shape[2]
+    n = mask.shape[-1]
+    k = head_major(kb)[:, :, :n].to(dtype)  # [B, Hkv, n, D]
+    v = head_major(vb)[:, :, :n].to(dtype)  # [B, Hkv, n, D]
+    Hkv = k.shape[1]
+    qh = q.to(dtype).transpose(1, 2)  # [B, H, Q, D]
+    if q.is_cuda and H != Hkv:
+        # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
+        # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B, H, n, D]
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=H != k.shape[1])
+    return o.transpose(1, 2)  # [B, Q, H, D]
+
+
+def decoded_table(kv: PagedKV, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every block of the batch's table decoded to fp32 (codec.decode): K, V [B, NB, Hkv, bs, D] each."""
+    kc, vc = codecs_for(kv.dtype)
+    every = slice(None)
+    kb = read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
+    vb = read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
+    return kb, vb
+
+
 class ReferenceBackend(DecodeAsPrefill):
     name = "reference"
 
     def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
-        B, Q, H, D = q.shape
-        Hkv = kv.kv_heads
-        kc, vc = codecs_for(kv.dtype)
-        every = slice(None)
-        kb = read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D] fp32
-        vb = read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)
+        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: dense_attention in fp32 over the decoded table."""
+        kb, vb = decoded_table(kv, layer, batch)  # [B, NB, Hkv, bs, D] fp32
         S = kb.shape[1] * kb.shape[3]
-        kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)  # [B, Hkv, S, D]
-        vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)
-        mask = visibility(batch, Q, S, window)[:, None]  # [B, 1, Q, S]
-        qg = q.float().transpose(1, 2)  # [B, H, Q, D]
-        o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)
-        return o.transpose(1, 2).to(q.dtype)  # [B, Q, H, D]
+        mask = visibility(batch, q.shape[1], S, window)[:, None]  # [B, 1, Q, S]
+        return dense_attention(q, kb, vb, mask, scale=scale).to(q.dtype)  # [B, Q, H, D]
 
     def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]), fp32, by the textbook formula over the decoded table:
         lse = logsumexp(q.k * scale) over the visible keys, out = exp(scores - lse) @ v; no visible key: 0, -inf."""
         B, Q, H, D = q.shape
-        Hkv = kv.kv_heads
-        kc, vc = codecs_for(kv.dtype)
-        every = slice(None)
-        kb = read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
-        vb = read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)
+        kb, vb = decoded_table(kv, layer, batch)  # [B, NB, Hkv, bs, D] fp32
         S = kb.shape[1] * kb.shape[3]
-        kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D).repeat_interleave(H // Hkv, dim=1)  # [B, H, S, D]
-        vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D).repeat_interleave(H // Hkv, dim=1)
-        s = torch.matmul(q.float().transpose(1, 2) * scale, kb.transpose(-1, -2))  # [B, H, Q, S]
+        G = H // kv.kv_heads
+        k = head_major(kb).repeat_interleave(G, dim=1)  # [B, H, S, D]
+        v = head_major(vb).repeat_interleave(G, dim=1)  # [B, H, S, D]
+        s = torch.matmul(q.float().transpose(1, 2) * scale, k.transpose(-1, -2))  # [B, H, Q, S]
         s = s.masked_fill(~visibility(batch, Q, S, window)[:, None], float("-inf"))
         lse = torch.logsumexp(s, dim=-1)  # [B, H, Q]
-        o = torch.matmul(torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), vb)  # [B, H, Q, D]
+        o = torch.matmul(torch.exp(s - torch.where(torch.isfinite(lse), lse, 0.0)[..., None]), v)  # [B, H, Q, D]
         return o.transpose(1, 2), lse.transpose(1, 2)

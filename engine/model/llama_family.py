@@ -3,9 +3,10 @@
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
 (engine/attention/: `cpu` and `triton` read the blocks in place; `reference` is the original path, which
-decodes every block of the table into a dense copy and runs SDPA under a mask). Blocks on the host tier are read
-from it (streamed), or with host_reads="compute" attended on the host and merged with the device part by
-log-sum-exp (engine/attention/host_compute.py).
+gathers every block of the table into a dense copy through the KVStore and runs SDPA under a mask, inline in
+`_reference_attention`; that SDPA is engine/attention/reference.py's `dense_attention`, which ReferenceBackend
+runs too). Blocks on the host tier are read from it (streamed), or with host_reads="compute" attended on the host
+and merged with the device part by log-sum-exp (engine/attention/host_compute.py).
 Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv heads, D = head dim.
 """
 
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend, visibility
 from engine.attention.host_compute import TierSplit, attend_on_host, attend_split, split_by_tier
+from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype
 
@@ -278,16 +280,18 @@ class LlamaFamily:
         return linear(x, self.lm_head).float()  # [R, vocab]
 
     def _reference_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
-        """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table decoded into a dense fp32
-        copy (kv.gather), permuted head-major, cast to the weights dtype, and SDPA under a bool mask."""
+        """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table gathered into a dense fp32
+        copy (kv.gather), then engine.attention.reference.dense_attention, the SDPA-under-a-mask that
+        ReferenceBackend runs too, here in the weights dtype over the keys up to each group's span."""
         s = self.spec
-        H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
+        H, D = s.num_heads, s.head_dim
         T = x.shape[0]
         # Half types: attend over the gathered keys up to the last valid one, not the padded blocks' tail.
         # The masked tail changes how bf16 SDPA rounds (fp32 is exact either way), so without the cut greedy
-        # tokens drift from transformers', whose cache holds exactly the valid keys.
+        # tokens drift from transformers', whose cache holds exactly the valid keys. dense_attention attends
+        # the first mask.shape[-1] keys, so cutting the mask cuts the keys.
         spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
-        masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}
+        masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}  # [B, 1, Q, n] each
         # host_reads="compute": groups with host blocks attended by the formula on each tier, merged
         paged = kv.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
         splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
@@ -295,28 +299,19 @@ class LlamaFamily:
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
             if window not in masks:
                 masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
-            attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)
-            for g, mask, n, split in zip(batch.groups, masks[window], spans, splits):
-                B, NB = g.table.shape
+            attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)  # [T, H, D]
+            for g, mask, split in zip(batch.groups, masks[window], splits):
+                B = g.table.shape[0]
+                qg = q[g.rows].view(B, g.q_len, H, D)  # [B, Q, H, D]
                 if split is not None:
-                    qg = q[g.rows].view(B, g.q_len, H, D)
                     o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window)
                     attn[g.rows] = o.reshape(B * g.q_len, H, D)
                     continue
                 kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
                 kb, vb = kb.to(q.device), vb.to(q.device)
-                S = NB * kb.shape[3]
-                # Attention in the weights dtype, as transformers computes it (a no-op for fp32).
-                kb = kb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
-                vb = vb.permute(0, 2, 1, 3, 4).reshape(B, Hkv, S, D)[:, :, :n].to(q.dtype)
-                qg = q[g.rows].view(B, g.q_len, H, D).transpose(1, 2)  # [B, H, Q, D]
-                if x.is_cuda and H != Hkv:
-                    # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
-                    # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
-                    kb, vb = kb.repeat_interleave(H // Hkv, dim=1), vb.repeat_interleave(H // Hkv, dim=1)
-                o = F.scaled_dot_product_attention(qg, kb, vb, attn_mask=mask, scale=self.scale,
-                                                   enable_gqa=H != kb.shape[1])
-                attn[g.rows] = o.transpose(1, 2).reshape(B * g.q_len, H, D)
+                # Attention in the weights dtype, as transformers computes it (a no-op cast for fp32).
+                o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype)  # [B, Q, H, D]
+                attn[g.rows] = o.reshape(B * g.q_len, H, D)
             return attn
 
         return attend
