@@ -313,7 +313,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x 2 x {dsize:.4g} = {total:,.0f} bytes "
                f"({total / 2**20:.1f} MiB)")
     engine = Engine(model, config)
-    mem = engine.telemetry.memory()
+    mem = engine.memory()
     info = {
         "model": {"name": s.name, "architecture": s.architecture, "layers": s.num_layers, "heads": s.num_heads,
                   "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden": s.hidden_size, "vocab": s.vocab_size,

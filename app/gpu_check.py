@@ -168,7 +168,7 @@ def _tier_checks(model, prompts, refs, sp, device: str, checks: dict, report: di
                                     demote_after_s=0.0), opts)
     checks["device_layers_equal"] = eng.generate(prompts, sp) == refs
     eng.check_invariants()
-    report["tiers"]["device_layers"] = eng.telemetry.memory()["tiers"]["device"]
+    report["tiers"]["device_layers"] = eng.memory()["tiers"]["device"]
     eng = Engine(model, CacheConfig(block_size=8), opts)
     ids = [eng.add_request(p, sp) for p in prompts]
     for _ in range(8):

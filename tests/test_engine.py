@@ -335,8 +335,8 @@ def test_a_paused_engine_s_clock_stands_still_so_nothing_demotes_on_resume(llama
     now[0] += 10.0
     assert eng.clock() == 0.1
     runner.pause_engine(False)
-    eng.kv.demote_idle(eng.clock())
+    eng.kv.residency.demote_idle(eng.clock())
     assert eng.pool.tiers[Tier.DEVICE].used == on_device and eng.counters.demotions == 0
     now[0] += 6.0  # running time past demote_after_s: now they go
-    eng.kv.demote_idle(eng.clock())
+    eng.kv.residency.demote_idle(eng.clock())
     assert eng.pool.tiers[Tier.DEVICE].used == 0

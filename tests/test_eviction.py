@@ -57,10 +57,9 @@ def resident(pool: BlockPool, keys) -> list[bool]:
 
 def evicted_by(pool: BlockPool, n: int, now: float) -> list[int]:
     """The keys of the blocks one eviction of n drops, in the policy's order."""
-    out: list[int] = []
-    pool.listener = lambda kind, **f: out.append(pool.hash_of(f["lid"]) - 1) if kind == "evict" else None
+    pool.take_events()
     assert pool.evict(Tier.DEVICE, n, now) == n
-    pool.listener = None
+    out = [e.fields["hash"] - 1 for e in pool.take_events() if e.kind == "evict"]
     assert not any(resident(pool, out))
     return out
 

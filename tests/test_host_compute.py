@@ -224,7 +224,7 @@ def test_compute_mode_reads_a_demoted_prefix_on_the_host(llama_model, llama_ref,
     p = prompts(9, [60])[0]
     eng = _engine(llama_model, 8, 40, "compute")
     eng.generate([p], SamplingParams(max_new_tokens=4, ignore_eos=True))
-    eng.kv.demote_idle(eng.clock() + 3600)
+    eng.kv.residency.demote_idle(eng.clock() + 3600)
     promotions = eng.counters.promotions
     out = eng.generate([p + [7, 8]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]
     assert out == llama_ref.greedy(p + [7, 8], 6)

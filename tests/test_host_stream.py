@@ -152,7 +152,7 @@ def test_compute_mode_and_device_resident_steps_stage_nothing(llama_model):
 def test_staging_memory_is_reported_and_follows_a_format_change(llama_model):
     eng = _engine(llama_model, 0, kv_dtype="int8")
     eng.generate(prompts(45, [30]), SamplingParams(max_new_tokens=3, ignore_eos=True))
-    mem = eng.telemetry.memory()
+    mem = eng.memory()
     assert mem["stream_staging_bytes"] == eng.runner.stream.nbytes() > 0
     names = {k[1] for k in eng.runner.stream._bufs}
     assert names == {"data", "scale"}

@@ -56,7 +56,7 @@ def test_streaming_reads_the_host_tier_in_place_and_promote_mode_promotes(llama_
     for mode in ("stream", "promote"):
         eng = _engine(llama_model, 8, 40, mode)
         eng.generate([p], SamplingParams(max_new_tokens=4, ignore_eos=True))  # the prompt's blocks, cached
-        eng.kv.demote_idle(eng.clock() + 3600)  # an hour later: every idle block has moved to the host tier
+        eng.kv.residency.demote_idle(eng.clock() + 3600)  # an hour later: every idle block has moved to the host tier
         assert eng.pool.tiers[Tier.DEVICE].used == 0
         before = (eng.counters.promotions, eng.counters.read_tokens_streamed)
         out[mode] = eng.generate([p + [7, 8]], SamplingParams(max_new_tokens=6, ignore_eos=True))[0]

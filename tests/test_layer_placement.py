@@ -56,7 +56,7 @@ def test_tokens_are_exact_with_layers_on_the_host(deep_model, deep_ref, attentio
     places = [eng.pool.layer_place(Tier.DEVICE, layer) for layer in range(12)]
     assert all(p == (eng.device, False) for p in places[:4])
     assert all(p[0] == torch.device("cpu") for p in places[4:])
-    mem = eng.telemetry.memory()["tiers"]["device"]
+    mem = eng.memory()["tiers"]["device"]
     assert mem["device_layers"] == 4 and mem["host_layers_bytes"] == (dev.capacity + RESERVED) * per * 8 // 12
     ps = prompts(50, [30, 17, 41])
     outs = eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True))

@@ -106,7 +106,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     }
     res["step_split"] = {"forward_s": c.forward_s, "bookkeeping_s": c.bookkeeping_s,
                          "bookkeeping_fraction": c.bookkeeping_s / max(c.forward_s + c.bookkeeping_s, 1e-9)}
-    cost = engine.telemetry.cost_signals()
+    cost = engine.cost_signals()
     cost["device_hit_rate"] = c.device_hit_rate
     res["cost"] = {k: (None if isinstance(v, float) and v != v else v) for k, v in cost.items()}  # NaN: no data
     res["config"] = engine.config.as_dict()

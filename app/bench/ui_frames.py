@@ -42,7 +42,7 @@ def _frames(fn, n: int, before=None) -> dict:
 def _two_minutes_of_history(eng, seed: int = 0) -> None:
     """Give the engine's time series the full length a window shows after two minutes of running (every
     chart then draws its full polyline), with rates that move from point to point as a live cache's do."""
-    from engine.telemetry.snapshotter import SERIES_LEN, SERIES_PERIOD_S
+    from engine.telemetry.snapshotter import SERIES_LEN, SERIES_PERIOD_S, StepSample
 
     rng = np.random.default_rng(seed)
     c = eng.counters
@@ -57,7 +57,9 @@ def _two_minutes_of_history(eng, seed: int = 0) -> None:
         c.promotions += int(rng.integers(0, 20))
         c.demotions += int(rng.integers(0, 20))
         c.generated += int(rng.integers(1, 60))
-        eng.telemetry.after_step(end - (SERIES_LEN - 1 - i) * SERIES_PERIOD_S * 1.001)
+        t = end - (SERIES_LEN - 1 - i) * SERIES_PERIOD_S * 1.001
+        used = [tier.used * eng.pool.block_bytes for tier in eng.pool.tiers]
+        eng.telemetry.after_step(StepSample(t, *used))
     for f in dataclasses.fields(c):  # the counters as they were; only the history is synthetic
         setattr(c, f.name, getattr(saved, f.name))
 

@@ -36,6 +36,18 @@ BUDGET = 19.0  # the next shadow step waits at least BUDGET × the last one's co
 BACKOFF_S = 60.0  # after a failed shadow step (out of memory ...)
 
 
+@dataclass(frozen=True)
+class Measured:
+    """A shadow step's outcome: the comparison, or why it failed (error set, numbers NaN)."""
+
+    pick: "_Pick"
+    kld: float = math.nan
+    flip: int = 0
+    logit_err: float = math.nan
+    cost_s: float = 0.0
+    error: str = ""
+
+
 @dataclass
 class _Pick:
     seq_id: int
@@ -45,17 +57,19 @@ class _Pick:
 
 
 class Shadow:
-    def __init__(self, engine):  # engine.runtime.engine.Engine
-        self.engine = engine
+    """Picks and measures shadow steps. Handed what it reads: the model (for the dense reference), the step's batch
+    and logits, the period; the engine records a measurement under its lock (`record`)."""
+
+    def __init__(self, model: LlamaFamily):
+        self.model = model
         self.next_at: float | None = None  # engine time from which the next step may be shadowed
         self.last_id = -1
         self.flips: collections.deque[tuple[float, int]] = collections.deque()
         self.last: dict = {}  # the latest measurement (the snapshot's quality.shadow)
-        self._point: tuple[float, float, float] | None = None  # for the next time-series point
 
-    def pick(self, sched, logits: torch.Tensor, now: float) -> _Pick | None:
-        """The row of this step to shadow, or None (most steps: one comparison)."""
-        every = self.engine.config.shadow_every_s
+    def pick(self, sched, logits: torch.Tensor, now: float, every: float) -> _Pick | None:
+        """The row of this step (a Scheduled batch; its logits [rows, vocab]) to shadow, or None (most steps: one
+        comparison). every: the config's shadow_every_s (0: off)."""
         if self.next_at is None:  # the first one `every` seconds after the first step: short runs go unshadowed
             self.next_at = now + every
         if every <= 0 or now < self.next_at:
@@ -70,42 +84,33 @@ class Shadow:
         seq = sched[i][0]
         return _Pick(sid, seq.tokens[: seq.num_cached + sched[i][1]], logits[i].detach().float().clone(), now)
 
-    def measure(self, p: _Pick | None) -> None:
-        """The dense reference for a picked step, compared and recorded (nothing for None)."""
+    def measure(self, p: _Pick | None) -> Measured | None:
+        """The dense reference for a picked step, compared (None for None). Runs outside the engine's lock; a failure
+        (out of memory, most likely) backs the next shadow step off and comes back as Measured.error."""
         if p is None:
-            return
-        e = self.engine
+            return None
         t0 = time.perf_counter()
         try:
-            ref = dense_logits(e.model, p.tokens)
-        except RuntimeError as ex:  # out of memory, most likely: say so and back off
+            ref = dense_logits(self.model, p.tokens)
+        except RuntimeError as ex:
             self.next_at = p.t + BACKOFF_S
-            with e.lock:
-                e.telemetry.emit("error", seq=p.seq_id, message=f"shadow reference step failed: {ex}")
-            return
+            return Measured(p, error=f"shadow reference step failed: {ex}")
         kld, flip, err = compare(ref, p.logits)
         cost = time.perf_counter() - t0
         self.next_at = max(self.next_at, p.t + BUDGET * cost)
-        with e.lock:
-            c = e.counters
-            c.shadow_steps += 1
-            c.shadow_flips += flip
-            c.shadow_kld_sum += kld
-            c.shadow_kld_max = max(c.shadow_kld_max, kld)
-            c.shadow_logit_err_max = max(c.shadow_logit_err_max, err)
-            c.shadow_s += cost
-            self.flips.append((p.t, flip))
-            while self.flips and p.t - self.flips[0][0] > FLIP_WINDOW_S:
-                self.flips.popleft()
-            rate = sum(f for _, f in self.flips) / len(self.flips)
-            self._point = (kld, rate, err)
-            self.last = {"t": p.t, "seq": p.seq_id, "tokens": len(p.tokens), "kld": kld, "flip": flip,
-                         "flip_rate": rate, "logit_err": err, "cost_s": cost, "kv_dtype": e.config.kv_dtype.label}
+        return Measured(p, kld, flip, err, cost)
 
-    def take_point(self) -> tuple[float, float, float]:
-        """(KLD, flip rate, max logit error) of the shadow step since the last call, or NaNs: no data."""
-        point, self._point = self._point, None
-        return point if point is not None else (math.nan, math.nan, math.nan)
+    def record(self, m: Measured, kv_dtype: str) -> tuple[float, float, float]:
+        """Under the engine's lock: keep a measurement as `last`; its (KLD, flip rate, max logit error) for the time
+        series (the counters count it: Counters.count_shadow). kv_dtype: the label of the format measured."""
+        p = m.pick
+        self.flips.append((p.t, m.flip))
+        while self.flips and p.t - self.flips[0][0] > FLIP_WINDOW_S:
+            self.flips.popleft()
+        rate = sum(f for _, f in self.flips) / len(self.flips)
+        self.last = {"t": p.t, "seq": p.seq_id, "tokens": len(p.tokens), "kld": m.kld, "flip": m.flip,
+                     "flip_rate": rate, "logit_err": m.logit_err, "cost_s": m.cost_s, "kv_dtype": kv_dtype}
+        return m.kld, rate, m.logit_err
 
 
 def compare(ref: torch.Tensor, got: torch.Tensor) -> tuple[float, int, float]:

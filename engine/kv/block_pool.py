@@ -9,7 +9,9 @@ are a `TierPool` (engine/kv/tiers.py); this module holds `BlockPool`, which owns
 
 from __future__ import annotations
 
+import collections
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -18,6 +20,13 @@ from engine.kv.codecs import Codec, Geometry, codecs_for
 from engine.config import CacheConfig
 from engine.kv.eviction import EvictionPolicy, heat_now, make_policy
 from engine.kv.tiers import NO_HASH, CacheFull, Tier, TierPool, copy_slots, tier_sizes
+
+
+class PoolEvent(NamedTuple):
+    """evict: lid, tier, age (s since allocation), gap (s since last read), hash (its chain hash, 0 if none);
+    promote / demote: n blocks, reason, nbytes."""
+    kind: str
+    fields: dict
 
 
 RESERVED = 2  # device-tier slots past the blocks: the null block and the sink (see _make_tier)
@@ -56,7 +65,9 @@ class BlockPool:
         self.by_hash: dict[int, int] = {}
         # Side stream for tier copies on CUDA, so migrations overlap compute.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.listener = None  # callable(kind, **fields) for events and counters
+        # What happened to blocks (evict, promote, demote), queued here and drained by the owner with take_events()
+        # (the engine, after each step and operation, into telemetry's counters and feed): the pool calls no one.
+        self.events: collections.deque[PoolEvent] = collections.deque()
         self.journal: list | None = None  # block copies of a resize in progress (engine/kv/resize_undo.py)
 
     # -- construction -------------------------------------------------------------------------
@@ -265,7 +276,7 @@ class BlockPool:
             lids = lids[moved:]
         for lid in lids.tolist():
             s = self.slot[lid]
-            self._emit("evict", lid=lid, tier=int(tier), age=now - t.born[s], gap=now - t.last[s])
+            self._emit("evict", lid=lid, tier=int(tier), age=now - t.born[s], gap=now - t.last[s], hash=int(t.hash[s]))
             self._release(lid)
         return len(victims)
 
@@ -385,8 +396,13 @@ class BlockPool:
         check_pool(self, owners)
 
     def _emit(self, kind: str, **fields) -> None:
-        if self.listener is not None:
-            self.listener(kind, **fields)
+        self.events.append(PoolEvent(kind, fields))
+
+    def take_events(self) -> list[PoolEvent]:
+        """The events queued since the last call, oldest first (and the queue emptied)."""
+        out = list(self.events)
+        self.events.clear()
+        return out
 
 
 def blocks_for(tokens: int, block_size: int) -> int:

@@ -9,26 +9,44 @@ engine/kv/residency.py.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
-from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for
+from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, PoolEvent, Tier, blocks_for
 from engine.kv.tiers import chain_hash, tier_sizes
 from engine.config import CacheConfig, ConfigError, KVDtype
-from engine.kv.residency import DEVICE, HOST, Residency
+from engine.kv.residency import DEVICE, HOST, EventSink, KVCounters, Residency
 from engine.sequence import Sequence
+
+if TYPE_CHECKING:  # the spec's shape numbers are all the KV layer reads of the model
+    from engine.model.spec import ModelSpec
 
 __all__ = ["KVManager", "CacheFull", "DEVICE", "HOST"]
 
 
-class KVManager(Residency):
-    def __init__(self, spec, device: torch.device, config: CacheConfig, telemetry, counters):
+class KVManager:
+    """The pool and what is done to it by sequence: pools, prefix matching, hashing, sharing, re-laying a tail,
+    release; `residency` (engine/kv/residency.py) decides where blocks are when a step runs."""
+
+    def __init__(self, spec: "ModelSpec", device: torch.device, config: CacheConfig, events: EventSink,
+                 counters: KVCounters):
         self.spec = spec
         self.device = device
-        self.telemetry = telemetry
+        self.events = events
         self.counters = counters
         self.pool = self.make_pool(config)
-        self.trace = None  # TraceRecorder while recording
+        self.residency = Residency(self.pool, counters, events)
+
+    @property
+    def trace(self):
+        """The TraceRecorder while one records (engine/kv/access_trace.py), else None."""
+        return self.residency.trace
+
+    @trace.setter
+    def trace(self, recorder) -> None:
+        self.residency.trace = recorder
 
     # -- pools --------------------------------------------------------------------------------
     @staticmethod
@@ -53,7 +71,6 @@ class KVManager(Residency):
                              first_serial=first, storage=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(f"cannot allocate the KV tiers ({config.summary()}): {str(e).splitlines()[0]}") from None
-        pool.listener = self.telemetry.on_pool_event
         return pool
 
     def check_memory(self, config: CacheConfig, replacing: BlockPool | None = None) -> None:
@@ -95,8 +112,14 @@ class KVManager(Residency):
         return self.pool.config
 
     def use(self, pool: BlockPool) -> None:
-        """Switch to a re-laid pool (see relayout.py), built for the new config."""
-        self.pool = pool
+        """Switch to a re-laid pool (see relayout.py), built for the new config; the old pool's undrained events
+        go first in the new one's queue."""
+        pool.events.extendleft(reversed(self.pool.take_events()))
+        self.pool = self.residency.pool = pool
+
+    def take_events(self) -> list[PoolEvent]:
+        """The pool's events since the last call (evictions, promotions, demotions), oldest first."""
+        return self.pool.take_events()
 
     def resize(self, config: CacheConfig, now: float) -> None:
         """A budget-only change, in place (engine/kv/resize.py): CacheFull with nothing changed if the blocks
@@ -124,12 +147,6 @@ class KVManager(Residency):
 
     def can_allocate(self, need: int) -> bool:
         return self.pool.can_allocate(Tier.DEVICE, need)
-
-    def holds_device_blocks(self, seq: Sequence) -> bool:
-        return bool(seq.blocks) and bool((self.pool.tier[seq.table()] == DEVICE).any())
-
-    def last_read(self, seq: Sequence) -> float:
-        return float(self.pool.last_of(seq.table()).max()) if seq.blocks else float("-inf")
 
     # -- prefix cache -------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
@@ -202,7 +219,7 @@ class KVManager(Residency):
         seq.blocks, seq.hashes = list(lids), list(hashes)
         seq.table_version += 1
         if seq.blocks:
-            self.telemetry.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool.born_of(seq.blocks))
+            self.events.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool.born_of(seq.blocks))
         seq.num_cached = len(seq.blocks) * bs
         seq.canonical = seq.num_cached
         if seq.first_token_at is None and seq.preemptions == 0:  # count a prompt once, not at each recompute

@@ -1,4 +1,5 @@
-"""Residency: where a sequence's blocks are when a step runs (a part of the KV manager, engine/kv/manager.py).
+"""Residency: where a sequence's blocks are when a step runs (the KV manager's collaborator, engine/kv/manager.py,
+that the scheduler asks for room and orders to make a sequence resident).
 
 Idle demotion (the MemOS hybrid rule), the device slots a step needs, room from idle sequences or from blocks
 scheduled sequences only read, promotion with prefetch (or none: host_reads=stream or compute), new blocks on the device
@@ -9,17 +10,58 @@ reads counted per key: hits, misses (blocks on the host tier when the step began
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 import numpy as np
 
-from engine.kv.block_pool import NO_HASH, Tier, blocks_for
+from engine.config import CacheConfig
+from engine.kv.block_pool import NO_HASH, BlockPool, Tier, blocks_for
 from engine.sequence import Sequence
 
 DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
 
 
+class EventSink(Protocol):
+    """Where the KV layer reports what it did (engine/telemetry/snapshotter.py's Telemetry is one)."""
+
+    def emit(self, kind: str, **fields) -> None: ...
+
+    def record_prefix_hit(self, gaps: np.ndarray, ages: np.ndarray) -> None: ...
+
+
+class KVCounters(Protocol):
+    """The running totals the KV layer adds to (engine/telemetry/counters.py's Counters is one)."""
+
+    block_reads: int
+    block_misses: int
+    read_tokens: int
+    read_tokens_missed: int
+    read_tokens_streamed: int
+    promote_stall_s: float
+    preemptions: int
+    prompt_tokens: int
+    prompt_reused: int
+
+
 class Residency:
-    """Mixin of KVManager: needs self.pool, self.config, self.counters, self.telemetry, self.trace."""
+    """Placement decisions over one pool. `pool` is replaced by the KV manager when the cache is re-laid (use());
+    `trace` is a TraceRecorder (engine/kv/access_trace.py) while one records, else None."""
+
+    def __init__(self, pool: BlockPool, counters: KVCounters, events: EventSink):
+        self.pool = pool
+        self.counters = counters
+        self.events = events
+        self.trace = None
+
+    @property
+    def config(self) -> CacheConfig:
+        return self.pool.config
+
+    def holds_device_blocks(self, seq: Sequence) -> bool:
+        return bool(seq.blocks) and bool((self.pool.tier[seq.table()] == DEVICE).any())
+
+    def last_read(self, seq: Sequence) -> float:
+        return float(self.pool.last_of(seq.table()).max()) if seq.blocks else float("-inf")
 
     def demote_idle(self, now: float) -> None:
         """MemOS hybrid rule: device blocks idle longer than demote_after_s move to the host tier."""
@@ -107,7 +149,7 @@ class Residency:
         for seq in sorted((s for s in idle if self.holds_device_blocks(s)), key=self.last_read):
             self.drop_kv(seq)
             seq.preemptions += 1
-            self.telemetry.emit("preempt", seq=seq.id, mode="recompute", reason="no host room")
+            self.events.emit("preempt", seq=seq.id, mode="recompute", reason="no host room")
             if p.can_allocate(Tier.DEVICE, need):
                 return True
         return p.can_allocate(Tier.DEVICE, need)
@@ -172,7 +214,7 @@ class Residency:
             seq.blocks[bi] = new
             seq.table_version += 1
             seq.hashes[bi] = 0
-            self.telemetry.emit("cow", seq=seq.id, block=int(lid), new=int(new))
+            self.events.emit("cow", seq=seq.id, block=int(lid), new=int(new))
         elif p.hash_of(lid) != NO_HASH:
             p.clear_hash(lid)
             seq.hashes[bi] = 0

@@ -10,7 +10,8 @@ or a cached block the change evicted to make room: such a cached block's data is
 (an eviction, reported as one); owned blocks are never overwritten (the change makes room from cached blocks
 only). A tier the change had grown goes back to its old number of slots, its null and sink slots zeroed again.
 
-Events the change emitted (demotions, evictions) are held back and sent only when it commits.
+Events the change queued on the pool (demotions, evictions) are taken back when it is undone; the undo queues the
+evictions of the cached blocks it lost.
 """
 
 from __future__ import annotations
@@ -36,19 +37,17 @@ class ResizeUndo:
         self.saved_tiers = [{n: copy.deepcopy(getattr(t, n)) if n == "cached" else copy.copy(getattr(t, n))
                              for n in _TIER} for t in pool.tiers]
         self.policy = copy.deepcopy(pool.policy)
-        self.listener, self.events = pool.listener, []
-        pool.listener = lambda kind, **fields: self.events.append((kind, fields))
+        self.queued = len(pool.events)  # the pool's events before the change (undrained: the change adds to them)
         pool.journal = []
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         pool = self.pool
         journal, pool.journal = pool.journal, None
-        pool.listener = self.listener
         if exc_type is None:
-            for kind, fields in self.events:
-                pool._emit(kind, **fields)
             return False
+        while len(pool.events) > self.queued:  # the change's events: undone with it
+            pool.events.pop()
         self._undo_copies(journal)
         self._restore_rows()
         lost = self._lost(journal)
@@ -96,7 +95,7 @@ class ResizeUndo:
         pool = self.pool
         for lid in lids:
             t = pool.tiers[pool.tier[lid]]
-            pool._emit("evict", lid=lid, tier=int(t.tier), age=0.0, gap=0.0)
+            pool._emit("evict", lid=lid, tier=int(t.tier), age=0.0, gap=0.0, hash=int(t.hash[pool.slot[lid]]))
             pool._release(lid)
 
 

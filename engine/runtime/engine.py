@@ -33,11 +33,12 @@ from engine.runtime.model_runner import ModelRunner
 from engine.kv.relayout import relayout
 from engine.runtime.scheduler import Scheduled, Scheduler, SchedulerOutput, Stall
 from engine.runtime.seq_ops import SequenceOps
-from engine.fidelity.shadow import Shadow
+from engine.fidelity.shadow import Measured, Shadow
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
 from engine.runtime.clock import PausableClock
 from engine.telemetry.counters import Counters
-from engine.telemetry.snapshotter import Event, Telemetry
+from engine.telemetry.snapshot import Snapshot
+from engine.telemetry.snapshotter import EngineState, Event, StepSample, Telemetry
 from engine.kv.tiers import tier_sizes
 
 __all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
@@ -50,7 +51,7 @@ class TokenOut:
     finished: bool
 
 
-class Engine(SequenceOps):
+class Engine:
     def __init__(self, model: LoadedModel, config: CacheConfig | None = None, options: EngineOptions | None = None,
                  clock: Callable[[], float] = time.monotonic):
         self.loaded = model
@@ -70,22 +71,23 @@ class Engine(SequenceOps):
         self.counters = Counters()
         self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
                                   self.context_limit, self.counters)
-        self.shadow = Shadow(self)  # lossless reference steps, sampled (engine/fidelity/shadow.py)
+        self.shadow = Shadow(self.model)  # lossless reference steps, sampled (engine/fidelity/shadow.py)
         self.lock = threading.RLock()
         self.step_lock = threading.RLock()
         # A step loop re-takes step_lock at once, and locks are not fair: a waiting reconfigure would starve.
         # Waiting changes are counted here, and step() lets them go first.
         self._turn = threading.Condition()
         self._changes_waiting = 0
-        self.telemetry = Telemetry(self)
-        self.seqs: dict[int, Sequence] = {}
+        self.telemetry = Telemetry(self.counters, self.clock, str(self.device),
+                                   self.cuda_memory if self.device.type == "cuda" else None)
+        self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
         self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit)
-        self._next_id = 0
+        # The table's operations: llama.cpp's seq_* calls, the context shift, the lifecycle (engine/runtime/seq_ops.py)
+        self.ops = SequenceOps(self.kv, self.scheduler, self.model, self.telemetry, self.clock, self.options,
+                               self.context_limit, self.device)
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
-        self._finished: collections.deque[int] = collections.deque()
-        self._kept: set[int] = set()  # finished sequences a caller still has to read (see keep/forget)
         self.eos = set(self.spec.eos_token_ids)
 
     # -- views kept for callers (telemetry, tests, the window) ----------------------------------
@@ -114,7 +116,7 @@ class Engine(SequenceOps):
         sampling = sampling or SamplingParams()
         with self.lock:
             prompt_ids = self.check_request(prompt_ids, sampling)
-            seq = self._new_seq(prompt_ids, sampling, label)
+            seq = self.ops.new_seq(prompt_ids, sampling, label)
             self.scheduler.add(seq)
             self.telemetry.emit("request", seq=seq.id, prompt_tokens=len(prompt_ids))
             return seq.id
@@ -126,32 +128,58 @@ class Engine(SequenceOps):
         check_token_ids(prompt_ids, self.spec.vocab_size)
         if not isinstance(sampling, SamplingParams):
             raise RequestError("sampling must be SamplingParams")
-        self._check_fits(len(prompt_ids), sampling.max_new_tokens)
+        self.ops.check_fits(len(prompt_ids), sampling.max_new_tokens)
         return [int(t) for t in prompt_ids]
 
-    def _check_fits(self, prompt_len: int, max_new: int) -> None:
-        peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
-        need = blocks_for(peak, self.config.block_size)
-        dev, host = self.kv.capacity(Tier.DEVICE), self.kv.capacity(Tier.HOST)
-        if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
-            raise RequestError(
-                f"request needs {need} blocks of {self.config.block_size} tokens ({peak} tokens) but the device and "
-                f"host tiers hold {dev} + {host}; raise device_budget_mb or host_budget_mb, or shorten the prompt"
-            )
-        if prompt_len > self.context_limit:
-            raise RequestError(f"prompt of {prompt_len} tokens exceeds the context limit of {self.context_limit}")
+    # -- sequence operations (engine/runtime/seq_ops.py), under the lock, pool events drained after ---------
+    def _op(self, fn, *args):
+        with self.lock:
+            try:
+                return fn(*args)
+            finally:
+                self._drain_pool_events()
 
-    def _new_seq(self, tokens: list[int], sampling: SamplingParams, label: str) -> Sequence:
-        sid = self._next_id
-        self._next_id += 1
-        seq = Sequence(id=sid, prompt_len=len(tokens), sampling=sampling, tokens=tokens, pos=list(range(len(tokens))),
-                       arrival=self.clock(), label=label)
-        if not sampling.greedy:
-            g = torch.Generator(device="cpu")
-            g.manual_seed(sampling.seed if sampling.seed is not None else sid)
-            seq.rng = g
-        self.seqs[sid] = seq
-        return seq
+    def seq_rm(self, sid: int, p0: int, p1: int | None = None) -> None:
+        """Remove the tokens whose positions are in [p0, p1) (p1 None: to the end)."""
+        self._op(self.ops.seq_rm, sid, p0, p1)
+
+    def seq_add(self, sid: int, p0: int, p1: int | None, delta: int) -> None:
+        """Shift positions in [p0, p1) by delta, re-rotating the cached keys (K-shift)."""
+        self._op(self.ops.seq_add, sid, p0, p1, delta)
+
+    def seq_div(self, sid: int, p0: int, p1: int | None, d: int) -> None:
+        """Integer-divide positions in [p0, p1) by d (self-extend), re-rotating keys."""
+        self._op(self.ops.seq_div, sid, p0, p1, d)
+
+    def seq_cp(self, sid: int, sampling: SamplingParams | None = None, label: str = "") -> int:
+        """Fork: a new sequence sharing every block (ref counts); copy-on-write at the first divergent write."""
+        return self._op(self.ops.seq_cp, sid, sampling, label)
+
+    def seq_keep(self, sid: int) -> None:
+        """Drop every sequence but this one."""
+        self._op(self.ops.seq_keep, sid)
+
+    def cancel(self, sid: int) -> None:
+        self._op(self.ops.cancel, sid)
+
+    def pause(self, sid: int) -> None:
+        self._op(self.ops.pause, sid)
+
+    def resume(self, sid: int) -> None:
+        self._op(self.ops.resume, sid)
+
+    def extend(self, sid: int, tokens: list[int], max_new_tokens: int) -> None:
+        """Append a new user turn to a finished or paused sequence and generate again (multi-turn chat)."""
+        self._op(self.ops.extend, sid, tokens, max_new_tokens)
+
+    def keep(self, sid: int) -> None:
+        """Keep this sequence in `seqs` after it finishes, whatever keep_finished says, until forget(sid):
+        for a caller that reads its output later (only the newest keep_finished others are kept)."""
+        self._op(self.ops.keep, sid)
+
+    def forget(self, sid: int) -> None:
+        """Drop a finished sequence that keep() held."""
+        self._op(self.ops.forget, sid)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
@@ -193,6 +221,7 @@ class Engine(SequenceOps):
             self._check_budget(new)
             self._apply_config(new, changes)
         except ConfigError as e:
+            self._drain_pool_events()  # an undone change takes its own back; what the undo lost is in the queue
             self.telemetry.emit("config_error", changes={k: _label(v) for k, v in changes.items()}, message=str(e))
             raise
         return new
@@ -243,6 +272,7 @@ class Engine(SequenceOps):
                 raise ConfigError(f"re-laying the cache failed ({_why(e)}); nothing was changed") from e
         else:
             self.kv.set_policy(new)
+        self._drain_pool_events()
         self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
                             summary=new.summary(), **held)
 
@@ -258,17 +288,18 @@ class Engine(SequenceOps):
         with self.lock:
             t0 = time.perf_counter()
             now = self.clock()
-            self.kv.demote_idle(now)
+            self.kv.residency.demote_idle(now)
             self.scheduler.admit(now)
             plan = self.scheduler.schedule(now)
             sched = plan.batch
             if not sched:
                 self._carry_out(plan, self.scheduler.watch_progress([], now), now)
+                self._drain_pool_events()
                 return []
             run, writes = self.runner.prepare(self.pool, sched)
             t1 = time.perf_counter()
         logits = run()
-        shadow = self.shadow.pick(sched, logits, now)
+        shadow = self.shadow.pick(sched, logits, now, self.config.shadow_every_s)
         with self.lock:
             t2 = time.perf_counter()
             outs = self._commit(sched, writes, self.runner.sample(sched, logits))
@@ -277,9 +308,26 @@ class Engine(SequenceOps):
             self.counters.bookkeeping_s += (t1 - t0) + (t3 - t2)
             self.counters.steps += 1
             self._carry_out(plan, self.scheduler.watch_progress(sched, now), now)
-            self.telemetry.after_step(now)
-        self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
+            self._drain_pool_events()
+            pool = self.pool
+            self.telemetry.after_step(StepSample(now, pool.tiers[Tier.DEVICE].used * pool.block_bytes,
+                                                 pool.tiers[Tier.HOST].used * pool.block_bytes))
+        measured = self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
+        if measured is not None:
+            with self.lock:
+                self._record_shadow(measured)
         return outs
+
+    def _record_shadow(self, m: Measured) -> None:
+        if m.error:
+            self.telemetry.emit("error", seq=m.pick.seq_id, message=m.error)
+            return
+        self.counters.count_shadow(m.kld, m.flip, m.logit_err, m.cost_s)
+        self.telemetry.shadow_point(*self.shadow.record(m, self.config.kv_dtype.label))
+
+    def _drain_pool_events(self) -> None:
+        """Under the lock: the pool's queued events into telemetry's counters and feed."""
+        self.telemetry.pool_events(self.kv.take_events())
 
     def _carry_out(self, plan: SchedulerOutput, stall: Stall | None, now: float) -> None:
         """What the scheduler decided beyond the batch, after the step: context shifts, then a stalled sequence."""
@@ -287,12 +335,12 @@ class Engine(SequenceOps):
             if seq.state != SeqState.RUNNING or len(seq.tokens) <= self.context_limit:
                 continue  # preempted or finished since
             try:
-                self._context_shift(seq)
+                self.ops.context_shift(seq)
             except RequestError:  # no room to re-lay its tail while others share it: recompute it later
                 self.scheduler.preempt(seq, now, recompute=True)
         if stall is not None and not stall.seq.done:
             stall.seq.error = stall.message
-            self._finish(stall.seq, "stalled", now)
+            self.ops.finish(stall.seq, "stalled", now)
 
     def _commit(self, sched: Scheduled, writes, tokens: list[int]) -> list[TokenOut]:
         """The step's K/V are in their blocks: advance each sequence, append its sampled token, finish it."""
@@ -320,22 +368,10 @@ class Engine(SequenceOps):
                 self.telemetry.ttft(seq.ttft)
             finished = (tok in self.eos and not seq.sampling.ignore_eos) or len(seq.output) >= seq.sampling.max_new_tokens
             if finished:
-                self._finish(seq, "eos" if tok in self.eos else "length", now)
+                self.ops.finish(seq, "eos" if tok in self.eos else "length", now)
             outs.append(TokenOut(seq.id, tok, finished))
         self.kv.touch(touched, now)
         return outs
-
-    def _finish(self, seq: Sequence, reason: str, now: float) -> None:
-        seq.state = SeqState.FINISHED
-        seq.finish_reason = reason
-        seq.finished_at = now
-        self.scheduler.remove(seq)
-        self.kv.release(seq)
-        self.telemetry.emit("finish", seq=seq.id, reason=reason, tokens=len(seq.output))
-        if seq.id not in self._kept:
-            self._finished.append(seq.id)
-        while len(self._finished) > self.options.keep_finished:
-            self.seqs.pop(self._finished.popleft(), None)
 
     # -- traces and the prefix cache --------------------------------------------------------------
     def start_trace(self) -> None:
@@ -378,10 +414,41 @@ class Engine(SequenceOps):
         return [self.seqs[i].output for i in ids]
 
     # -- observation ----------------------------------------------------------------------------
-    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None):
-        return self.telemetry.snapshot(tables, timeout)
+    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None) -> Snapshot | None:
+        """An immutable snapshot (engine/telemetry/snapshot.py). tables: which sequences' block lists (tier, slot)
+        to include: "all", a set of ids, or "auto" (all while the tables hold at most AUTO_TABLES_MAX entries).
+
+        timeout: wait at most this long for the engine lock (a step's bookkeeping, a context shift or a re-layout
+        holds it) and return None if it stays busy; None waits as long as it takes."""
+        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+            return None
+        try:
+            self._drain_pool_events()
+            return self.telemetry.snapshot(self._state(), tables)
+        finally:
+            self.lock.release()
+
+    def memory(self) -> dict:
+        """The memory breakdown a snapshot carries (per tier: K, V, scales, metadata; RSS, staging, GPU)."""
+        with self.lock:
+            return self.telemetry.memory(self._state())
+
+    def cost_signals(self) -> dict[str, float]:
+        """What a change costs (Telemetry.cost_signals): TTFT percentiles, queue lengths, traffic per token."""
+        with self.lock:
+            self._drain_pool_events()
+            return self.telemetry.cost_signals(len(self.waiting), len(self.running))
+
+    def _state(self) -> EngineState:
+        """Under the lock: what a snapshot reads."""
+        return EngineState(now=self.clock(), pool=self.pool, seqs=self.seqs, spec=self.spec, device=str(self.device),
+                           context_limit=self.context_limit, waiting=len(self.waiting), running=len(self.running),
+                           key_errors=self.runner.errors, shadow=self.shadow.last,
+                           stream_staging_bytes=self.runner.stream.nbytes())
 
     def take_events(self) -> list[Event]:
+        with self.lock:
+            self._drain_pool_events()
         return self.telemetry.take_events()
 
     def cuda_memory(self) -> tuple[int, int]:

@@ -57,6 +57,7 @@ class Scheduler:
     def __init__(self, kv: KVManager, seqs: dict[int, Sequence], options: EngineOptions, telemetry, counters,
                  context_limit: int):
         self.kv = kv
+        self.residency = kv.residency  # the same object for the engine's life (a re-lay swaps its pool)
         self.seqs = seqs
         self.options = options
         self.telemetry = telemetry
@@ -171,10 +172,10 @@ class Scheduler:
         until `fits()`; `spare` keeps its own."""
         active = set(self.active())
         idle = [s for s in self.seqs.values() if s.blocks and not s.done and s.id not in active and s is not spare]
-        for seq in sorted(idle, key=self.kv.last_read):
+        for seq in sorted(idle, key=self.residency.last_read):
             if fits():
                 return True
-            self.kv.drop_kv(seq)
+            self.residency.drop_kv(seq)
             seq.preemptions += 1
             self.telemetry.emit("preempt", seq=seq.id, mode="recompute", reason="no room for the running sequences")
         return fits()
@@ -213,8 +214,8 @@ class Scheduler:
                 self.preempt(seq, now)
                 continue
             n, minimal = placed
-            self.kv.make_resident(seq, n, now, minimal)
-            pinned.update(self.kv.written(seq).tolist())
+            self.residency.make_resident(seq, n, now, minimal)
+            pinned.update(self.residency.written(seq).tolist())
             sched.append((seq, n))
             budget -= n if n > 1 else 0
             if budget <= 0 and n > 1:
@@ -232,7 +233,7 @@ class Scheduler:
         blocks (a prompt chunk whose new blocks fit neither tier is shortened). Last, room from preempting newer
         running sequences. Nothing here preempts a sequence while the host tier can still serve it.
         """
-        kv = self.kv
+        kv = self.residency
         if not kv.streams() and self._make_room(kv.room_needed(seq, n), now, keep, preempt=False):
             return n, False
         readers = [seq] + [s for s, _ in sched]
@@ -254,7 +255,7 @@ class Scheduler:
             return True
         idle = [s for s in self.seqs.values()
                 if s.id not in keep and not s.done and s.state != SeqState.RUNNING and s.blocks]
-        if self.kv.reclaim(need, now, idle, [self.seqs[k] for k in keep]):
+        if self.residency.reclaim(need, now, idle, [self.seqs[k] for k in keep]):
             return True
         if not preempt:
             return False
@@ -270,10 +271,10 @@ class Scheduler:
         """Stop a running sequence; its blocks go to the host tier, or are dropped and recomputed later (always
         with `recompute`: blocks kept anywhere would still take the room it was stopped for)."""
         if recompute:
-            self.kv.drop_kv(seq)
+            self.residency.drop_kv(seq)
             mode = "recompute"
         else:
-            mode = self.kv.swap_out(seq, now)
+            mode = self.residency.swap_out(seq, now)
         seq.preemptions += 1
         self.counters.preemptions += 1
         self.running.remove(seq.id)

@@ -51,6 +51,15 @@ class Counters:
         """Share of prompt tokens served from the prefix cache (nan: no prompt yet)."""
         return self.prompt_reused / self.prompt_tokens if self.prompt_tokens else float("nan")
 
+    def count_shadow(self, kld: float, flip: int, logit_err: float, cost_s: float) -> None:
+        """One shadow step measured."""
+        self.shadow_steps += 1
+        self.shadow_flips += flip
+        self.shadow_kld_sum += kld
+        self.shadow_kld_max = max(self.shadow_kld_max, kld)
+        self.shadow_logit_err_max = max(self.shadow_logit_err_max, logit_err)
+        self.shadow_s += cost_s
+
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["device_hit_rate"] = self.device_hit_rate

@@ -10,13 +10,21 @@ from __future__ import annotations
 import collections
 import os
 import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 import psutil
 
+from engine.telemetry.counters import Counters
 from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
+
+if TYPE_CHECKING:  # annotations only: this module stays torch-free
+    from engine.config import CacheConfig
+    from engine.kv.block_pool import BlockPool, PoolEvent
+    from engine.model.spec import ModelSpec
+    from engine.sequence import Sequence
 
 RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
@@ -75,9 +83,56 @@ class Event:
     fields: dict
 
 
+@dataclass(frozen=True)
+class StepSample:
+    """What a step hands telemetry when it ends (under the engine's lock)."""
+
+    t: float  # engine time of the step
+    device_used_bytes: int  # blocks held on each tier × block bytes
+    host_used_bytes: int
+
+
+class KeyErrorReadings(Protocol):
+    """Per-channel key reconstruction errors, as engine/fidelity/block_error.py's KVErrors keeps them."""
+
+    keys_seen: int
+
+    def outliers(self) -> list: ...
+
+
+@dataclass(frozen=True)
+class EngineState:
+    """What a snapshot reads, handed by the engine under its lock (the live objects: read, never kept)."""
+
+    now: float  # engine time
+    pool: "BlockPool"
+    seqs: "Mapping[int, Sequence]"
+    spec: "ModelSpec"
+    device: str  # the compute device, as torch names it ("cpu", "cuda:0")
+    context_limit: int
+    waiting: int  # sequences queued
+    running: int  # sequences admitted
+    key_errors: KeyErrorReadings  # per-channel key reconstruction errors (engine/fidelity/block_error.py)
+    shadow: dict  # the latest shadow step (engine/fidelity/shadow.py), {} before the first
+    stream_staging_bytes: int  # buffers host blocks are streamed through, on the compute device
+
+    @property
+    def config(self) -> "CacheConfig":
+        return self.pool.config
+
+
 class Telemetry:
-    def __init__(self, engine):  # engine.runtime.engine.Engine; not imported, so this module stays torch-free
-        self.engine = engine
+    """Counters' companions: the event feed, the marks, the windowed history and the time series; and the snapshots
+    built from an EngineState. Handed its inputs (events, a StepSample per step, shadow points); it holds no engine.
+
+    cuda_memory: torch's allocator readings (allocated, reserved) bytes, or None without CUDA."""
+
+    def __init__(self, counters: Counters, clock: Callable[[], float], device: str = "cpu",
+                 cuda_memory: Callable[[], tuple[int, int]] | None = None):
+        self.counters = counters
+        self.clock = clock
+        self.device = device
+        self.cuda_memory = cuda_memory
         self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
         self.marks: collections.deque[tuple[float, str, str]] = collections.deque(maxlen=MARKS_KEPT)
         self.history: collections.deque[_Totals] = collections.deque()
@@ -96,13 +151,14 @@ class Telemetry:
         self._dev_cache: dict[int, tuple[int, int]] = {}
         self._dev_epoch: tuple[int, int] | None = None
         self._flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._shadow_point: tuple[float, float, float] | None = None  # for the next time-series point
 
     # -- inputs -------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
         self.events.append(Event(time.time(), kind, fields))
         if kind in MARK_KINDS:
-            self.marks.append((self.engine.clock(), kind, _mark_label(kind, fields)))
-        c = self.engine.counters
+            self.marks.append((self.clock(), kind, _mark_label(kind, fields)))
+        c = self.counters
         if kind == "context_shift":
             c.context_shifts += 1
         elif kind == "cow":
@@ -110,26 +166,33 @@ class Telemetry:
         elif kind == "config":
             c.config_changes += 1
 
-    def on_pool_event(self, kind: str, **f) -> None:
-        c = self.engine.counters
-        if kind == "evict":
-            c.evictions += 1
-            self.residency["age_at_eviction"].append(f["age"])
-            self.residency["lifetime"].append(f["age"])
-            return  # too frequent for the feed one by one; batched below
-        if kind == "promote":
-            c.promotions += f["n"]
-            c.promoted_bytes += f["nbytes"]
-        elif kind == "demote":
-            c.demotions += f["n"]
-            c.demoted_bytes += f["nbytes"]
-        self.emit(kind, **f)
+    def pool_events(self, events: "Iterable[PoolEvent]") -> None:
+        """The block pool's queued events (engine/kv/block_pool.py), as the engine drains them: counted; promotions
+        and demotions also go to the feed (evictions are too frequent for it one by one)."""
+        c = self.counters
+        for kind, f in events:
+            if kind == "evict":
+                c.evictions += 1
+                self.residency["age_at_eviction"].append(f["age"])
+                self.residency["lifetime"].append(f["age"])
+                continue
+            if kind == "promote":
+                c.promotions += f["n"]
+                c.promoted_bytes += f["nbytes"]
+            elif kind == "demote":
+                c.demotions += f["n"]
+                c.demoted_bytes += f["nbytes"]
+            self.emit(kind, **f)
+
+    def shadow_point(self, kld: float, flip_rate: float, logit_err: float) -> None:
+        """A shadow step's measurement, for the next time-series point (the newest wins)."""
+        self._shadow_point = (kld, flip_rate, logit_err)
 
     def record_prefix_hit(self, gaps: np.ndarray, ages: np.ndarray) -> None:
         self.residency["reuse_gap"].extend(gaps.tolist())
         self.residency["age_at_hit"].extend(ages.tolist())
 
-    def cost_signals(self) -> dict[str, float]:
+    def cost_signals(self, waiting: int, running: int) -> dict[str, float]:
         """What a change costs, as the window and `kvscope bench` show it (NaN: nothing counted yet).
 
         ttft_p50 / ttft_p95: seconds from arrival to first token over the last requests; waiting / running: sequences
@@ -139,13 +202,13 @@ class Telemetry:
         per generated token; streamed_share: keys attention read from the host tier where they are, as a share of
         all keys read; streamed_mb_per_token: MB of host blocks copied as stored to the compute device's staging to
         be read there (host_reads=stream, or promote's overflow), per generated token."""
-        c, e = self.engine.counters, self.engine
+        c = self.counters
         t = np.asarray(self.ttfts, dtype=np.float64)
         per_tok = (lambda b: b / 2**20 / c.generated) if c.generated else (lambda b: float("nan"))
         return {
             "ttft_p50": float(np.percentile(t, 50)) if len(t) else float("nan"),
             "ttft_p95": float(np.percentile(t, 95)) if len(t) else float("nan"),
-            "waiting": len(e.waiting), "running": len(e.running), "preemptions": c.preemptions,
+            "waiting": waiting, "running": running, "preemptions": c.preemptions,
             "promote_stall_s": c.promote_stall_s,
             "promoted_mb_per_token": per_tok(c.promoted_bytes), "demoted_mb_per_token": per_tok(c.demoted_bytes),
             "streamed_share": c.read_tokens_streamed / c.read_tokens if c.read_tokens else float("nan"),
@@ -155,8 +218,9 @@ class Telemetry:
     def ttft(self, seconds: float) -> None:
         self.ttfts.append(seconds)
 
-    def after_step(self, now: float) -> None:
-        c = self.engine.counters
+    def after_step(self, sample: StepSample) -> None:
+        c = self.counters
+        now = sample.t
         self.history.append(_Totals(now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused,
                                     c.evictions, c.promotions, c.demotions, c.generated))
         while self.history and now - self.history[0].t > WINDOW_S:
@@ -164,16 +228,16 @@ class Telemetry:
         if now - self._last_series >= SERIES_PERIOD_S:
             self._last_series = now
             w = self._windowed(now)
-            pool = self.engine.pool
             gpu = self.gpu()
-            kld, flips, logit_err = self.engine.shadow.take_point()
+            kld, flips, logit_err = self._shadow_point or (np.nan, np.nan, np.nan)  # NaN: no shadow step since
+            self._shadow_point = None
             self.series.append(SeriesPoint(
                 t=now, device_hit_rate_w=w["device_hit_rate"], prefix_hit_rate_w=w["prefix_hit_rate"],
                 device_hit_rate=c.device_hit_rate, prefix_hit_rate=c.prefix_hit_rate,
                 evictions_per_s=w["evictions_per_s"], promotions_per_s=w["promotions_per_s"],
                 demotions_per_s=w["demotions_per_s"], tokens_per_s=w["tokens_per_s"],
-                device_used_bytes=pool.tiers[0].used * pool.block_bytes,
-                host_used_bytes=pool.tiers[1].used * pool.block_bytes, rss_bytes=self._proc.memory_info().rss,
+                device_used_bytes=sample.device_used_bytes,
+                host_used_bytes=sample.host_used_bytes, rss_bytes=self._proc.memory_info().rss,
                 gpu_used_bytes=gpu.get("nvml_used_bytes", np.nan),
                 torch_allocated_bytes=gpu.get("torch_allocated_bytes", np.nan),
                 shadow_kld=kld, shadow_flip_rate=flips, shadow_logit_err=logit_err))
@@ -203,31 +267,17 @@ class Telemetry:
             "tokens_per_s": (b.generated - a.generated) / dt,
         }
 
-    def snapshot(self, tables: str | set[int] = "auto", timeout: float | None = None) -> Snapshot | None:
+    def snapshot(self, e: EngineState, tables: str | set[int] = "auto") -> Snapshot:
         """tables: which sequences' block lists (tier, slot) to include: "all", a set of ids, or "auto"
-        (all while the tables hold at most AUTO_TABLES_MAX entries, else none).
-
-        timeout: wait at most this long for the engine lock (a step's bookkeeping, a context shift or a
-        re-layout holds it) and return None if it stays busy; None waits as long as it takes.
-        """
-        e = self.engine
-        if not e.lock.acquire(timeout=-1 if timeout is None else timeout):
-            return None
-        try:
-            return self._snapshot(tables)
-        finally:
-            e.lock.release()
-
-    def _snapshot(self, tables: str | set[int]) -> Snapshot:
-        e = self.engine
-        now = e.clock()
+        (all while the tables hold at most AUTO_TABLES_MAX entries, else none)."""
+        now = e.now
         pool = e.pool
         tiers = tuple(self._tier(pool, t, now) for t in pool.tiers)
-        seqs = self._seqs(now, tables)
-        counters = e.counters.as_dict()
-        counters.update(self.cost_signals())
+        seqs = self._seqs(e, tables)
+        counters = self.counters.as_dict()
+        counters.update(self.cost_signals(e.waiting, e.running))
         windowed = self._windowed(now)
-        memory = self.memory()
+        memory = self.memory(e)
         names = SeriesPoint._fields
         arr = np.asarray(self.series, dtype=np.float64).reshape(-1, len(names))
         series = {n: arr[:, i].copy() for i, n in enumerate(names)}
@@ -235,22 +285,21 @@ class Telemetry:
         spec = e.spec
         model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
                  "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                 "device": str(e.device), "context_limit": e.context_limit}
-        steps = max(e.counters.steps, 1)
-        timing = {"forward_ms_per_step": 1e3 * e.counters.forward_s / steps,
-                  "bookkeeping_ms_per_step": 1e3 * e.counters.bookkeeping_s / steps}
+                 "device": e.device, "context_limit": e.context_limit}
+        steps = max(self.counters.steps, 1)
+        timing = {"forward_ms_per_step": 1e3 * self.counters.forward_s / steps,
+                  "bookkeeping_ms_per_step": 1e3 * self.counters.bookkeeping_s / steps}
         return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
-                        marks=tuple(self.marks), quality=self.quality())
+                        marks=tuple(self.marks), quality=self.quality(e))
 
-    def quality(self) -> dict:
+    def quality(self, e: EngineState) -> dict:
         """What the KV format costs (engine/fidelity/block_error.py, engine/fidelity/shadow.py): the key channels with outliers, the
         latest shadow step (empty before the first) and the shadow period."""
-        e = self.engine
-        errors = e.runner.errors
+        errors = e.key_errors
         return {"kv_dtype": e.config.kv_dtype.label, "lossless": e.config.kv_dtype.lossless,
                 "keys_seen": errors.keys_seen, "key_outliers": errors.outliers(),
-                "shadow_every_s": e.config.shadow_every_s, "shadow": dict(e.shadow.last)}
+                "shadow_every_s": e.config.shadow_every_s, "shadow": dict(e.shadow)}
 
     def _tier(self, pool, t, now: float) -> TierSnapshot:
         # float32 throughout (half the bytes to move; exp is the costliest op here), each array written once:
@@ -273,34 +322,33 @@ class Telemetry:
                             owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
                             hashed=t.hash.view(np.int64) != 0, kerr=t.kerr + no_data, verr=t.verr + no_data)
 
-    def _tables(self) -> tuple[list[np.ndarray], bool]:
+    def _tables(self, seqs: "Mapping[int, Sequence]") -> tuple[list[np.ndarray], bool]:
         """Each sequence's block table as a numpy array, recopied only when the table changed; and whether
         any table (or the set of sequences) changed since the last call."""
-        e = self.engine
         out = []
         changed = False
-        if len(self._table_cache) > 2 * len(e.seqs) + 64:
-            self._table_cache = {k: v for k, v in self._table_cache.items() if k in e.seqs}
-        for s in e.seqs.values():
+        if len(self._table_cache) > 2 * len(seqs) + 64:
+            self._table_cache = {k: v for k, v in self._table_cache.items() if k in seqs}
+        for s in seqs.values():
             hit = self._table_cache.get(s.id)
             if hit is None or hit[0] != s.table_version:
                 hit = (s.table_version, np.asarray(s.blocks, dtype=np.int64))
                 self._table_cache[s.id] = hit
                 changed = True
             out.append(hit[1])
-        ids = list(e.seqs)
+        ids = list(seqs)
         if ids != self._table_ids:
             self._table_ids, changed = ids, True
         return out, changed
 
-    def _device_blocks(self, rows: list, arrays: list[np.ndarray], lens: np.ndarray, changed: bool) -> np.ndarray:
+    def _device_blocks(self, pool: "BlockPool", rows: list, arrays: list[np.ndarray], lens: np.ndarray,
+                       changed: bool) -> np.ndarray:
         """Blocks on the device tier, per sequence.
 
         Counts hold while blocks stay on their tiers (pool.moves unchanged): then only sequences whose
         table changed are recounted. After a migration every sequence is recounted in one segmented sum
         over the concatenated tables, which are themselves kept while no table changes.
         """
-        pool = self.engine.pool
         epoch = (id(pool), pool.moves)
         if changed:
             self._flat = None
@@ -327,13 +375,12 @@ class Telemetry:
         self._dev_cache = {s.id: (s.table_version, int(d)) for s, d in zip(rows, dev)}
         return dev
 
-    def _seqs(self, now: float, tables: str | set[int]) -> SeqTable:
-        e = self.engine
-        pool = e.pool
+    def _seqs(self, e: EngineState, tables: str | set[int]) -> SeqTable:
+        now, pool = e.now, e.pool
         rows = list(e.seqs.values())
-        arrays, changed = self._tables()
+        arrays, changed = self._tables(e.seqs)
         lens = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
-        dev = self._device_blocks(rows, arrays, lens, changed)
+        dev = self._device_blocks(pool, rows, arrays, lens, changed)
         if tables == "auto":
             tables = "all" if int(lens.sum()) <= AUTO_TABLES_MAX else set()
         empty_t, empty_s = np.zeros(0, np.int8), np.zeros(0, np.int64)
@@ -373,8 +420,7 @@ class Telemetry:
             block_slot=block_slot,
         )
 
-    def memory(self) -> dict:
-        e = self.engine
+    def memory(self, e: EngineState) -> dict:
         pool = e.pool
         tiers = {}
         for t in pool.tiers:
@@ -390,7 +436,7 @@ class Telemetry:
                 "capacity_blocks": t.capacity,
                 "used_blocks": t.used,
                 "device": str(t.k["data"].device),
-                "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and e.device.type == "cuda" else False,
+                "pinned": bool(t.k["data"].is_pinned()) if t.k["data"].device.type == "cpu" and self.cuda_memory is not None else False,
             }
             if t.null_slot is not None:  # per-layer placement: the device tier's layers [N, L) sit in host memory
                 tiers[t.tier.name.lower()].update(device_layers=pool.sizes.dev_layers,
@@ -398,23 +444,22 @@ class Telemetry:
         vm = psutil.virtual_memory()
         out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
                # buffers host blocks are streamed through, on the compute device (engine/attention/host_stream.py)
-               "stream_staging_bytes": e.runner.stream.nbytes(),
+               "stream_staging_bytes": e.stream_staging_bytes,
                "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
         return out
 
     def gpu(self) -> dict:
         """NVML and torch allocator readings, or {'available': False, 'reason': ...}."""
-        e = self.engine
-        if e.device.type != "cuda":
+        if self.cuda_memory is None:
             return {"available": False, "reason": "no GPU: the device tier is a budgeted CPU pool"}
-        allocated, reserved = e.cuda_memory()
+        allocated, reserved = self.cuda_memory()
         out: dict[str, Any] = {"available": True, "torch_allocated_bytes": allocated, "torch_reserved_bytes": reserved}
         if self._nvml is None and not self._nvml_error:
             try:
                 import pynvml
 
                 pynvml.nvmlInit()
-                idx = e.device.index or 0
+                idx = int(self.device.partition(":")[2] or 0)
                 self._nvml = pynvml.nvmlDeviceGetHandleByIndex(idx)
             except Exception as ex:  # NVML missing or the driver refuses: say so, keep the torch numbers
                 self._nvml_error = f"NVML unavailable: {ex}"
