@@ -7,8 +7,8 @@ It checks: greedy tokens equal transformers `generate` on CUDA (the triton paged
 with a device tier smaller than the requests' KV, blocks migrate between CUDA memory and pinned host memory on a
 side stream and tokens stay equal; every lossy format runs; decode through CUDA graphs (replayed, re-captured
 after a block-size change, tokens equal; kernel launches per decode step with and without); bf16 weights + bf16
-KV against transformers in bf16; tests/test_cuda.py (2 MiB blocks migrated under a busy stream, every byte) and
-tests/test_host_stream.py (host blocks streamed a layer ahead on the side stream, every staged byte); the wall
+KV against transformers in bf16; tests/runtime/test_cuda.py (2 MiB blocks migrated under a busy stream, every byte) and
+tests/attention/test_host_stream.py (host blocks streamed a layer ahead on the side stream, every staged byte); the wall
 time of host_reads=stream with the copies a layer ahead vs at the read (`stream_overlap`);
 NVML and torch allocator readings; and `bench --compare hf` on CUDA. Prints one JSON object.
 """
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     _bf16_check(tiny, model.spec, prompts[:3], args.device, checks, report)
     # 2 MiB blocks demoted and promoted while the compute stream is busy: every byte must come back.
     checks["migration_bytes_equal"] = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
-         "tests/test_host_stream.py", "-k", "cuda"],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_cuda.py",
+         "tests/attention/test_host_stream.py", "-k", "cuda"],
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
         timeout=300).returncode == 0
     report["checks"] = checks

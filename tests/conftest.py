@@ -169,7 +169,7 @@ def deep_ref(deep_llama) -> Reference:
 
 @pytest.fixture
 def bm(qtbot):
-    """A block map widget at 800 x 420, shown (tests/test_block_map.py, tests/test_kv_cost_window.py)."""
+    """A block map widget at 800 x 420, shown (tests/ui/test_block_map.py, tests/ui/test_kv_cost_window.py)."""
     from ui.block_map.widget import BlockMap
 
     w = BlockMap()
@@ -278,3 +278,34 @@ def pytest_collection_modifyitems(config, items) -> None:
             missing = [n for n in names if module is not None and not hasattr(module, n.split("[")[0])]
             if missing:
                 raise pytest.UsageError(f"tests/conftest.py marks {marker} on tests that {file} no longer has: {missing}")
+
+
+# -- helpers shared across the test packages ---------------------------------------------------------------------
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`kvscope ARGS` in this process (the model loads in well under a second): (exit code, stdout, stderr)."""
+    from app.cli import main
+
+    rc = main(list(args))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _mb(model, blocks: int, block_size: int, dtype: str = "fp32") -> float:
+    """The budget in MiB that holds `blocks` blocks of this model's geometry."""
+    from engine.config import CacheConfig
+    from engine.kv.block_pool import BlockPool
+
+    s = model.spec
+    return blocks * BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
+                                              s.num_kv_heads, s.head_dim) / 2**20
+
+
+def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", host_blocks: int = 400, **cfg):
+    """An engine whose device tier holds dev_blocks blocks (and the reserved two), host tier host_blocks, host_reads=mode."""
+    from engine.config import CacheConfig, EngineOptions
+    from engine.kv.block_pool import RESERVED
+    from engine.runtime.engine import Engine
+
+    config = CacheConfig(block_size=bs, device_budget_mb=_mb(model, dev_blocks + RESERVED, bs),
+                         host_budget_mb=_mb(model, host_blocks, bs), host_reads=mode, **cfg)
+    return Engine(model, config, EngineOptions(attention=attention))

@@ -15,7 +15,7 @@ with the rank `parallel_config.data_parallel_index`; SGLang 0.5 the same with th
 sockets REPLAY..REPLAY+N-1, and the two ranges must not overlap: the usual 5557 / 5558 serves one rank only
 (rank 1's publisher would take rank 0's replay port, 5558). For N >= 2 the server needs a replay base of its
 own, e.g. `"replay_endpoint":"tcp://*:5600"`, given here as `replay=5600`; without it, attach assumes the
-replay base PORT+N (the ranges packed end to end). tests/test_attach_ports.py checks the derivation against
+replay base PORT+N (the ranges packed end to end). tests/attach/test_attach_ports.py checks the derivation against
 the servers' own offsets (tests/data/attach/real_frames.json).
 """
 

@@ -5,7 +5,7 @@ The structs below copy the declarations of vLLM 0.33.0 (`vllm/distributed/kv_eve
 (`sglang/srt/disaggregation/kv_events.py`): the same field order and defaults, events `omit_defaults=True,
 tag=True` (a map whose "type" key is the class name, fields left at their default omitted), the batch
 array-like (`[ts, events, rank]`; vLLM omits a default rank, SGLang always writes it). Encoded with msgspec, as
-the servers do, they give the servers' bytes: tests/test_attach_real_bytes.py checks them against captures of
+the servers do, they give the servers' bytes: tests/attach/test_attach_real_bytes.py checks them against captures of
 the real publishers (tests/data/attach/). The older layouts (array-like events: vLLM up to 0.10 and older
 SGLang; a map batch, which no server sends but the decoder takes) come from `legacy_batch`.
 """

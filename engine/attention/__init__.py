@@ -2,7 +2,7 @@
 
 A backend reads one tier's K/V where the pool keeps them (`PagedKV`: the codec parts, see engine/kv/codecs.py)
 through a block table, and returns the attention output. Three backends, checked against each other on every
-block size and storage format (tests/test_paged_attention.py):
+block size and storage format (tests/attention/test_paged_attention.py):
 
 | name        | module          | how                                                                        |
 |-------------|-----------------|----------------------------------------------------------------------------|
@@ -26,7 +26,7 @@ see at least one key (a row with none is undefined: NaN in the reference).
 Blocks on the host tier (PagedBatch.on_host) are read in one of two ways (the host_reads knob): streamed
 (copied as stored to a staging buffer on the compute device one layer ahead, host_stream.py, and read there by
 `read_blocks`), or
-attended where they are (host_reads="compute", host_compute.py): each backend's `partial` returns (output, lse)
+attended where they are (host_reads="compute", tier_split.py): each backend's `partial` returns (output, lse)
 over one tier's keys, the host part runs on the CPU, and the two are merged by log-sum-exp. A partial is defined
 for every row: one with no visible key gives output 0 and lse -inf.
 """

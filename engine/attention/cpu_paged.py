@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.attention.interface import DecodeAsPrefill, KVFormat, PagedBatch, PagedKV, kv_formats
 from engine.attention.reading import query_positions, read_blocks, visibility
-from engine.attention.host_compute import lse_of
+from engine.attention.tier_split import lse_of
 from engine.kv.codecs import Parts
 
 _NEG = -1.0e30  # running-max start: finite, so exp(-inf - m) is 0 and never NaN
@@ -65,12 +65,12 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         self.chunk_elems = chunk_elems
         self.dense_prefill = dense_prefill
 
-    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
         B, Q, H, D = q.shape
-        Hkv, bs = kv.kv_heads, kv.block_size
+        Hkv, bs = paged.kv_heads, paged.block_size
         G = H // Hkv
-        kfmt, vfmt = kv_formats(kv.dtype)
+        kfmt, vfmt = kv_formats(paged.dtype)
         table = batch.block_table.long()  # [B, NB]
         NB = table.shape[1]
         hidden = ~visibility(batch, Q, NB * bs, window)[:, None, None]  # [B, 1, 1, Q, S]
@@ -85,38 +85,38 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         if Q > 1 and self.dense_prefill and not q.is_cuda:
             n = (last - first) * bs
             cols = slice(first, last)
-            k = read_blocks(kv, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
-            v = read_blocks(kv, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
+            k = read_blocks(paged, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
+            v = read_blocks(paged, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
             mask = ~hidden[:, 0, 0, :, first * bs : last * bs][:, None]  # [B, 1, Q, n]
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]
             return o.transpose(1, 2).to(q.dtype)
-        acc, l, _ = self._online(qg, layer, kv, batch, (kfmt, vfmt), hidden, first, last)
+        acc, l, _ = self._online(qg, layer, paged, batch, (kfmt, vfmt), hidden, first, last)
         out = (acc / l).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
         return out.to(q.dtype)
 
-    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Q, H, D] -> (out [B, Q, H, D] fp32, lse [B, Q, H] fp32) over the keys of `batch` (the chunk loop
-        on every device); a query with no visible key gets out 0 and lse -inf (engine/attention/host_compute.py)."""
+        on every device); a query with no visible key gets out 0 and lse -inf (engine/attention/tier_split.py)."""
         B, Q, H, D = q.shape
-        Hkv, bs = kv.kv_heads, kv.block_size
+        Hkv, bs = paged.kv_heads, paged.block_size
         G = H // Hkv
         NB = batch.block_table.shape[1]
         hidden = ~visibility(batch, Q, NB * bs, window)[:, None, None]  # [B, 1, 1, Q, S]
         qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
-        acc, l, m = self._online(qg, layer, kv, batch, kv_formats(kv.dtype), hidden, 0, NB)
+        acc, l, m = self._online(qg, layer, paged, batch, kv_formats(paged.dtype), hidden, 0, NB)
         out = acc / torch.where(l > 0, l, 1.0)  # [B, Hkv, G*Q, D]: 0 where nothing was visible
         out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
         lse = lse_of(m, l).view(B, Hkv, G, Q).permute(0, 3, 1, 2).reshape(B, Q, H)
         return out, lse
 
-    def _online(self, qg: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, fmts, hidden: torch.Tensor,
+    def _online(self, qg: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, fmts, hidden: torch.Tensor,
                 first: int, last: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The online softmax over table columns [first, last): (acc [B, Hkv, G*Q, D], l and m [.., 1]); qg
         [B, Hkv, G*Q, D] pre-scaled, hidden [B, 1, 1, Q, S] the keys each query does not see."""
         B, Hkv, GQ, D = qg.shape
-        bs, Q = kv.block_size, hidden.shape[3]
+        bs, Q = paged.block_size, hidden.shape[3]
         G = GQ // Q
         kfmt, vfmt = fmts
         step = max(1, self.chunk_elems // (B * Hkv * bs * max(D, GQ)))
@@ -124,8 +124,8 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         for j in range(first, last, step):
             cols = slice(j, min(j + step, last))  # [B, c] blocks
             n = (cols.stop - cols.start) * bs
-            k = read_blocks(kv, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
-            v = read_blocks(kv, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
+            k = read_blocks(paged, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
+            v = read_blocks(paged, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
             s = torch.matmul(qg, k.transpose(-1, -2))  # [B, Hkv, G*Q, n]
             s = s.view(B, Hkv, G, Q, n).masked_fill_(hidden[..., j * bs : j * bs + n], float("-inf"))
             s = s.view(B, Hkv, GQ, n)

@@ -69,32 +69,41 @@ class PagedBatch:
     q_pos: torch.Tensor  # [B, Q] int64 positions of the queries ([B] accepted for decode)
     key_pos: torch.Tensor | None = None  # [B, NB*bs] int64 position of each key; None: key i sits at i
     # Blocks read from the host tier where they are (host_reads stream / compute): on_host [B, NB] bool marks them, and
-    # host_table [B, NB] holds their slots in kv.host (any valid slot elsewhere). None: every block on the device.
+    # host_table [B, NB] holds their slots in paged.host (any valid slot elsewhere). None: every block on the device.
     on_host: torch.Tensor | None = None
     host_table: torch.Tensor | None = None
-    staged_table: torch.Tensor | None = None  # [B, NB] on the device: each host block's row in kv.staged
+    staged_table: torch.Tensor | None = None  # [B, NB] on the device: each host block's row in paged.staged
+
+    def __post_init__(self):
+        # The None rules, held (shapes only: no value is read, so no device sync).
+        assert (self.on_host is None) == (self.host_table is None), "on_host and host_table come together"
+        assert self.staged_table is None or self.on_host is not None, "staged_table needs on_host"
+        for name in ("on_host", "host_table", "staged_table"):
+            t = getattr(self, name)
+            assert t is None or t.shape == self.block_table.shape, f"{name} {tuple(t.shape)} is not [B, NB]"
+        assert self.key_pos is None or self.key_pos.shape[0] == self.block_table.shape[0], "key_pos is not [B, ...]"
 
 
 class AttentionBackend(Protocol):
     name: str
 
-    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None) -> torch.Tensor:
         """q [B, H, D] (one query per row) -> [B, H, D] in q's dtype (computed in fp32)."""
 
-    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position)."""
 
-    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) in fp32 over the batch's visible keys (no host blocks:
-        on_host None); a query with none gets out 0 and lse -inf. Merged with host_compute.merge_partials."""
+        on_host None); a query with none gets out 0 and lse -inf. Merged with tier_split.merge_partials."""
 
 
 class DecodeAsPrefill:
     """For backends whose decode is their prefill with one query per row."""
 
-    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None) -> torch.Tensor:
-        return self.prefill(q[:, None], layer, kv, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
+        return self.prefill(q[:, None], layer, paged, batch, scale=scale, window=window)[:, 0]  # [B, H, D]

@@ -8,25 +8,25 @@ import torch
 from engine.attention.interface import PagedBatch, PagedKV
 
 
-def read_blocks(kv: PagedKV, side: str, batch: PagedBatch, cols: slice, fetch, head_major: bool) -> torch.Tensor:
+def read_blocks(paged: PagedKV, side: str, batch: PagedBatch, cols: slice, fetch, head_major: bool) -> torch.Tensor:
     """fetch(parts, slots [B, c]) of block columns `cols` of the table, from the tier each block is in; the
     result is [B, Hkv, c, ...] when `head_major`, else [B, c, ...].
 
-    Host blocks are read from the step's staging buffer on the compute device (kv.staged: copied there as
+    Host blocks are read from the step's staging buffer on the compute device (paged.staged: copied there as
     stored, one layer ahead, by host_stream.py), or, without one (a layer kept in host memory, attended there),
     fetched from the host tier's parts and copied to the compute device.
     """
-    dev_parts = kv.k if side == "k" else kv.v
+    dev_parts = paged.k if side == "k" else paged.v
     out = fetch(dev_parts, batch.block_table[:, cols].long())
     if batch.on_host is None:
         return out
     mask = batch.on_host[:, cols]
     if not bool(mask.any()):
         return out
-    if kv.staged is not None and batch.staged_table is not None and kv.staged.k["data"].device.type == out.device.type:
-        from_host = fetch(kv.staged.k if side == "k" else kv.staged.v, batch.staged_table[:, cols].long())
+    if paged.staged is not None and batch.staged_table is not None and paged.staged.k["data"].device.type == out.device.type:
+        from_host = fetch(paged.staged.k if side == "k" else paged.staged.v, batch.staged_table[:, cols].long())
     else:
-        host_parts = kv.host.k if side == "k" else kv.host.v
+        host_parts = paged.host.k if side == "k" else paged.host.v
         from_host = fetch(host_parts, batch.host_table[:, cols].long().cpu()).to(out.device, non_blocking=True)
     mask = mask[:, None] if head_major else mask  # [B, 1, c] or [B, c]
     mask = mask.reshape(mask.shape + (1,) * (out.dim() - mask.dim()))

@@ -49,34 +49,34 @@ def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: t
     return o.transpose(1, 2)  # [B, Q, H, D]
 
 
-def decoded_table(kv: PagedKV, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def decoded_table(paged: PagedKV, layer: int, batch: PagedBatch) -> tuple[torch.Tensor, torch.Tensor]:
     """Every block of the batch's table decoded to fp32 (codec.decode): K, V [B, NB, Hkv, bs, D] each."""
-    kc, vc = codecs_for(kv.dtype)
+    kc, vc = codecs_for(paged.dtype)
     every = slice(None)
-    kb = read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
-    vb = read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
+    kb = read_blocks(paged, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
+    vb = read_blocks(paged, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False)  # [B, NB, Hkv, bs, D]
     return kb, vb
 
 
 class ReferenceBackend(DecodeAsPrefill):
     name = "reference"
 
-    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
         """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: dense_attention in fp32 over the decoded table."""
-        kb, vb = decoded_table(kv, layer, batch)  # [B, NB, Hkv, bs, D] fp32
+        kb, vb = decoded_table(paged, layer, batch)  # [B, NB, Hkv, bs, D] fp32
         S = kb.shape[1] * kb.shape[3]
         mask = visibility(batch, q.shape[1], S, window)[:, None]  # [B, 1, Q, S]
         return dense_attention(q, kb, vb, mask, scale=scale).to(q.dtype)  # [B, Q, H, D]
 
-    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]), fp32, by the textbook formula over the decoded table:
         lse = logsumexp(q.k * scale) over the visible keys, out = exp(scores - lse) @ v; no visible key: 0, -inf."""
         B, Q, H, D = q.shape
-        kb, vb = decoded_table(kv, layer, batch)  # [B, NB, Hkv, bs, D] fp32
+        kb, vb = decoded_table(paged, layer, batch)  # [B, NB, Hkv, bs, D] fp32
         S = kb.shape[1] * kb.shape[3]
-        G = H // kv.kv_heads
+        G = H // paged.kv_heads
         k = head_major(kb).repeat_interleave(G, dim=1)  # [B, H, S, D]
         v = head_major(vb).repeat_interleave(G, dim=1)  # [B, H, S, D]
         s = torch.matmul(q.float().transpose(1, 2) * scale, k.transpose(-1, -2))  # [B, H, Q, S]

@@ -17,7 +17,7 @@ tl.zeros, tl.cumsum... are jitted at its import, so the mode is per process), th
 tensors; that is how the tests check it on a machine without a GPU (in a subprocess). Prefill (Q > 1) uses
 the torch path of cpu_paged.py.
 
-`partial` (host_reads="compute": the device tier's part of a split, engine/attention/host_compute.py) runs the
+`partial` (host_reads="compute": the device tier's part of a split, engine/attention/tier_split.py) runs the
 kernel in split mode however many splits there are, and merges its running max, sum and output into the output
 and its log-sum-exp: the kernel itself is unchanged. A prefill's partial is the torch path's.
 """
@@ -30,7 +30,7 @@ import torch
 
 from engine.attention.interface import KVFormat, PagedBatch, PagedKV, kv_formats
 from engine.attention.cpu_paged import ChunkedPagedBackend
-from engine.attention.host_compute import lse_of
+from engine.attention.tier_split import lse_of
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1 when triton was imported
 
@@ -191,37 +191,37 @@ class TritonPagedBackend:
         per_token = _next_pow2(G) * _next_pow2(D)
         return max(1, min(_next_pow2(bs), _prev_pow2(max(1, self.tile_elems // per_token))))
 
-    def decode(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None) -> torch.Tensor:
         if batch.on_host is not None:  # blocks on the host tier: streamed per layer by the torch path
-            return self._prefill.decode(q, layer, kv, batch, scale=scale, window=window)
-        return self._run(q, layer, kv, batch, scale, window, with_lse=False)
+            return self._prefill.decode(q, layer, paged, batch, scale=scale, window=window)
+        return self._run(q, layer, paged, batch, scale, window, with_lse=False)
 
-    def partial(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) fp32 (engine/attention/host_compute.py): decode (Q = 1)
+        """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) fp32 (engine/attention/tier_split.py): decode (Q = 1)
         from the kernel's split partials, however many splits; prefill from the torch path's."""
         if q.shape[1] != 1 or batch.on_host is not None:
-            return self._prefill.partial(q, layer, kv, batch, scale=scale, window=window)
-        o, lse = self._run(q[:, 0], layer, kv, batch, scale, window, with_lse=True)
+            return self._prefill.partial(q, layer, paged, batch, scale=scale, window=window)
+        o, lse = self._run(q[:, 0], layer, paged, batch, scale, window, with_lse=True)
         return o[:, None], lse[:, None]
 
-    def _run(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, scale: float, window: int | None,
+    def _run(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, scale: float, window: int | None,
              with_lse: bool):
         """The kernel over q [B, H, D]: out in q's dtype, or (out, lse) fp32 when `with_lse` (split partials kept)."""
         B, H, D = q.shape
-        Hkv, bs = kv.kv_heads, kv.block_size
+        Hkv, bs = paged.kv_heads, paged.block_size
         G = H // Hkv
         if G * Hkv != H:
             raise ValueError(f"{H} query heads do not group over {Hkv} kv heads")
-        kfmt, vfmt = kv_formats(kv.dtype)
+        kfmt, vfmt = kv_formats(paged.dtype)
         if not q.is_cuda and not INTERPRET:
             raise RuntimeError("the Triton paged kernel needs CUDA tensors "
                                "(or TRITON_INTERPRET=1 set before triton is imported)")
-        kd, vd = _bytes_if_fp8(kv.k["data"][layer]), _bytes_if_fp8(kv.v["data"][layer])  # [N, Hkv, bs, D]
-        ks = kv.k["scale"][layer] if "scale" in kv.k else kd
-        kx = kv.k["anchor"][layer] if "anchor" in kv.k else kv.k["tscale"][layer] if "tscale" in kv.k else kd
-        vs = kv.v["scale"][layer] if "scale" in kv.v else vd
+        kd, vd = _bytes_if_fp8(paged.k["data"][layer]), _bytes_if_fp8(paged.v["data"][layer])  # [N, Hkv, bs, D]
+        ks = paged.k["scale"][layer] if "scale" in paged.k else kd
+        kx = paged.k["anchor"][layer] if "anchor" in paged.k else paged.k["tscale"][layer] if "tscale" in paged.k else kd
+        vs = paged.v["scale"][layer] if "scale" in paged.v else vd
         table = batch.block_table
         ctx = batch.context_lens
         qpos = batch.q_pos.reshape(B)
@@ -257,9 +257,9 @@ class TritonPagedBackend:
             out.copy_(_merge_splits(mw, lw, aw)[:, :, :G, :D].reshape(B, H, D))
         return out
 
-    def prefill(self, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, *, scale: float,
+    def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> torch.Tensor:
-        return self._prefill.prefill(q, layer, kv, batch, scale=scale, window=window)
+        return self._prefill.prefill(q, layer, paged, batch, scale=scale, window=window)
 
 
 def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, with_lse: bool = False):

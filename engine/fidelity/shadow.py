@@ -154,8 +154,8 @@ def dense_logits(model: LlamaFamily, tokens: list[int], chunk: int = CHUNK) -> t
     `chunk` queries through the model's reference attention over a DenseKV."""
     dev = model.embed.device
     ids = torch.tensor(tokens, dtype=torch.long, device=dev)
-    kv = DenseKV(model.spec.num_layers)
-    backend, model.backend = model.backend, None  # the reference path reads kv.gather (on the engine thread)
+    store = DenseKV(model.spec.num_layers)
+    backend, model.backend = model.backend, None  # the reference path reads store.gather (on the engine thread)
     try:
         for lo in range(0, len(tokens), chunk):
             hi = min(len(tokens), lo + chunk)
@@ -166,7 +166,7 @@ def dense_logits(model: LlamaFamily, tokens: list[int], chunk: int = CHUNK) -> t
                               kpos=torch.arange(hi, device=dev)[None], kvalid=torch.ones((1, hi), dtype=torch.bool, device=dev),
                               qpos=pos[None])
             logits = model.forward(ForwardBatch(input_ids=ids[lo:hi], positions=pos, groups=[group],
-                                                logit_rows=torch.tensor([q - 1], device=dev)), kv)
+                                                logit_rows=torch.tensor([q - 1], device=dev)), store)
     finally:
         model.backend = backend
     return logits[0]

@@ -6,7 +6,7 @@ device tier's blocks, then attends over each sequence's blocks in that same tier
 gathers every block of the table into a dense copy through the KVStore and runs SDPA under a mask, inline in
 `_reference_attention`; that SDPA is engine/attention/reference.py's `dense_attention`, which ReferenceBackend
 runs too). Blocks on the host tier are read from it (streamed), or with host_reads="compute" attended on the host
-and merged with the device part by log-sum-exp (engine/attention/host_compute.py).
+and merged with the device part by log-sum-exp (engine/attention/tier_split.py).
 Shapes are written beside the code: T = tokens in the step, H = heads, Hkv = kv heads, D = head dim.
 """
 
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend, visibility
-from engine.attention.host_compute import TierSplit, attend_on_host, attend_split, split_by_tier
+from engine.attention.tier_split import TierSplit, attend_on_host, attend_split, split_by_tier
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype
@@ -66,6 +66,16 @@ class AttnGroup:
     host_table: torch.Tensor | None = None  # [B, NB] their host-tier slots (a CPU tensor)
     host_compute: bool = False  # host_reads="compute": attention over the host blocks runs on the host (split)
     staged_table: torch.Tensor | None = None  # [B, NB] each host block's row in the step's staging (streamed)
+
+    def __post_init__(self):
+        # Shapes and the None rules, held (no tensor value is read: no device sync).
+        B = self.table.shape[0]
+        assert self.rows.shape[0] == B * self.q_len, "rows is not [B*Q]"
+        assert self.qpos.shape == (B, self.q_len), f"qpos {tuple(self.qpos.shape)} is not [B, Q]"
+        assert self.kvalid.shape == self.kpos.shape and self.kpos.shape[0] == B, "kpos / kvalid are not [B, S]"
+        assert self.ctx is None or self.ctx.shape == (B,), "ctx is not [B]"
+        assert (self.on_host is None) == (self.host_table is None), "on_host and host_table come together"
+        assert self.staged_table is None or self.on_host is not None, "staged_table needs on_host"
 
     def paged(self) -> PagedBatch:
         """The group as an attention backend reads it."""
@@ -255,13 +265,13 @@ class LlamaFamily:
 
     # -- forward ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv: KVStore) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, store: KVStore) -> torch.Tensor:
         s = self.spec
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
         x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
         T = x.shape[0]
         cos, sin = self.cos_sin(batch.positions, x.dtype)
-        attend = self._reference_attention(batch, kv, x) if self.backend is None else self._paged_attention(batch, kv, x)
+        attend = self._reference_attention(batch, store, x) if self.backend is None else self._paged_attention(batch, store, x)
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
             h = self._rms(x, ln1)
             qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
@@ -270,7 +280,7 @@ class LlamaFamily:
             qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k in one pass
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            kv.write(li, k, v)
+            store.write(li, k, v)
             attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
             x = x + linear(attn.reshape(T, H * D), o_w)
             h = self._rms(x, ln2)
@@ -279,9 +289,9 @@ class LlamaFamily:
         x = self._rms(x[batch.logit_rows], self.norm)
         return linear(x, self.lm_head).float()  # [R, vocab]
 
-    def _reference_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+    def _reference_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
         """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table gathered into a dense fp32
-        copy (kv.gather), then engine.attention.reference.dense_attention, the SDPA-under-a-mask that
+        copy (store.gather), then engine.attention.reference.dense_attention, the SDPA-under-a-mask that
         ReferenceBackend runs too, here in the weights dtype over the keys up to each group's span."""
         s = self.spec
         H, D = s.num_heads, s.head_dim
@@ -293,7 +303,7 @@ class LlamaFamily:
         spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
         masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}  # [B, 1, Q, n] each
         # host_reads="compute": groups with host blocks attended by the formula on each tier, merged
-        paged = kv.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
+        paged = store.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
         splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
 
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -307,7 +317,7 @@ class LlamaFamily:
                     o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window)
                     attn[g.rows] = o.reshape(B * g.q_len, H, D)
                     continue
-                kb, vb = kv.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
+                kb, vb = store.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
                 kb, vb = kb.to(q.device), vb.to(q.device)
                 # Attention in the weights dtype, as transformers computes it (a no-op cast for fp32).
                 o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype)  # [B, Q, H, D]
@@ -316,7 +326,7 @@ class LlamaFamily:
 
         return attend
 
-    def _paged_attention(self, batch: ForwardBatch, kv: KVStore, x: torch.Tensor):
+    def _paged_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
         """attend(layer, q [T, H, D], window) -> [T, H, D] through `self.backend`, reading the device tier's
         blocks where they lie: decode(...) for the decode group, prefill(...) for each prompt chunk.
 
@@ -325,7 +335,7 @@ class LlamaFamily:
         """
         backend, scale = self.backend, self.scale
         T = x.shape[0]
-        paged = kv.paged()
+        paged = store.paged()
         groups = [(g, g.paged(), g.split(paged.block_size)) for g in batch.groups]
         # One group holding every row in order (all decodes, or one prompt chunk): no gather/scatter of rows.
         whole = len(groups) == 1 and groups[0][0].rows.shape[0] == T

@@ -162,7 +162,7 @@ def spec_from_config(
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     h, i = spec.hidden_size, spec.intermediate_size
-    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    q, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (spec.vocab_size, h),
         "model.norm.weight": (h,),
@@ -175,8 +175,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "input_layernorm.weight": (h,),
             p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.k_proj.weight": (kv_width, h),
+            p + "self_attn.v_proj.weight": (kv_width, h),
             p + "self_attn.o_proj.weight": (h, q),
             p + "mlp.gate_proj.weight": (i, h),
             p + "mlp.up_proj.weight": (i, h),
@@ -185,8 +185,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         if spec.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),
-                p + "self_attn.k_proj.bias": (kv,),
-                p + "self_attn.v_proj.bias": (kv,),
+                p + "self_attn.k_proj.bias": (kv_width,),
+                p + "self_attn.v_proj.bias": (kv_width,),
             }
     return shapes
 

@@ -131,13 +131,13 @@ class DecodeGraphs:
                           qpos=cap.pos.view(b, 1), ctx=cap.ctx, key_pos=None)
         batch = ForwardBatch(input_ids=cap.ids, positions=cap.pos, groups=[group], logit_rows=rows)
         # Decode: each row appends one token to its own last block, so that block had `offset` tokens before.
-        kv = StepKV(pool, Appends.of(cap.slots, cap.offsets, cap.slots, rows, cap.offsets, 0))
-        return batch, kv
+        store = StepKV(pool, Appends.of(cap.slots, cap.offsets, cap.slots, rows, cap.offsets, 0))
+        return batch, store
 
     def _run(self, cap: _Captured, pool: BlockPool) -> torch.Tensor:
         if cap.graph is None:  # static mode
-            batch, kv = self._batch(cap, pool)
-            return self.model.forward(batch, kv)
+            batch, store = self._batch(cap, pool)
+            return self.model.forward(batch, store)
         cap.graph.replay()
         self.replays += 1
         return cap.logits
@@ -151,19 +151,19 @@ class DecodeGraphs:
         self._padding(host[: len(FIELDS) * cap.b].reshape(len(FIELDS), cap.b),
                       host[len(FIELDS) * cap.b:].reshape(cap.b, cap.width), dev)
         cap.packed.copy_(cap.host)
-        batch, kv = self._batch(cap, pool)
+        batch, store = self._batch(cap, pool)
         try:
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):  # warm-up: triton compiles, allocator settles
                 for _ in range(2):
-                    self.model.forward(batch, kv)
+                    self.model.forward(batch, store)
             torch.cuda.current_stream(self.device).wait_stream(side)
             if self._mempool is None:
                 self._mempool = torch.cuda.graph_pool_handle()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._mempool):
-                cap.logits = self.model.forward(batch, kv)
+                cap.logits = self.model.forward(batch, store)
             cap.graph = graph
             self.captures += 1
             return True

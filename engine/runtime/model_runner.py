@@ -76,16 +76,16 @@ class ModelRunner:
             got = self.graphs.prepare(pool, sched, self.context_limit)
             if got is not None:
                 return got
-        batch, kv, writes = self.build(pool, sched)
+        batch, store, writes = self.build(pool, sched)
 
         def run() -> torch.Tensor:
             try:
-                logits = self.model.forward(batch, kv)
+                logits = self.model.forward(batch, store)
             finally:
-                if kv.stream is not None:
-                    kv.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
-                    self.counters.streamed_bytes += kv.stream.bytes
-            kv.probe.finish()  # what the step wrote, measured (engine/fidelity/block_error.py)
+                if store.stream is not None:
+                    store.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
+                    self.counters.streamed_bytes += store.stream.bytes
+            store.probe.finish()  # what the step wrote, measured (engine/fidelity/block_error.py)
             return logits
 
         return run, writes
@@ -123,21 +123,21 @@ class ModelRunner:
         np.maximum.at(new_fill, np.searchsorted(wl, lids_np), offs_np + 1)
         dev_tier, host_tier = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
         if not on_host.any():
-            kv = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True),
+            store = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True),
                         probe=self.errors.probe(pool, [(dev_tier, lids_np, offs_np)]))
         else:  # some blocks written are on the host tier: their tokens' K/V go there
             rows = np.flatnonzero(on_host)
             dev_rows = np.flatnonzero(~on_host)
             host = (torch.as_tensor(rows, device=self.device), self._appends(pool, lids_np[rows], offs_np[rows], "h", device=False))
             dev = self._appends(pool, lids_np[dev_rows], offs_np[dev_rows], "", device=True, rows=dev_rows) if len(dev_rows) else None
-            kv = StepKV(pool, dev, host, probe=self.errors.probe(
+            store = StepKV(pool, dev, host, probe=self.errors.probe(
                 pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])]))
         if hosts and pool.config.host_reads != "compute":
-            kv.stream = self._stream(pool, hosts)
+            store.stream = self._stream(pool, hosts)
         put = self.inputs.put
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
-        return batch, kv, (wl, new_fill)
+        return batch, store, (wl, new_fill)
 
     def _stream(self, pool: BlockPool, hosts: list[tuple[AttnGroup, str, np.ndarray, np.ndarray]]) -> StepStream:
         """The step's host blocks streamed through staging: their distinct slots, copied a layer ahead for the

@@ -233,19 +233,19 @@ class Scheduler:
         blocks (a prompt chunk whose new blocks fit neither tier is shortened). Last, room from preempting newer
         running sequences. Nothing here preempts a sequence while the host tier can still serve it.
         """
-        kv = self.residency
-        if not kv.streams() and self._make_room(kv.room_needed(seq, n), now, keep, preempt=False):
+        res = self.residency
+        if not res.streams() and self._make_room(res.room_needed(seq, n), now, keep, preempt=False):
             return n, False
         readers = [seq] + [s for s, _ in sched]
-        need = kv.room_needed(seq, n, minimal=True)
-        if self._make_room(need, now, keep, preempt=False) or kv.demote_unwritten(
-                need, readers, pinned | set(kv.written(seq).tolist()), now):
+        need = res.room_needed(seq, n, minimal=True)
+        if self._make_room(need, now, keep, preempt=False) or res.demote_unwritten(
+                need, readers, pinned | set(res.written(seq).tolist()), now):
             return n, True
         for m in _shorter(n):  # the device tier cannot take all the writes: the rest go to the host tier
-            if kv.fits_anywhere(seq, m):
+            if res.fits_anywhere(seq, m):
                 return m, True
-        m = 1 if n == 1 else min(n, kv.config.block_size)
-        if self._make_room(kv.room_needed(seq, m, minimal=True), now, keep):
+        m = 1 if n == 1 else min(n, res.config.block_size)
+        if self._make_room(res.room_needed(seq, m, minimal=True), now, keep):
             return m, True
         return None
 

@@ -70,10 +70,10 @@ class StepKV:
         return self._moved[where], k.to(where), v.to(where)
 
     def gather(self, layer: int, group) -> tuple[torch.Tensor, torch.Tensor]:
-        batch, kv, every = group.paged(), self.paged(), slice(None)
+        batch, paged, every = group.paged(), self.paged(), slice(None)
         kc, vc = self.pool.kcodec, self.pool.vcodec
-        return (read_blocks(kv, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False),
-                read_blocks(kv, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False))
+        return (read_blocks(paged, "k", batch, every, lambda p, sl: kc.decode(p, layer, sl), False),
+                read_blocks(paged, "v", batch, every, lambda p, sl: vc.decode(p, layer, sl), False))
 
     def paged(self) -> PagedKV:
         host = self.pool.tiers[Tier.HOST]

@@ -8,7 +8,7 @@ old`: (seq, payload) and (-1, ""), as older vLLM did). Ranks publish on consecut
 consecutive ports from `--replay-port` (default: right after the publishers', so `--vllm
 tcp://127.0.0.1:PORT,dp=N` finds them), as the servers offset both by the rank. The batches are today's
 layout by default (`--encoding tagged`: byte for byte what vLLM 0.33 / SGLang 0.5 send, with their hash types
-and fields; tests/test_attach_real_bytes.py compares them with the real publishers' captures); `--encoding
+and fields; tests/attach/test_attach_real_bytes.py compares them with the real publishers' captures); `--encoding
 array` is the older array-like layout. Optionally /metrics in Prometheus text (prometheus_client), vLLM- or
 SGLang-named.
 

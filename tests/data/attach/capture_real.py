@@ -1,4 +1,4 @@
-"""Capture what vLLM's and SGLang's own KV-event publishers put on the wire, for tests/test_attach_real_bytes.py.
+"""Capture what vLLM's and SGLang's own KV-event publishers put on the wire, for tests/attach/test_attach_real_bytes.py.
 
 Not part of the test suite, and not run with KV Scope's venv: it needs the real packages, which are never
 KV Scope dependencies. In a scratch venv outside the repo:

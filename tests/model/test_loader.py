@@ -31,7 +31,7 @@ from engine.model.tokenizer import StreamDecoder, Tokenizer
 
 transformers = pytest.importorskip("transformers")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # -- tiny models ----------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from engine.attach import codes  # noqa: E402
 from engine.attach.cluster import ClusterState  # noqa: E402
 from engine.attach.events import BlockStored, decode_batch  # noqa: E402
 from engine.attach.fake.publisher import encode  # noqa: E402
-from tests.test_attach_real_bytes import SERVERS, _ranks  # noqa: E402
+from tests.attach.test_attach_real_bytes import SERVERS, _ranks  # noqa: E402
 from ui.attach.block_map import meta_lines  # noqa: E402
 
 

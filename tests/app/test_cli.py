@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from conftest import Reference, prompts
+from conftest import Reference, prompts, run_cli
 
 
 def kvscope(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
@@ -100,15 +100,6 @@ def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_p
     out = kvscope("--headless", "--replay", str(bad), "--run-for", "1", ok=False)
     assert out.returncode == 2 and "bad.jsonl:1: max_new_tokens must be an integer" in out.stderr
     assert "Traceback" not in out.stderr
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """`kvscope ARGS` in this process (the model loads in well under a second): (exit code, stdout, stderr)."""
-    from app.cli import main
-
-    rc = main(list(args))
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def test_ten_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_llama, tmp_path, capsys, monkeypatch):

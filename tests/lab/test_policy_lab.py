@@ -21,7 +21,7 @@ from engine.lab.policy_lab import (default_capacities, first_reads, format_table
                                scan_polluted_trace)
 from engine.lab.policy_sim import POLICIES, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
-from test_eviction import cached_block, lid_of, make_pool, read
+from pools import cached_block, lid_of, make_pool, read
 
 
 def brute_force_max_hits(keys: tuple[int, ...], cap: int) -> int:
@@ -474,7 +474,7 @@ def test_a_small_zip_bomb_keeps_memory_small(tmp_path):
     code = ("import sys\nfrom engine.lab.policy_lab import main\nrc = main([sys.argv[1]])\n"
             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
             "print(rc, hwm)")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, "-c", code, path], capture_output=True, text=True, timeout=120, cwd=root)
     rc, rss_kb = map(int, out.stdout.split())
     assert rss_kb < 300_000, f"peak RSS {rss_kb / 1024:.0f} MB"

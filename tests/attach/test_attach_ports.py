@@ -13,7 +13,7 @@ import pytest
 from app.attach import build_parser
 from engine.attach.source import SourceError, parse_source, rank_port
 
-REAL = json.load(open(os.path.join(os.path.dirname(__file__), "data", "attach", "real_frames.json")))
+REAL = json.load(open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "attach", "real_frames.json")))
 
 
 def _port(endpoint: str) -> int:

@@ -299,7 +299,7 @@ def test_a_source_too_far_behind_sheds_its_oldest_frames_and_says_so(attach, mon
         srv.close()
 
 
-REAL = __import__("pathlib").Path(__file__).parent / "data" / "attach" / "real_frames.json"
+REAL = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "attach" / "real_frames.json"
 
 
 @pytest.mark.parametrize("server", ["vllm", "sglang"])

@@ -32,7 +32,7 @@ class TierSplit:
     """A group's batch as two partials read it (built once per step, used by every layer)."""
 
     device: PagedBatch | None  # the device tier's blocks, host keys hidden; None: no row has a device block
-    host: PagedBatch  # the host columns only (CPU tensors): table = slots in kv.host, other rows' keys hidden
+    host: PagedBatch  # the host columns only (CPU tensors): table = slots in paged.host, other rows' keys hidden
 
 
 def split_by_tier(batch: PagedBatch, block_size: int) -> TierSplit | None:
@@ -75,10 +75,10 @@ def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     return o, m + torch.log(total)
 
 
-def attend_split(device_side, host_side, q: torch.Tensor, layer: int, kv: PagedKV, split: TierSplit, *,
+def attend_split(device_side, host_side, q: torch.Tensor, layer: int, paged: PagedKV, split: TierSplit, *,
                  scale: float, window: int | None) -> torch.Tensor:
     """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: device_side.partial over split.device, host_side.partial over
-    split.host on the CPU (kv.host's parts), merged."""
+    split.host on the CPU (paged.host's parts), merged."""
     cuda = q.is_cuda
     if cuda:  # q to the host first (queued), then the device part: the GPU computes while the CPU does
         q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
@@ -89,10 +89,10 @@ def attend_split(device_side, host_side, q: torch.Tensor, layer: int, kv: PagedK
         q_host = q
     dev = None
     if split.device is not None:
-        dev = device_side.partial(q, layer, kv, split.device, scale=scale, window=window)
+        dev = device_side.partial(q, layer, paged, split.device, scale=scale, window=window)
     if cuda:
         copied.synchronize()
-    o, lse = host_side.partial(q_host, layer, kv.host, split.host, scale=scale, window=window)  # on the CPU
+    o, lse = host_side.partial(q_host, layer, paged.host, split.host, scale=scale, window=window)  # on the CPU
     if cuda:
         o, lse = o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
     if dev is not None:
@@ -100,7 +100,7 @@ def attend_split(device_side, host_side, q: torch.Tensor, layer: int, kv: PagedK
     return o.to(q.dtype)
 
 
-def attend_on_host(host_side, q: torch.Tensor, layer: int, kv: PagedKV, batch: PagedBatch, q_len: int, *,
+def attend_on_host(host_side, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, q_len: int, *,
                    scale: float, window: int | None) -> torch.Tensor:
     """A layer the device tier keeps in host memory (per-layer placement, `device_layers`): the whole layer
     attended on the host CPU, where its K/V are (both tiers' blocks), and the output sent back, as llama.cpp does
@@ -110,10 +110,10 @@ def attend_on_host(host_side, q: torch.Tensor, layer: int, kv: PagedKV, batch: P
                        for f in ("block_table", "context_lens", "q_pos", "key_pos", "on_host", "host_table")})
     qh = q.to(cpu)
     if q_len == 1:
-        o = host_side.decode(qh, layer, kv, pb, scale=scale, window=window)
+        o = host_side.decode(qh, layer, paged, pb, scale=scale, window=window)
     else:
         B = pb.block_table.shape[0]
-        o = host_side.prefill(qh.view(B, q_len, *qh.shape[1:]), layer, kv, pb, scale=scale, window=window)
+        o = host_side.prefill(qh.view(B, q_len, *qh.shape[1:]), layer, paged, pb, scale=scale, window=window)
     return o.reshape(q.shape).to(q.device, non_blocking=True)
 
 

@@ -230,7 +230,7 @@ def test_the_shadow_knob_rejects_bad_values(llama_model):
 
 
 def test_the_cli_flag(tiny_llama, capsys):
-    from test_cli import run_cli
+    from conftest import run_cli
 
     rc, _, err = run_cli(capsys, "generate", "hi", "--model", tiny_llama, "--shadow-every", "-1")
     assert rc == 2 and "shadow_every_s" in err and "Traceback" not in err

@@ -170,7 +170,7 @@ def test_a_block_lands_in_the_same_cell_in_every_process():
             "for h in keys:\n"
             "    t.store(h, -1, None, 0, 0, [], 0, 1.0, None)\n"
             "print([t.index[h] for h in keys])\n")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     outs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True,
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     cells = [json.loads(out) for out in outs]

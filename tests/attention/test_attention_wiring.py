@@ -6,7 +6,7 @@ mode is fixed when triton is first imported). Ground truth is transformers' gree
 weights, with a context shift replayed on its DynamicCache by hand, and, for quantized KV (where transformers
 has no equivalent), the reference path run side by side.
 
-Run as a script (`python tests/test_attention_wiring.py OUT.json MODEL_DIR...`, TRITON_INTERPRET=1) to be the
+Run as a script (`python tests/attention/test_attention_wiring.py OUT.json MODEL_DIR...`, TRITON_INTERPRET=1) to be the
 Triton worker.
 """
 
@@ -25,7 +25,7 @@ from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ("reference", "cpu")
 BLOCK_SIZES = (1, 7, 16)
 N = 24  # new tokens per request
@@ -258,7 +258,7 @@ def test_quantized_kv_cpu_logits_equal_reference(mistral, kv_dtype):
 
 def test_half_weights_run_on_the_cpu_path(mistral):
     """bf16 weights: the cpu backend attends in fp32 and returns bf16 (the reference path keeps transformers'
-    bf16 arithmetic, tests/test_weights.py); both run, and agree on most tokens."""
+    bf16 arithmetic, tests/model/test_weights.py); both run, and agree on most tokens."""
     from engine.model.loader import load_model
 
     _, ref = mistral
@@ -304,7 +304,7 @@ def _prefill_cases():
 def test_cpu_prefill_both_paths_match_reference(case, dense):
     """Prefill on the CPU gathers the visible blocks once and runs SDPA (dense_prefill); the chunked online
     softmax is what a CUDA tensor (triton's prefill fallback) takes. Both against the reference backend, on the
-    cases of tests/test_paged_attention.py (every format, windows, explicit key positions)."""
+    cases of tests/attention/test_paged_attention.py (every format, windows, explicit key positions)."""
     from engine.attention import PagedBatch, make_backend
     from test_paged_attention import D, assert_close, build
 
@@ -362,7 +362,7 @@ def test_triton_backend_tokens_equal_transformers(mistral, tiny_mistral, tmp_pat
     out = tmp_path / "tokens.json"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"],  # conftest, imported there, reuses it
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_mistral], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -388,5 +388,5 @@ def _triton_worker(out: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # conftest's prompts
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's prompts
     _triton_worker(sys.argv[1], sys.argv[2])

@@ -21,7 +21,7 @@ from engine.attach.events import (AllBlocksCleared, BlockRemoved, BlockStored, d
                                   is_placeholder, medium_of, plain)
 from engine.attach.fake.publisher import encode, replay_frames
 
-DATA = os.path.join(os.path.dirname(__file__), "data", "attach", "real_frames.json")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "attach", "real_frames.json")
 REAL = json.load(open(DATA))
 SERVERS = ("vllm", "sglang")
 TIER = {"GPU": "GPU", "CPU": "CPU", "CPU_PINNED": "CPU", "DISK": "DISK", "STORAGE": "DISK", "EXTERNAL": "EXTERNAL"}

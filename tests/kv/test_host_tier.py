@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import prompts
-from engine.kv.block_pool import RESERVED, BlockPool
+from conftest import _engine, _mb, prompts
+from engine.kv.block_pool import RESERVED
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.errors import RequestError
@@ -16,18 +16,6 @@ from engine.sequence import SamplingParams
 from engine.kv.tiers import Tier
 
 N = 16
-
-
-def _mb(model, blocks: int, block_size: int, dtype: str = "fp32") -> float:
-    s = model.spec
-    return blocks * BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
-                                              s.num_kv_heads, s.head_dim) / 2**20
-
-
-def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", host_blocks: int = 400, **cfg) -> Engine:
-    config = CacheConfig(block_size=bs, device_budget_mb=_mb(model, dev_blocks + RESERVED, bs),
-                         host_budget_mb=_mb(model, host_blocks, bs), host_reads=mode, **cfg)
-    return Engine(model, config, EngineOptions(attention=attention))
 
 
 @pytest.mark.parametrize("mode", ["promote", "stream"])

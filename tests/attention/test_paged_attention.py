@@ -7,7 +7,7 @@ wrong layer or the wrong table entry changes the output by far more than the tol
 
 The Triton kernel runs under TRITON_INTERPRET=1 in one subprocess (the interpreter mode is fixed when triton
 is imported); it writes its outputs for every case, and the parent compares them here, case by case.
-Run this file as a script (`python tests/test_paged_attention.py OUT.pt`, TRITON_INTERPRET=1) to be that worker.
+Run this file as a script (`python tests/attention/test_paged_attention.py OUT.pt`, TRITON_INTERPRET=1) to be that worker.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from engine.attention.cpu_paged import gather_head_major
 from engine.kv.codecs import Geometry, codecs_for, fp8_supported
 from engine.config import KVDtype
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK_SIZES = (1, 7, 16, 100, 1024)
 DTYPES = tuple(d for d in KVDtype if d is not KVDtype.FP8 or fp8_supported())
 D = 16
@@ -290,7 +290,7 @@ def triton_outputs(tmp_path_factory):
         pytest.skip(reason)
     out = tmp_path_factory.mktemp("triton") / "outputs.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

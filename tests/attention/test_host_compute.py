@@ -1,10 +1,10 @@
 """host_reads="compute" (issue 10 item 1): attention over host-resident blocks is computed where they are, on the host,
-and merged with the device tier's part by log-sum-exp (engine/attention/host_compute.py).
+and merged with the device tier's part by log-sum-exp (engine/attention/tier_split.py).
 
 Three levels: the merge alone against one softmax over the concatenated keys; a split table (device and host
 tiers, each poisoned where the other holds the block) against the unsplit reference, every storage format; and
 engines at tiny device budgets against transformers' greedy tokens. The Triton kernel's partial (its lse) runs
-under TRITON_INTERPRET=1 in one subprocess (`python tests/test_host_compute.py OUT.pt` is that worker).
+under TRITON_INTERPRET=1 in one subprocess (`python tests/attention/test_host_compute.py OUT.pt` is that worker).
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, prompts
+from conftest import Reference, _engine, _mb, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend
 from engine.runtime import step_kv
-from engine.attention import cpu_paged, host_compute, reference
-from engine.attention.host_compute import attend_split, merge_partials, split_by_tier
+from engine.attention import cpu_paged, reference, tier_split
+from engine.attention.tier_split import attend_split, merge_partials, split_by_tier
 from engine.kv.block_pool import RESERVED
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from engine.kv.tiers import Tier
-from test_host_tier import _engine, _mb
 from test_paged_attention import DTYPES, Case, build
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 16
 
 
@@ -173,7 +172,7 @@ def test_a_batch_without_host_blocks_is_not_split():
 def spy(monkeypatch):
     """Counts merges and host partials, and fails any read of a host block through the streaming path."""
     seen = {"merges": 0, "host_partials": 0}
-    merge = host_compute.merge_partials
+    merge = tier_split.merge_partials
 
     def counting_merge(*a):
         seen["merges"] += 1
@@ -185,10 +184,10 @@ def spy(monkeypatch):
             return read(kv, side, batch, cols, fetch, head_major)
         return wrapped
 
-    monkeypatch.setattr(host_compute, "merge_partials", counting_merge)
+    monkeypatch.setattr(tier_split, "merge_partials", counting_merge)
     for mod in (cpu_paged, reference, step_kv):
         monkeypatch.setattr(mod, "read_blocks", no_streaming(mod.read_blocks))
-    real = host_compute.attend_split
+    real = tier_split.attend_split
 
     def counting_split(device_side, host_side, q, layer, kv, split, **kw):
         seen["host_partials"] += 1
@@ -314,7 +313,7 @@ def test_triton_partial_merges_with_the_host_part(tmp_path):
     out = tmp_path / "outputs.pt"
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"],  # conftest, imported there, reuses it
-               PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

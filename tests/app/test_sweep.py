@@ -16,7 +16,7 @@ from app.bench.sweep import add_sweep_flags, run_sweep
 from app.bench.sweep_report import BIN_EDGES_S
 from engine.workloads.requests import load_trace
 
-TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "example_trace.jsonl")
+TRACE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets", "example_trace.jsonl")
 
 
 def bench_args(*argv: str) -> argparse.Namespace:
@@ -221,7 +221,7 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
     bad.write_text('{"arrival_s": 1}\n{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": "3"}\n')
     with pytest.raises(RequestError, match=r"bad.jsonl:1: missing 'session' \(and 1 more lines that cannot run\); nothing to replay"):
         TraceWorkload(eng, str(bad))
-    # A bad line beside good ones is named and skipped; the rest is replayed (tests/test_user_files.py).
+    # A bad line beside good ones is named and skipped; the rest is replayed (tests/app/test_user_files.py).
     bad.write_text('{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 3}\n{"arrival_s": 1}\n')
     said: list[str] = []
     w = TraceWorkload(eng, str(bad), say=said.append)
