@@ -5,11 +5,15 @@ engine.config / engine.errors / engine.sequence / engine.user_file):
 
 - `codecs`: the storage formats (fp32 / fp16 / 8-bit values / delta keys) as parts arrays, encode and decode.
 - `tiers`: one tier's slab of fixed-size slots (`TierPool`: device or host memory, per-slot metadata arrays).
-- `eviction`: the policies (LRU-K, heat, S3-FIFO) that pick victims from a tier's read-only arrays.
+- `eviction`: the policies (LRU-K, heat, S3-FIFO) that pick victims from a tier's read-only arrays;
+  `eviction_sim` the same rules in plain Python over a key trace (and Belady's OPT) for the policy lab, held to the
+  engine's victims by a parity test over random traces (tests/lab/test_policy_lab.py).
 - `block_pool`: `BlockPool`, both tiers and the logical block ids mapped onto their slots; ref counts,
   prefix cache, migrations between tiers; `invariants` checks it.
 - `resize` / `resize_undo`: a budget change applied in place, and its undo journal.
-- `residency`, `manager`: `KVManager`, the door the scheduler and runner use (allocate, append, free, fork,
-  demote idle blocks, prefetch), and `relayout` for a change of block size or dtype.
+- `residency`: `Residency`, where blocks are when a step runs (room, promotion with prefetch, idle demotion,
+  copy-on-write, swap-out); `manager`: `KVManager`, the door the scheduler and runner use (pools, prefix matching,
+  hashing, sharing, re-laying a tail, release; it holds a `Residency`), and `relayout` for a change of block size or
+  dtype.
 - `access_trace`: every block read, recorded for the policy lab.
 """

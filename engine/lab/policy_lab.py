@@ -1,6 +1,6 @@
 """The policy lab: replay a block-access trace through eviction policies and compare them with OPT.
 
-The simulators and `replay` are in engine/lab/policy_sim.py. Here `run_lab` sweeps capacities, `format_table`
+The simulators and `replay` are in engine/kv/eviction_sim.py. Here `run_lab` sweeps capacities, `format_table`
 and `plot` show the result, `main` is `kvscope policy-lab`.
 An engine trace has a row for every read, and a running sequence reads all its blocks at every step;
 those re-reads hit under any policy (the engine pins a sequence's blocks), so by default the lab
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from engine.lab.policy_sim import POLICIES, replay
+from engine.kv.eviction_sim import POLICIES, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
 
 DEFAULT_DECAYS = (0.5, 0.9, 0.99)

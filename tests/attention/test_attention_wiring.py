@@ -236,8 +236,8 @@ def _step_together(engines: list[Engine], logits: list[list[torch.Tensor]], unti
 def _recording(eng: Engine, out: list) -> None:
     forward = eng.model.forward
 
-    def wrapped(batch, kv):
-        logits = forward(batch, kv)
+    def wrapped(batch, store):
+        logits = forward(batch, store)
         out.append(logits.clone())
         return logits
 
@@ -276,7 +276,7 @@ def test_half_weights_run_on_the_cpu_path(mistral):
 @pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
 @pytest.mark.parametrize("bs", [1, 7, 16])
 def test_inline_reference_path_is_the_reference_backend_bit_for_bit(mistral, bs, kv_dtype):
-    """fp32 weights: the model's inline path (attention="reference": kv.gather + dense_attention) and the same
+    """fp32 weights: the model's inline path (attention="reference": store.gather + dense_attention) and the same
     model reading through ReferenceBackend (decode/prefill over the paged table + dense_attention) give identical
     logits at every step, on the sliding-window model (window 24, prompts past it, chunked prefill)."""
     from engine.attention import make_backend
@@ -308,15 +308,15 @@ def test_cpu_prefill_both_paths_match_reference(case, dense):
     from engine.attention import PagedBatch, make_backend
     from test_paged_attention import D, assert_close, build
 
-    _, kv, batch, window, scale = build(case)
+    _, store, batch, window, scale = build(case)
     H, _ = case.heads
     B, Qn = len(case.lens), 3
     q = torch.randn(B, Qn, H, D, generator=torch.Generator().manual_seed(7))
     idx = (batch.context_lens.long()[:, None] - Qn + torch.arange(Qn)[None, :]).clamp_min(0)
     q_pos = idx if batch.key_pos is None else batch.key_pos.gather(1, idx)
     pre = PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos)
-    want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window)
-    got = make_backend("cpu", dense_prefill=dense, **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window)
+    want = make_backend("reference").prefill(q, 1, store, pre, scale=scale, window=window)
+    got = make_backend("cpu", dense_prefill=dense, **case.cpu).prefill(q, 1, store, pre, scale=scale, window=window)
     assert_close(got, want, case.id)
 
 

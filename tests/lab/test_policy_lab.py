@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from engine.lab.policy_lab import (default_capacities, first_reads, format_table, main, near_half, plot, run_lab,
                                scan_polluted_trace)
-from engine.lab.policy_sim import POLICIES, replay
+from engine.kv.eviction_sim import POLICIES, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
 from pools import cached_block, lid_of, make_pool, read
 

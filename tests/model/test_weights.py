@@ -145,7 +145,7 @@ def test_half_weights_match_transformers_in_the_same_dtype(smol_shaped, dtype):
                     CacheConfig(block_size=8, kv_dtype=dtype, shadow_every_s=0), EngineOptions(weights_dtype=dtype))
     forward = engine.model.forward
     logits: list[torch.Tensor] = []
-    engine.model.forward = lambda batch, kv: (lambda out: logits.append(out[-1].clone()) or out)(forward(batch, kv))
+    engine.model.forward = lambda batch, store: (lambda out: logits.append(out[-1].clone()) or out)(forward(batch, store))
     for p in prompts(7, [5, 23, 40]):
         with torch.inference_mode():
             ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0,
