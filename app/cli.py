@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
     if argv[0] == "policy-lab":
-        from engine.lab.policy_lab import main as lab_main
+        from app.policy_lab import main as lab_main
 
         try:
             return lab_main(argv[1:])

@@ -39,7 +39,8 @@ def _lru(keys: list, cap: int, log: list | None) -> int:
 
 
 def _heat(keys: list, times: list, cap: int, decay: float, log: list | None) -> int:
-    """heat = heat*decay^dt + 1 per access; evict the lowest current heat, ties by older second-to-last access.
+    """heat = heat*decay^dt + 1 per access (a miss: 2, the insert and its read); evict the lowest current heat, ties by
+    older second-to-last access.
 
     Current heat at time T is h*decay^(T-last), so log(h) - last*ln(decay) orders blocks the same way at
     every T: a heap on it needs no updates as time passes. An access pushes a new entry; entries whose
@@ -67,7 +68,9 @@ def _heat(keys: list, times: list, cap: int, decay: float, log: list | None) -> 
                 del state[old]
                 if log is not None:
                     log.append(old)
-            h, prev = 1.0, t  # like the pool: a new block's access history is its insertion time
+            # Like the pool: a new block is allocated with heat 1 and read by the step that wrote it (+1, at the
+            # same time); its access history is that time, twice.
+            h, prev = 2.0, t
         serial += 1
         state[k] = (h, t, prev, serial)
         heapq.heappush(heap, (math.log(h) - t * lnd, prev, serial, k))

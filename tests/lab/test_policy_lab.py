@@ -17,8 +17,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.lab.policy_lab import (default_capacities, first_reads, format_table, main, near_half, plot, run_lab,
-                               scan_polluted_trace)
+from app.policy_lab import main, plot
+from engine.lab.policy_lab import default_capacities, first_reads, format_table, near_half, run_lab, scan_polluted_trace
 from engine.kv.eviction_sim import POLICIES, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
 from pools import cached_block, lid_of, make_pool, read
@@ -64,18 +64,19 @@ def test_lru_by_hand():
 
 
 def test_heat_by_hand():
-    # decay 0.5/s. Key 1 read three times at t=0 (heat 3); 2 at t=1 (heat 1). At t=1.5: 1 has 3*0.5^1.5 = 1.06,
-    # 2 has 0.5^0.5 = 0.71: 2 goes, though 1 is older. At t=4: 1 has 0.19, 3 has 0.5^2.5 = 0.18: 3 goes.
-    # At t=6: 1 has 0.05, 4 has 0.25: 1 goes.
-    r = replay(np.array([1, 1, 1, 2, 3, 4, 5]), 2, "heat", decay=0.5, times=np.array([0, 0, 0, 1, 1.5, 4, 6.0]),
-               evictions=True)
-    assert r["evicted"] == [2, 3, 1] and r["hits"] == 2
-    # Heat decays between reads too: 1 read at t=0 and t=10 has 0.5^10 + 1 = 1.001 then; 2 read at t=9 and 9.5
-    # has 1.71. At t=11: 1 has 0.50, 2 has 0.60, so 1 goes (LRU would take 2; undecayed counts would too).
+    # decay 0.5/s; a miss starts at heat 2 (the engine's insert, heat 1, and the read of the step that wrote it).
+    # Key 1 read five times at t=0 (heat 6); 2 at t=1 (heat 2). At t=1.5: 1 has 6*0.5^1.5 = 2.12, 2 has
+    # 2*0.5^0.5 = 1.41: 2 goes, though 1 is older. At t=4: 1 has 0.375, 3 has 2*0.5^2.5 = 0.354: 3 goes.
+    # At t=6: 1 has 0.094, 4 has 0.5: 1 goes.
+    r = replay(np.array([1, 1, 1, 1, 1, 2, 3, 4, 5]), 2, "heat", decay=0.5,
+               times=np.array([0, 0, 0, 0, 0, 1, 1.5, 4, 6.0]), evictions=True)
+    assert r["evicted"] == [2, 3, 1] and r["hits"] == 4
+    # Heat decays between reads too: 1 read at t=0 and t=10 has 2*0.5^10 + 1 = 1.002 then; 2 read at t=9 and 9.5
+    # has 2.41. At t=11: 1 has 0.50, 2 has 0.85, so 1 goes (LRU would take 2; undecayed counts would too).
     r = replay(np.array([1, 2, 2, 1, 3]), 2, "heat", decay=0.5, times=np.array([0, 9, 9.5, 10, 11.0]),
                evictions=True)
     assert r["evicted"] == [1]
-    # decay 1: heat counts reads. 1 and 2 both have heat 2 at t=4; 1's second-to-last read (t=0) is older.
+    # decay 1: heat counts reads. 1 and 2 both have heat 3 at t=4; 1's second-to-last read (t=0) is older.
     r = replay(np.array([1, 2, 2, 1, 3]), 2, "heat", decay=1.0, times=np.arange(5.0), evictions=True)
     assert r["evicted"] == [1]
     # Without times, access i is at i*0.01 s.
@@ -140,7 +141,7 @@ def test_lab_and_engine_s3fifo_agree_on_a_small_trace():
 @pytest.mark.parametrize("policy", ["lru", "heat", "s3fifo"])
 @settings(max_examples=150, deadline=None)
 @given(keys=st.lists(st.integers(0, 40), min_size=1, max_size=200), cap=st.integers(1, 25),
-       decay=st.sampled_from([0.5, 0.9, 0.99]))
+       decay=st.sampled_from([0.5, 0.9, 0.99, 1.0]))
 def test_lab_and_engine_make_the_same_evictions(policy, keys, cap, decay):
     lab = replay(np.array(keys), cap, policy, decay=decay, evictions=True)["evicted"]
     assert engine_evictions(keys, cap, policy, decay) == lab
@@ -471,7 +472,7 @@ def test_a_small_zip_bomb_keeps_memory_small(tmp_path):
                 z.writestr(c + ".npy", npy(v))
     assert os.path.getsize(path) < 3_000_000
     # VmHWM, the peak RSS of this process image: ru_maxrss would carry over the forking pytest's peak.
-    code = ("import sys\nfrom engine.lab.policy_lab import main\nrc = main([sys.argv[1]])\n"
+    code = ("import sys\nfrom app.policy_lab import main\nrc = main([sys.argv[1]])\n"
             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
             "print(rc, hwm)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
