@@ -16,17 +16,19 @@ def kvscope(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     return out
 
 
-def test_six_concurrent_requests_on_a_qwen2_directory(tiny_qwen2, tmp_path):
+def test_six_concurrent_requests_on_a_qwen2_directory(tiny_qwen2, tmp_path, capsys):
     ps = prompts(20, [3, 17, 40, 66, 9, 120])
     f = tmp_path / "req.jsonl"
     f.write_text("".join(json.dumps({"prompt": p, "max_new_tokens": 10 + i}) + "\n" for i, p in enumerate(ps)))
-    out = kvscope("generate", "--model", tiny_qwen2, "--prompt-file", str(f), "--ignore-eos", "--block-size", "4")
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_qwen2, "--prompt-file", str(f), "--ignore-eos",
+                           "--block-size", "4")
+    assert rc == 0, err
+    rows = [json.loads(line) for line in out.splitlines()]
     ref = Reference(tiny_qwen2)
     assert [r["token_ids"] for r in rows] == [ref.greedy(p, 10 + i) for i, p in enumerate(ps)]
 
 
-def test_bad_input_gets_a_clear_error(tiny_llama, tmp_path):
+def test_bad_input_gets_a_clear_error(tiny_llama, tmp_path, capsys):
     cases = [
         (["generate", "hi", "--model", str(tmp_path / "nope")], "model not found"),
         (["generate", "hi", "--model", tiny_llama, "--block-size", "0"], "block_size"),
@@ -39,14 +41,15 @@ def test_bad_input_gets_a_clear_error(tiny_llama, tmp_path):
     bad.write_text('{"prompt": "ok"}\nnot json\n')
     cases.append((["generate", "--prompt-file", str(bad), "--model", tiny_llama], "bad.jsonl:2"))
     for args, needle in cases:
-        out = kvscope(*args, ok=False)
-        assert out.returncode == 2, (args, out.stderr)
-        assert needle in out.stderr and "Traceback" not in out.stderr, (args, out.stderr)
+        rc, _, err = run_cli(capsys, *args)  # in this process: an exception would fail the test, not print a traceback
+        assert rc == 2, (args, err)
+        assert needle in err, (args, err)
 
 
-def test_info_prints_the_sizing_formula(tiny_llama):
-    out = kvscope("info", "--model", tiny_llama, "--batch", "4", "--context", "100", "--json")
-    info = json.loads(out.stdout)
+def test_info_prints_the_sizing_formula(tiny_llama, capsys):
+    rc, out, err = run_cli(capsys, "info", "--model", tiny_llama, "--batch", "4", "--context", "100", "--json")
+    assert rc == 0, err
+    info = json.loads(out)
     # 4 x 100 x 2 layers x 2 kv heads x 16 head dim x 2 x 4 bytes
     assert info["sizing"]["bytes"] == 4 * 100 * 2 * 2 * 16 * 2 * 4
     assert info["bytes_per_token"]["fp32"] == 2 * 2 * 16 * 2 * 4
@@ -102,14 +105,15 @@ def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_p
     assert "Traceback" not in out.stderr
 
 
-def test_ten_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_llama, tmp_path, capsys, monkeypatch):
+def test_three_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_llama, tmp_path, capsys, monkeypatch):
     # Before: finished sequences past keep_finished=1024 were forgotten before their output was read
-    # (KeyError: 0, exit 1, nothing printed). Now results stream out in input order as they finish.
+    # (KeyError: 0, exit 1, nothing printed). Now results stream out in input order as they finish. 3,000 requests:
+    # nearly three times keep_finished (10,000 showed nothing more, in 3x the time).
     import app.commands as commands
 
     f = tmp_path / "many.jsonl"
     f.write_text("".join(json.dumps({"prompt": [3 + i % 50, 7, 9 + i % 13], "max_new_tokens": 1 + i % 3}) + "\n"
-                         for i in range(10_000)))
+                         for i in range(3_000)))
     seen = {"max_seqs": 0, "in_flight_at_first_line": None}
     printed: list[str] = []
     real_open = commands.open_engine
@@ -133,8 +137,8 @@ def test_ten_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_ll
                            "--block-size", "4")
     assert rc == 0, err
     rows = [json.loads(line) for line in ("".join(printed) + out).splitlines()]
-    assert [r["line"] for r in rows] == list(range(1, 10_001))
-    assert [len(r["token_ids"]) for r in rows] == [1 + i % 3 for i in range(10_000)]
+    assert [r["line"] for r in rows] == list(range(1, 3_001))
+    assert [len(r["token_ids"]) for r in rows] == [1 + i % 3 for i in range(3_000)]
     assert seen["in_flight_at_first_line"]  # the first line came out while requests were still running
     assert seen["max_seqs"] <= 4 * 16  # the in-flight window: finished ones are dropped once printed
 
@@ -209,22 +213,23 @@ def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp
     assert "two.jsonl:1:" in err and "two.jsonl:2:" in err
 
 
-def test_help_lists_every_subcommand_and_every_sampling_flag_says_what_it_does():
+def test_help_lists_every_subcommand_and_every_sampling_flag_says_what_it_does(capsys):
     from app.cli import SUBCOMMANDS
 
-    top = kvscope("--help").stdout
+    rc, top, _ = run_cli(capsys, "--help")
+    assert rc == 0
     for sub in SUBCOMMANDS:
         assert sub in top, sub  # before: policy-lab was missing
-    gen = " ".join(kvscope("generate", "-h").stdout.split("options:", 1)[1].split())
+    gen = " ".join(run_cli(capsys, "generate", "-h")[1].split("options:", 1)[1].split())
     for flag, words in (("--max-new-tokens N", "generated tokens"), ("--temperature T", "logits divided by T"),
                         ("--top-p P", "nucleus"), ("--seed SEED", "repeatable")):
         assert f"{flag} " in gen and words in gen.split(flag, 1)[1][:200], flag
 
 
-def test_every_subcommand_prints_its_help():
+def test_every_subcommand_prints_its_help(capsys):
     """Each subcommand's --help renders (a knob's help text with a bare '%' once made `bench --help` a traceback)."""
     from app.cli import SUBCOMMANDS
 
     for sub in SUBCOMMANDS:
-        res = kvscope(sub, "--help")
-        assert res.returncode == 0 and "usage:" in res.stdout and "Traceback" not in res.stderr, (sub, res.stderr[-500:])
+        rc, out, err = run_cli(capsys, sub, "--help")
+        assert rc == 0 and "usage:" in out, (sub, err[-500:])

@@ -6,7 +6,8 @@ a poisoned block, on layer 1 of a two-layer pool (layer 0 holds other data): rea
 wrong layer or the wrong table entry changes the output by far more than the tolerance.
 
 The Triton kernel runs under TRITON_INTERPRET=1 in one subprocess (the interpreter mode is fixed when triton
-is imported); it writes its outputs for every case, and the parent compares them here, case by case.
+is imported), started when collection ends so that it runs beside the rest of the suite (tests/conftest.py's
+BACKGROUND workers); it writes its outputs for every case, and the parent compares them here, case by case.
 Run this file as a script (`python tests/attention/test_paged_attention.py OUT.pt`, TRITON_INTERPRET=1) to be that worker.
 """
 
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import math
 import os
-import subprocess
 import sys
 import zlib
 from dataclasses import dataclass, field
@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from conftest import background_result
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, make_backend
 from engine.attention.cpu_paged import gather_head_major
 from engine.kv.codecs import Geometry, codecs_for, fp8_supported
@@ -282,19 +283,25 @@ def _triton_missing() -> str | None:
     return None
 
 
+def _triton_worker(out: str) -> tuple[list[str], dict] | None:
+    """This file as a TRITON_INTERPRET=1 script writing every case's kernel output to `out` (None: no triton)."""
+    if _triton_missing():
+        return None
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    return [sys.executable, os.path.abspath(__file__), out], env
+
+
+BACKGROUND = {"triton_outputs": _triton_worker}  # started beside the suite when collection ends (tests/conftest.py)
+
+
 @pytest.fixture(scope="module")
-def triton_outputs(tmp_path_factory):
+def triton_outputs():
     """{case id: kernel output} from one TRITON_INTERPRET=1 subprocess running every case."""
     reason = _triton_missing()
     if reason:
         pytest.skip(reason)
-    out = tmp_path_factory.mktemp("triton") / "outputs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
-    return torch.load(out)
+    return torch.load(background_result("triton_outputs", _triton_worker))
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
