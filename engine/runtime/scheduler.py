@@ -29,6 +29,8 @@ from engine.kv.block_pool import blocks_for
 from engine.config import EngineOptions
 from engine.kv.manager import KVManager
 from engine.sequence import Sequence, SeqState
+from engine.telemetry.counters import Counters
+from engine.telemetry.snapshotter import Telemetry
 
 Scheduled = list[tuple[Sequence, int]]  # (sequence, tokens it computes this step)
 
@@ -54,8 +56,8 @@ class Stall:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, seqs: dict[int, Sequence], options: EngineOptions, telemetry, counters,
-                 context_limit: int):
+    def __init__(self, kv: KVManager, seqs: dict[int, Sequence], options: EngineOptions, telemetry: Telemetry,
+                 counters: Counters, context_limit: int):
         self.kv = kv
         self.residency = kv.residency  # the same object for the engine's life (a re-lay swaps its pool)
         self.seqs = seqs

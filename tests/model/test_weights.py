@@ -160,9 +160,10 @@ def test_half_weights_match_transformers_in_the_same_dtype(smol_shaped, dtype):
 
 @pytest.mark.slow
 def test_default_model_bf16_greedy_agrees_with_transformers_bf16(capsys):
-    """SmolLM2 with bf16 weights and bf16 KV against transformers in bf16 on the same weights: 128 greedy
+    """SmolLM2 with bf16 weights and bf16 KV against transformers in bf16 on the same weights: 64 greedy
     tokens on each of 3 chat prompts (each run alone, as transformers' generate runs it). Agreement is the
-    fraction of positions whose tokens are equal; the identical prefix is reported beside it."""
+    fraction of positions whose tokens are equal; the identical prefix is reported beside it. (128 tokens each
+    agreed 1.000 with identical prefixes [128, 128, 128] on 2026-12-01, in twice the time.)"""
     from engine.model.loader import hf_reference_dir
 
     loaded = load_model(None, dtype=torch.bfloat16)
@@ -170,9 +171,9 @@ def test_default_model_bf16_greedy_agrees_with_transformers_bf16(capsys):
              "Explain how a key-value cache speeds up transformer inference."]
     ps = [loaded.tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True)
           for t in texts]
-    ref = greedy_hf(hf_reference_dir(), torch.bfloat16, ps, 128)
+    ref = greedy_hf(hf_reference_dir(), torch.bfloat16, ps, 64)
     engine = Engine(loaded, CacheConfig(kv_dtype="bf16"), EngineOptions(weights_dtype="bf16"))
-    got = [engine.generate([p], SamplingParams(max_new_tokens=128, ignore_eos=True))[0] for p in ps]
+    got = [engine.generate([p], SamplingParams(max_new_tokens=64, ignore_eos=True))[0] for p in ps]
     frac, prefix = agreement(got, ref)
     with capsys.disabled():
         print(f"\nbf16 weights + bf16 KV vs transformers bf16: agreement {frac:.3f}, identical prefixes {prefix}")
