@@ -144,8 +144,10 @@ class Residency:
                 cand = cand[np.argsort(p.last_of(cand), kind="stable")]
                 short = need - p.reclaimable(Tier.DEVICE)
                 p.move(cand[:max(short, 0)], Tier.HOST, now, reason="room")
-        if p.can_allocate(Tier.DEVICE, need):
-            return True
+        if p.can_allocate(Tier.DEVICE, need) or p.reclaimable(Tier.HOST):
+            # Enough room, or moving ran out of idle blocks the host tier could take: dropping K/V would free
+            # nothing more on the device tier (what it holds there is shared with `keep`).
+            return p.can_allocate(Tier.DEVICE, need)
         for seq in sorted((s for s in idle if self.holds_device_blocks(s)), key=self.last_read):
             self.drop_kv(seq)
             seq.preemptions += 1

@@ -277,8 +277,7 @@ class Scheduler:
             mode = "recompute"
         else:
             mode = self.residency.swap_out(seq, now)
-        seq.preemptions += 1
-        self.counters.preemptions += 1
+        seq.preemptions += 1  # the engine's counter counts the event (Telemetry.emit)
         self.running.remove(seq.id)
         self.add(seq, front=True)
         self.telemetry.emit("preempt", seq=seq.id, mode=mode)

@@ -159,7 +159,9 @@ class Telemetry:
         if kind in MARK_KINDS:
             self.marks.append((self.clock(), kind, _mark_label(kind, fields)))
         c = self.counters
-        if kind == "context_shift":
+        if kind == "preempt":  # counted here, where the event is made: the feed and the counter always agree
+            c.preemptions += 1
+        elif kind == "context_shift":
             c.context_shifts += 1
         elif kind == "cow":
             c.cow_copies += 1

@@ -29,7 +29,9 @@ ROWS = (
     ("demoted MB / token", "MB copied device -> host per generated token"),
     ("promotion stall", "seconds steps spent copying their blocks to the device tier before running (on CUDA: "
                         "issuing the copies), per step"),
-    ("preempted", "sequences stopped to make room (their blocks swapped out or dropped)"),
+    ("preempted", "preempt events (each one line in Events): a running sequence stopped to make room (its blocks "
+                  "swapped to the host tier or dropped), or a paused or waiting sequence's K/V dropped because "
+                  "neither tier had room for it (it recomputes when it runs again)"),
     ("TTFT p50 / p95", "seconds from a request's arrival to its first token, over the engine's newest requests "
                        "(not split at config changes)"),
     ("waiting / running", "sequences queued for admission / admitted, now"),
