@@ -364,3 +364,52 @@ def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", 
     config = CacheConfig(block_size=bs, device_budget_mb=_mb(model, dev_blocks + RESERVED, bs),
                          host_budget_mb=_mb(model, host_blocks, bs), host_reads=mode, **cfg)
     return Engine(model, config, EngineOptions(attention=attention))
+
+
+# -- the other families KV Scope serves (tests/model/test_architectures.py) -------------------------------------
+@pytest.fixture(scope="session")
+def tiny_qwen3(tmp_path_factory, tokenizer_files) -> str:
+    """Qwen3: per-head q/k RMSNorm, an explicit head_dim (32: q_proj is 128 wide on a hidden size of 64)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3"), Qwen3Config, Qwen3ForCausalLM, tokenizer_files, 4,
+                      num_hidden_layers=3, head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_sliding(tmp_path_factory, tokenizer_files) -> str:
+    """Qwen3 with a sliding window of 24 on layers 1 and 2 (max_window_layers 1), full attention on layer 0."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-qwen3-sliding"), Qwen3Config, Qwen3ForCausalLM, tokenizer_files, 5,
+                      num_hidden_layers=3, head_dim=16, use_sliding_window=True, sliding_window=24, max_window_layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmo2(tmp_path_factory, tokenizer_files) -> str:
+    """OLMo 2: q/k RMSNorm over the whole projections, norms after each branch (no input_layernorm)."""
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-olmo2"), Olmo2Config, Olmo2ForCausalLM, tokenizer_files, 6,
+                      num_hidden_layers=3, pad_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite(tmp_path_factory, tokenizer_files) -> str:
+    """Granite: embedding, residual and attention multipliers and logits scaling (the softmax scale 1/16 is not
+    head_dim ** -0.5 = 1/4). Untied, and multipliers small enough that the embedding does not drown the layers:
+    with any one of the three multipliers left out, most greedy tokens change."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-granite"), GraniteConfig, GraniteForCausalLM, tokenizer_files, 7,
+                      num_hidden_layers=3, tie_word_embeddings=False, embedding_multiplier=2.0,
+                      residual_multiplier=0.5, attention_multiplier=0.0625, logits_scaling=8.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_smollm3(tmp_path_factory, tokenizer_files) -> str:
+    """SmolLM3: layer 1 of 3 is a NoPE layer (no_rope_layer_interval 2: no_rope_layers = [1, 0, 1])."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    return _save_tiny(tmp_path_factory.mktemp("tiny-smollm3"), SmolLM3Config, SmolLM3ForCausalLM, tokenizer_files, 8,
+                      num_hidden_layers=3, no_rope_layer_interval=2, pad_token_id=0)

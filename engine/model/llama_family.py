@@ -1,4 +1,7 @@
-"""A Llama-family forward pass (Llama, Mistral, Qwen2) whose attention reads the paged KV cache.
+"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3) whose attention reads the
+paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py): q/k norms before RoPE
+(qk_norm), where the layer norms sit (norm_placement), Granite's multipliers, and the layers without RoPE
+(nope_layers); the layer below takes each as a small branch.
 
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
@@ -179,21 +182,28 @@ class LlamaFamily:
         self.embed = own(w["model.embed_tokens.weight"])
         self.lm_head = self.embed if spec.tie_word_embeddings else own(w["lm_head.weight"])
         self.norm = own(w["model.norm.weight"])
+        # Each layer's two norms: the attention branch's and the MLP branch's, on its input ("pre") or, for
+        # OLMo 2, on its output ("post").
+        attn_norm, mlp_norm = (("input_layernorm", "post_attention_layernorm") if spec.norm_placement == "pre"
+                               else ("post_attention_layernorm", "post_feedforward_layernorm"))
         self.layers = []
+        self.qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: q_norm, k_norm weights
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
             # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
             qkv = self._fused(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
             qkv_b = self._fused(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if spec.attention_bias else None
+            self.qk_norms.append((own(w[a + "q_norm.weight"]), own(w[a + "k_norm.weight"]))
+                                 if spec.qk_norm != "none" else None)
             gate_up = self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
             self.layers.append(
-                (own(w[p + "input_layernorm.weight"]), qkv, qkv_b, own(w[a + "o_proj.weight"]),
-                 own(w[p + "post_attention_layernorm.weight"]), gate_up, own(w[p + "mlp.down_proj.weight"]))
+                (own(w[p + attn_norm + ".weight"]), qkv, qkv_b, own(w[a + "o_proj.weight"]),
+                 own(w[p + mlp_norm + ".weight"]), gate_up, own(w[p + "mlp.down_proj.weight"]))
             )
         inv, self.attn_scaling = rope_inv_freq(spec)
         self.inv_freq = inv.to(device)
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
 
     def use_attention(self, name: str) -> None:
         """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
@@ -242,10 +252,21 @@ class LlamaFamily:
         if x.dtype == torch.float32:
             # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
             return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
-        # As transformers' LlamaRMSNorm for half types: normalize in fp32, round to the dtype, then scale in it.
+        # As transformers' LlamaRMSNorm for half types: normalize in fp32, round to the dtype, then scale in it
+        # (OLMo 2's: scale in fp32, then round).
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
-        return w * h.to(x.dtype)
+        return (w * h).to(x.dtype) if self.spec.rms_scale_fp32 else w * h.to(x.dtype)
+
+    def _qk_norm(self, qk: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor) -> torch.Tensor:
+        """q and k [T, (H + Hkv) D] normed (spec.qk_norm): per head over D ("head"), or over each whole
+        projection, H*D and Hkv*D ("proj")."""
+        s = self.spec
+        T, q_width = qk.shape[0], s.num_heads * s.head_dim
+        q, k = qk[:, :q_width], qk[:, q_width:]
+        if s.qk_norm == "head":
+            q, k = q.view(T, s.num_heads, s.head_dim), k.view(T, s.num_kv_heads, s.head_dim)
+        return torch.cat((self._rms(q, q_w).reshape(T, -1), self._rms(k, k_w).reshape(T, -1)), dim=1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Computed in fp32, then rounded to `dtype` (as transformers' rotary embedding does)."""
@@ -257,8 +278,11 @@ class LlamaFamily:
         """x [T, heads, D] rotated by per-token cos/sin [T, D]."""
         return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
-    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """K-shift: re-rotate cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes additively)."""
+    def shift_keys(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
+        """K-shift: re-rotate layer `layer`'s cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes
+        additively). A NoPE layer's keys carry no position: k itself."""
+        if layer in self.spec.nope_layers:
+            return k
         freqs = delta.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return self.rotate(k, emb.cos(), emb.sin())
@@ -269,25 +293,43 @@ class LlamaFamily:
         s = self.spec
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
         x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
+        if s.embedding_multiplier != 1.0:
+            x = x * s.embedding_multiplier
         T = x.shape[0]
+        pre = s.norm_placement == "pre"
         cos, sin = self.cos_sin(batch.positions, x.dtype)
         attend = self._reference_attention(batch, store, x) if self.backend is None else self._paged_attention(batch, store, x)
-        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gu_w, down_w) in enumerate(self.layers):
-            h = self._rms(x, ln1)
-            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
+        for li, (attn_norm, qkv_w, qkv_b, o_w, mlp_norm, gu_w, down_w) in enumerate(self.layers):
+            qkv = linear(self._rms(x, attn_norm) if pre else x, qkv_w)  # [T, (H + 2 Hkv) D]
             if qkv_b is not None:
                 qkv = qkv + qkv_b
-            qk = self.rotate(qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D), cos, sin)  # q and k in one pass
+            qk = qkv[:, : (H + Hkv) * D]
+            if self.qk_norms[li] is not None:
+                qk = self._qk_norm(qk, *self.qk_norms[li])
+            qk = qk.view(T, H + Hkv, D)
+            if li not in s.nope_layers:
+                qk = self.rotate(qk, cos, sin)  # q and k in one pass
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             store.write(li, k, v)
             attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
-            x = x + linear(attn.reshape(T, H * D), o_w)
-            h = self._rms(x, ln2)
-            gate, up = linear(h, gu_w).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, down_w)
+            x = self._residual(x, linear(attn.reshape(T, H * D), o_w), None if pre else attn_norm)
+            gate, up = linear(self._rms(x, mlp_norm) if pre else x, gu_w).chunk(2, dim=-1)
+            x = self._residual(x, linear(F.silu(gate) * up, down_w), None if pre else mlp_norm)
         x = self._rms(x[batch.logit_rows], self.norm)
-        return linear(x, self.lm_head).float()  # [R, vocab]
+        logits = linear(x, self.lm_head)
+        if s.logits_scaling != 1.0:
+            logits = logits / s.logits_scaling
+        return logits.float()  # [R, vocab]
+
+    def _residual(self, x: torch.Tensor, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
+        """x plus a branch's output, normed first when the norms sit after the branch (OLMo 2) and scaled by
+        spec.residual_multiplier (Granite)."""
+        if post_norm is not None:
+            out = self._rms(out, post_norm)
+        if self.spec.residual_multiplier != 1.0:
+            out = out * self.spec.residual_multiplier
+        return x + out
 
     def _reference_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
         """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table gathered into a dense fp32

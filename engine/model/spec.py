@@ -17,14 +17,25 @@ class ModelLoadError(Exception):
     """Any failure to load a model; the message is one line naming the path or architecture."""
 
 
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"})
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
+    "GraniteForCausalLM", "SmolLM3ForCausalLM",
+})
 
-# Values transformers' config classes use when a key is absent from config.json.
+# Values transformers' config classes use when a key is absent from config.json (rms_norm_eps: 1e-6 unless listed).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "llama": {"max_position_embeddings": 2048},
     "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
     "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "head_dim": 128},
+    "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
+    "granite": {"max_position_embeddings": 2048},
+    "smollm3": {"max_position_embeddings": 32768, "sliding_window": None, "no_rope_layer_interval": 4},
 }
+# The families whose layer differs from Llama's: architecture and model_type must name the same one (the forward
+# pass follows model_type, transformers the architecture).
+_OWN_MODEL_TYPE = {"Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
+                   "SmolLM3ForCausalLM": "smollm3"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,18 @@ class ModelSpec:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     name: str
+    # How the families differ from Llama's layer (rms -> qkv -> RoPE -> attend -> o_proj -> rms -> SwiGLU), as data:
+    qk_norm: str = "none"  # RMSNorm on q and k before RoPE: "none"; "head" (Qwen3: over each head's D, weight [D]);
+    #                        "proj" (OLMo 2: over the whole projection, weights [H*D] and [Hkv*D])
+    norm_placement: str = "pre"  # "pre": each branch's input is normed (input_layernorm, post_attention_layernorm);
+    #                              "post" (OLMo 2): each branch's output is, before its residual add
+    #                              (post_attention_layernorm, post_feedforward_layernorm), and no input_layernorm
+    rms_scale_fp32: bool = False  # half types: weight x normalized in fp32, then rounded (OLMo 2); else rounded first
+    embedding_multiplier: float = 1.0  # embeddings x it (Granite)
+    residual_multiplier: float = 1.0  # each branch's output x it before its residual add (Granite)
+    attention_multiplier: float | None = None  # the softmax scale (Granite); None: head_dim ** -0.5
+    logits_scaling: float = 1.0  # logits / it (Granite)
+    nope_layers: frozenset[int] = frozenset()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
 
 
 def unsupported(architecture: str, path: str) -> ModelLoadError:
@@ -93,20 +116,39 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
-def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int) -> tuple[int | None, ...]:
-    if model_type == "llama":
+def _nope_layers(config: dict[str, Any], model_type: str, num_layers: int) -> frozenset[int]:
+    """SmolLM3: config.no_rope_layers[i] is 1 where layer i USES RoPE; absent, every no_rope_layer_interval-th
+    layer (i + 1 a multiple of it) skips RoPE. Other families rotate every layer."""
+    if model_type != "smollm3":
+        return frozenset()
+    interval = int(config.get("no_rope_layer_interval") or _DEFAULTS["smollm3"]["no_rope_layer_interval"])
+    uses_rope = config.get("no_rope_layers")
+    if uses_rope is None:
+        uses_rope = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if len(uses_rope) != num_layers:
+        raise ModelLoadError(f"no_rope_layers lists {len(uses_rope)} layers but num_hidden_layers is {num_layers}")
+    return frozenset(i for i, rope in enumerate(uses_rope) if not rope)
+
+
+def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int,
+                     nope: frozenset[int]) -> tuple[int | None, ...]:
+    if model_type in ("llama", "olmo2", "granite"):
         return (None,) * num_layers
     window = config.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
     if model_type == "mistral":
         # MistralModel applies config.sliding_window to every layer and ignores layer_types.
         return (window,) * num_layers
-    # Qwen2: the window only exists with use_sliding_window; layer_types (or max_window_layers) picks layers.
+    # Qwen2 / Qwen3 / SmolLM3: the window only exists with use_sliding_window; layer_types picks the layers, and
+    # without it max_window_layers does (layers from it on slide; Qwen), or RoPE does (the NoPE layers; SmolLM3).
     if not config.get("use_sliding_window", False):
         window = None
-    first_sliding = config.get("max_window_layers", 28)
+    if model_type == "smollm3":
+        default_sliding = [i in nope for i in range(num_layers)]
+    else:
+        first_sliding = config.get("max_window_layers", 28)
+        default_sliding = [i >= first_sliding for i in range(num_layers)]
     layer_types = config.get("layer_types") or [
-        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
-        for i in range(num_layers)
+        "sliding_attention" if window is not None and sliding else "full_attention" for sliding in default_sliding
     ]
     if len(layer_types) != num_layers:
         raise ModelLoadError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {num_layers}")
@@ -121,6 +163,10 @@ def spec_from_config(
         raise ModelLoadError(
             f"unsupported model_type '{model_type}' in {directory}; expected one of {sorted(_DEFAULTS)}"
         )
+    own_type = _OWN_MODEL_TYPE.get(architecture)
+    if (own_type is not None or model_type in _OWN_MODEL_TYPE.values()) and own_type != model_type:
+        raise ModelLoadError(f"architecture '{architecture}' with model_type '{model_type}' in {directory}: "
+                             "they name different families")
     if config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{config['hidden_act']}' in {directory}; KV Scope's forward uses SiLU")
     if config.get("mlp_bias"):
@@ -133,6 +179,9 @@ def spec_from_config(
         raise ModelLoadError(f"config.json in {directory} lacks a valid {e}") from None
     theta, rope_scaling = _rope(config)
     bos = config.get("bos_token_id")
+    defaults = _DEFAULTS[model_type]
+    nope = _nope_layers(config, model_type, num_layers)
+    granite = model_type == "granite"
     return ModelSpec(
         architecture=architecture,
         model_type=model_type,
@@ -142,21 +191,29 @@ def spec_from_config(
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        head_dim=int(config.get("head_dim") or defaults.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
         rope_theta=theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(
-            config.get("max_position_embeddings", _DEFAULTS[model_type]["max_position_embeddings"])
+            config.get("max_position_embeddings", defaults["max_position_embeddings"])
         ),
         # Qwen2 always has q/k/v bias and no attention_bias key; Llama's key would also bias o_proj,
         # which check_weights then rejects as an unexpected tensor.
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        sliding_window=_sliding_windows(config, model_type, num_layers),
+        sliding_window=_sliding_windows(config, model_type, num_layers, nope),
         bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=name,
+        qk_norm={"qwen3": "head", "olmo2": "proj"}.get(model_type, "none"),
+        norm_placement="post" if model_type == "olmo2" else "pre",
+        rms_scale_fp32=model_type == "olmo2",
+        embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
+        residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
+        attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else None,
+        logits_scaling=float(config.get("logits_scaling", 1.0)) if granite else 1.0,
+        nope_layers=nope,
     )
 
 
@@ -169,11 +226,15 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
+    norms = ("input_layernorm", "post_attention_layernorm") if spec.norm_placement == "pre" else (
+        "post_attention_layernorm", "post_feedforward_layernorm")
+    qk_norm_shapes = {"none": {}, "head": {"q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,)},
+                      "proj": {"q_norm": (q,), "k_norm": (kv_width,)}}[spec.qk_norm]
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
+        shapes |= {p + norm + ".weight": (h,) for norm in norms}
+        shapes |= {p + "self_attn." + norm + ".weight": shape for norm, shape in qk_norm_shapes.items()}
         shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
             p + "self_attn.q_proj.weight": (q, h),
             p + "self_attn.k_proj.weight": (kv_width, h),
             p + "self_attn.v_proj.weight": (kv_width, h),

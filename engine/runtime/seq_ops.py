@@ -238,7 +238,7 @@ class SequenceOps:
                                      if i < seq.num_cached][b0 * bs:], device=self.device)
             if bool((delta != 0).any()):
                 for layer in range(k_tail.shape[0]):
-                    k_tail[layer] = self.model.shift_keys(k_tail[layer], delta)
+                    k_tail[layer] = self.model.shift_keys(k_tail[layer], delta, layer)
         # Commit the token-level change, then the blocks.
         seq.tokens = [seq.tokens[i] for i in keep]
         seq.pos = new_pos

@@ -155,8 +155,8 @@ def test_kshift_keys_equal_fresh_keys_and_generation_passes_context(llama_model,
     old_pos = torch.tensor(list(range(4)) + list(range(14, 14 + seq.num_cached - 4)))
     new_pos = torch.arange(seq.num_cached)
     for layer in range(1, k_engine.shape[0]):
-        unrot = eng.model.shift_keys(k_before[layer][keep_idx], -old_pos)
-        fresh = eng.model.shift_keys(unrot, new_pos)
+        unrot = eng.model.shift_keys(k_before[layer][keep_idx], -old_pos, layer)
+        fresh = eng.model.shift_keys(unrot, new_pos, layer)
         rel = (k_engine[layer] - fresh).norm() / fresh.norm()
         assert rel <= 1e-4, f"layer {layer}: relative error {rel:.2e}"
 
