@@ -49,7 +49,8 @@ would both bind 5558 on one node)""")
                                                         "tooltips show block text")
     ap.add_argument("--mode", choices=MODES, default="age", help="initial colour mode of the block map")
     ap.add_argument("--half-life", type=float, default=10.0, metavar="SECONDS", help="heat half-life (10)")
-    ap.add_argument("--scrape-interval", type=float, default=1.0, metavar="SECONDS")
+    ap.add_argument("--scrape-interval", type=float, default=1.0, metavar="SECONDS",
+                    help="seconds between two reads of each server's /metrics (default 1)")
     ap.add_argument("--record", metavar="FILE.npz", help="record the event stream; at exit write a trace for "
                                                          "`kvscope policy-lab FILE.npz`")
     ap.add_argument("--headless", action="store_true", help="no window: run offscreen")
@@ -60,9 +61,9 @@ would both bind 5558 on one node)""")
                          "attach to them")
     ap.add_argument("--soak", action="store_true", help="the bench: fake publishers at a high rate, frame times "
                                                         "and events sent vs received")
-    ap.add_argument("--soak-publishers", type=int, default=3)
+    ap.add_argument("--soak-publishers", type=int, default=3, help="with --soak: fake publishers started (3)")
     ap.add_argument("--soak-rate", type=float, default=20_000.0, help="events/s per publisher (20000)")
-    ap.add_argument("--soak-seconds", type=float, default=60.0)
+    ap.add_argument("--soak-seconds", type=float, default=60.0, help="with --soak: seconds the soak runs (60)")
     ap.add_argument("--soak-paint", choices=("qt", "all"), default="qt",
                     help="qt: a frame is the refresh plus what Qt repaints (the widgets marked dirty), as in a "
                          "user's window; all: plus a forced paint of every visible panel, each timed (worst case)")

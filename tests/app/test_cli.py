@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import Reference, prompts, run_cli
 
 
@@ -233,3 +235,39 @@ def test_every_subcommand_prints_its_help(capsys):
     for sub in SUBCOMMANDS:
         rc, out, err = run_cli(capsys, sub, "--help")
         assert rc == 0 and "usage:" in out, (sub, err[-500:])
+
+
+def test_counts_out_of_range_are_usage_errors(capsys):
+    # Before: `info --batch -3` printed a sizing of "-270.0 MiB" and exited 0.
+    for args, flag in ((["info", "--batch", "-3"], "--batch"), (["info", "--context", "0"], "--context"),
+                       (["bench", "--batch", "0"], "--batch"), (["bench", "--quality-prompts", "x"], "--quality-prompts"),
+                       (["bench", "--long", "-1"], "--long")):
+        rc, _, err = run_cli(capsys, *args)
+        assert rc == 2 and flag in err and "expected an integer from" in err, (args, err)
+
+
+def test_replay_flags_without_a_workload_are_refused_before_anything_runs(capsys, monkeypatch):
+    # Before: `bench --sweep block_size=8` ignored the sweep and started the multi-minute --compare hf run.
+    import app.bench.throughput as throughput
+
+    monkeypatch.setattr(throughput, "cmd_bench", lambda args: pytest.fail("the --compare run started"))
+    for args in (["--sweep", "block_size=8"], ["--live-change", "kv_dtype=int8"], ["--csv", "x.csv"]):
+        rc, _, err = run_cli(capsys, "bench", *args)
+        assert rc == 2 and "give --workload NAME or --trace FILE.jsonl" in err and args[0] in err, (args, err)
+
+
+def test_every_flag_says_what_it_does():
+    """Every option of every subcommand has help text (before: bench's --batch, --prompt-tokens, --json ... had none)."""
+    import argparse
+
+    from app.cli import build_parser
+
+    from app.attach import build_parser as attach_parser
+    from app.cli import window_parser
+    from app.policy_lab import build_parser as lab_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = dict(sub.choices, window=window_parser(), attach=attach_parser(), **{"policy-lab": lab_parser()})
+    bare = {name: [a.option_strings[0] for a in p._actions if a.option_strings and not a.help]
+            for name, p in parsers.items()}
+    assert bare == {name: [] for name in parsers}
