@@ -2,9 +2,12 @@
 sequence operations and live reconfiguration.
 
 One way through a step: the scheduler (scheduler.py) picks the sequences and their token counts and,
-through the KV manager (kv_manager.py), makes their blocks resident; the model runner (model_runner.py)
-turns that into tensors, runs the model and samples; the engine commits the tokens. Sequence operations
-live in seq_ops.py, re-laying the cache for a new geometry in relayout.py.
+through the KV manager's residency (engine/kv/manager.py, residency.py), makes their blocks resident; the model
+runner (model_runner.py) turns that into tensors, runs the model and samples; the engine commits the tokens,
+carries out what the scheduler's SchedulerOutput decided (context shifts, a stalled sequence), drains the pool's
+queued events into telemetry and hands it a StepSample. Nothing below calls back up. The engine's sequence
+operations are one-line calls into `self.ops` (seq_ops.py's SequenceOps, which owns the table of sequences);
+re-laying the cache for a new geometry is engine/kv/relayout.py.
 
 Threading: `step()` and the sequence operations run on one thread (the engine thread). Other threads
 may call `submit()` (a command run between steps), `reconfigure()` (applied between two steps: it
