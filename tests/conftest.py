@@ -413,3 +413,45 @@ def tiny_smollm3(tmp_path_factory, tokenizer_files) -> str:
 
     return _save_tiny(tmp_path_factory.mktemp("tiny-smollm3"), SmolLM3Config, SmolLM3ForCausalLM, tokenizer_files, 8,
                       num_hidden_layers=3, no_rope_layer_interval=2, pad_token_id=0)
+
+
+def _perturb_norms(path: str, seed: int) -> str:
+    """Gemma's RMSNorms scale by (1 + weight) and initialize the weights to 0: give them random values, so the
+    offset and every norm's placement show in the tokens."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    g = torch.Generator().manual_seed(seed)
+    for name, t in weights.items():
+        if name.endswith("norm.weight"):
+            weights[name] = t + 0.5 * torch.randn(t.shape, generator=g)
+    save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma2(tmp_path_factory, tokenizer_files) -> str:
+    """Gemma 2: sandwich (1 + w) norms, GeGLU, scaled embeddings, sliding window 24 on layers 0 and 2, softmax scale
+    query_pre_attn_scalar ** -0.5 = 1/4 (head_dim 16), attention and final logit soft-capping small enough to act."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-gemma2"), Gemma2Config, Gemma2ForCausalLM, tokenizer_files, 10,
+                      num_hidden_layers=3, head_dim=16, sliding_window=24, query_pre_attn_scalar=16,
+                      attn_logit_softcapping=4.0, final_logit_softcapping=6.0, pad_token_id=0)
+    return _perturb_norms(path, 10)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(tmp_path_factory, tokenizer_files) -> str:
+    """Gemma 3 text: layers S S F S S (sliding_window_pattern 3, window 24), per-head (1 + w) q/k norms, one kv
+    head, query_pre_attn_scalar 32 (head_dim 16), RoPE base 10k on the sliding layers and 1M with linear scaling
+    x8 on the full one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-gemma3"), Gemma3TextConfig, Gemma3ForCausalLM, tokenizer_files, 11,
+                      num_hidden_layers=5, num_key_value_heads=1, head_dim=16, sliding_window=24,
+                      sliding_window_pattern=3, query_pre_attn_scalar=32, rope_theta=1_000_000.0,
+                      rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                      pad_token_id=0)
+    return _perturb_norms(path, 11)

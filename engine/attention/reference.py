@@ -26,7 +26,7 @@ def head_major(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor, *, scale: float,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, softcap: float | None = None) -> torch.Tensor:
     """SDPA of q over dense K/V blocks under a bool visibility mask, computed in `dtype`.
 
     q [B, Q, H, D]; kb, vb [B, NB, Hkv, bs, D] (any float dtype: a decoded table, or a KVStore's gather), on q's
@@ -34,6 +34,9 @@ def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: t
     n keys of the table are attended (the model's half-type span cut; n = NB*bs attends them all). Returns
     [B, Q, H, D] in `dtype`: q, K and V are cast to it, and SDPA runs in it (fp32 for ReferenceBackend, the
     weights dtype for the model's inline path).
+
+    softcap (Gemma 2's attn_logit_softcapping): scores -> tanh(scores / softcap) * softcap before the mask and
+    the softmax, as transformers' eager attention computes it (matmul in `dtype`, softmax in fp32, rounded back).
     """
     H = q.shape[2]
     n = mask.shape[-1]
@@ -45,6 +48,13 @@ def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: t
         # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
         # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B, H, n, D]
+    if softcap is not None:
+        if k.shape[1] != H:  # (not yet expanded above)
+            k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B, H, n, D]
+        s = torch.tanh(torch.matmul(qh, k.transpose(-1, -2)) * scale / softcap) * softcap  # [B, H, Q, n]
+        s = s.masked_fill(~mask, torch.finfo(s.dtype).min)  # no visible key (a padding row): finite, as transformers'
+        o = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(dtype), v)  # [B, H, Q, D]
+        return o.transpose(1, 2)  # [B, Q, H, D]
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=H != k.shape[1])
     return o.transpose(1, 2)  # [B, Q, H, D]
 

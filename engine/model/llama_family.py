@@ -1,7 +1,9 @@
-"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3) whose attention reads the
-paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py): q/k norms before RoPE
-(qk_norm), where the layer norms sit (norm_placement), Granite's multipliers, and the layers without RoPE
-(nope_layers); the layer below takes each as a small branch.
+"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3) whose
+attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py): q/k
+norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
+(1 + w) norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers, the layers
+without RoPE (nope_layers) and Gemma 3's own RoPE on the sliding layers (local_rope); the layer below takes each
+as a small branch.
 
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
@@ -18,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -28,18 +31,27 @@ from engine.attention.tier_split import TierSplit, attend_on_host, attend_split,
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype
+from engine.model.spec import LAYER_NORMS
 
 
-def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtype = torch.float32) -> str:
+def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtype = torch.float32,
+                      soft_capped: bool = False) -> str:
     """The backend `name` runs as (ConfigError when it cannot run here); an explicit name is kept.
 
     auto: triton on CUDA when triton imports, else the in-place torch path (`cpu`, which runs on any device).
     On the CPU with bf16/fp16 weights auto keeps `reference`: half weights on a CPU are the mode that matches
     transformers in that dtype bit for bit (SDPA in the half type over exactly the valid keys), and the in-place
     path attends in fp32 instead (closer to fp32, but greedy tokens drift from transformers' half-precision ones).
+    soft_capped (the model soft-caps its attention scores, spec.attn_softcap: Gemma 2): only the reference path
+    computes that, so auto picks it and any other name is refused.
     """
     if name not in EngineOptions.ATTENTION:
         raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
+    if soft_capped:
+        if name not in ("auto", "reference"):
+            raise ConfigError(f"attention: {name!r} cannot run this model: attention soft-capping (Gemma 2) runs "
+                              "on the reference backend only")
+        return "reference"
     if name == "triton" and torch.device(device).type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ConfigError("attention: 'triton' needs a CUDA device (or TRITON_INTERPRET=1, the interpreter)")
     if name != "auto":
@@ -110,12 +122,12 @@ class KVStore(Protocol):
         """The tier's K/V parts as they lie, for the in-place backends."""
 
 
-def rope_inv_freq(spec: ModelSpec) -> tuple[torch.Tensor, float]:
-    """inv_freq [D/2] and the attention scaling for the model's RoPE variant."""
+def rope_inv_freq(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, float]:
+    """inv_freq [D/2] and the attention scaling for the model's RoPE variant (local: Gemma 3's sliding layers')."""
     d = spec.head_dim
-    base = spec.rope_theta
+    base, scaling = spec.local_rope if local and spec.local_rope is not None else (spec.rope_theta, spec.rope_scaling)
     inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-    params = dict(spec.rope_scaling or {})
+    params = dict(scaling or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return inv, 1.0
@@ -179,14 +191,17 @@ class LlamaFamily:
         self._dev = torch.empty(0, device=device).device  # concrete (cuda -> cuda:0), to compare with tensors'
         w = weights
         own = self._own
+        norm = self._norm_weight
         self.embed = own(w["model.embed_tokens.weight"])
         self.lm_head = self.embed if spec.tie_word_embeddings else own(w["lm_head.weight"])
-        self.norm = own(w["model.norm.weight"])
-        # Each layer's two norms: the attention branch's and the MLP branch's, on its input ("pre") or, for
-        # OLMo 2, on its output ("post").
-        attn_norm, mlp_norm = (("input_layernorm", "post_attention_layernorm") if spec.norm_placement == "pre"
-                               else ("post_attention_layernorm", "post_feedforward_layernorm"))
+        self.norm = norm(w["model.norm.weight"])
+        # Gemma: embeddings x sqrt(hidden), the factor rounded to the weights dtype first (as transformers does).
+        self.embed_scale = (torch.tensor(spec.embed_scale, dtype=self.dtype, device=self._dev)
+                            if spec.embed_scale != 1.0 else None)
+        names = LAYER_NORMS[spec.norm_placement]
         self.layers = []
+        # per layer: the norms (attention input, attention output, MLP input, MLP output), None where none sits
+        self.norms: list[tuple[torch.Tensor | None, ...]] = []
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: q_norm, k_norm weights
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -194,20 +209,31 @@ class LlamaFamily:
             # q, k and v in one matmul; gate and up in one: fewer, larger kernels per layer.
             qkv = self._fused(w, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
             qkv_b = self._fused(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if spec.attention_bias else None
-            self.qk_norms.append((own(w[a + "q_norm.weight"]), own(w[a + "k_norm.weight"]))
+            self.qk_norms.append((norm(w[a + "q_norm.weight"]), norm(w[a + "k_norm.weight"]))
                                  if spec.qk_norm != "none" else None)
             gate_up = self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            norms = tuple(None if n is None else norm(w[p + n + ".weight"]) for n in names)
+            self.norms.append(norms)
+            attn_in, attn_out, mlp_in, mlp_out = norms
+            # (attention's norm, qkv, qkv bias, o_proj, MLP's norm, gate_up, down_proj): each branch's input norm,
+            # else its output norm (OLMo 2); Gemma's output norms are in self.norms only.
             self.layers.append(
-                (own(w[p + attn_norm + ".weight"]), qkv, qkv_b, own(w[a + "o_proj.weight"]),
-                 own(w[p + mlp_norm + ".weight"]), gate_up, own(w[p + "mlp.down_proj.weight"]))
+                (attn_in if attn_in is not None else attn_out, qkv, qkv_b, own(w[a + "o_proj.weight"]),
+                 mlp_in if mlp_in is not None else mlp_out, gate_up, own(w[p + "mlp.down_proj.weight"]))
             )
-        inv, self.attn_scaling = rope_inv_freq(spec)
-        self.inv_freq = inv.to(device)
+        # RoPE variants, (inv_freq [D/2], attention scaling): 0 the model's, 1 Gemma 3's for its sliding layers. Per
+        # layer the index of its own, None for a NoPE layer. Each variant's cos/sin are computed once a step.
+        local = spec.local_rope is not None
+        self.ropes = [(inv.to(device), scaling) for inv, scaling in
+                      [rope_inv_freq(spec)] + ([rope_inv_freq(spec, local=True)] if local else [])]
+        self.layer_rope: list[int | None] = [
+            None if i in spec.nope_layers else int(local and spec.sliding_window[i] is not None)
+            for i in range(spec.num_layers)]
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
 
     def use_attention(self, name: str) -> None:
         """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
-        self.attention = resolve_attention(name, self.device, self.dtype)
+        self.attention = resolve_attention(name, self.device, self.dtype, self.spec.attn_softcap is not None)
         self.backend: AttentionBackend | None = None if self.attention == "reference" else make_backend(self.attention)
         # host_reads="compute": (device part, host part) backends, each with partial() -> (out, lse). The host part
         # is the CPU path (triton's too: the kernel is for the GPU); reference computes both by its formula.
@@ -222,6 +248,13 @@ class LlamaFamily:
     def _own(self, t: torch.Tensor) -> torch.Tensor:
         """t itself when it already has the model's dtype and device, else one converted copy."""
         return t if self._fits(t) else t.to(device=self._dev, dtype=self.dtype).contiguous()
+
+    def _norm_weight(self, t: torch.Tensor) -> torch.Tensor:
+        """An RMSNorm's scale: the weight (own), or with spec.norm_offset (Gemma) offset + weight in fp32, the
+        dtype transformers' Gemma norms scale in (rms_scale_fp32)."""
+        if self.spec.norm_offset == 0.0:
+            return self._own(t)
+        return t.to(device=self._dev, dtype=torch.float32) + self.spec.norm_offset
 
     def _fused(self, w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
         """The tensors `names` stacked by rows: a view when they are consecutive rows of one buffer already."""
@@ -268,11 +301,14 @@ class LlamaFamily:
             q, k = q.view(T, s.num_heads, s.head_dim), k.view(T, s.num_kv_heads, s.head_dim)
         return torch.cat((self._rms(q, q_w).reshape(T, -1), self._rms(k, k_w).reshape(T, -1)), dim=1)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Computed in fp32, then rounded to `dtype` (as transformers' rotary embedding does)."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32,
+                rope: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE variant `rope`'s (self.ropes) cos/sin [T, D]: computed in fp32, then rounded to `dtype` (as
+        transformers' rotary embedding does)."""
+        inv_freq, scaling = self.ropes[rope]
+        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.attn_scaling).to(dtype), (emb.sin() * self.attn_scaling).to(dtype)
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [T, heads, D] rotated by per-token cos/sin [T, D]."""
@@ -280,10 +316,12 @@ class LlamaFamily:
 
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
         """K-shift: re-rotate layer `layer`'s cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes
-        additively). A NoPE layer's keys carry no position: k itself."""
-        if layer in self.spec.nope_layers:
+        additively), with the layer's own RoPE (Gemma 3: its sliding layers' base). A NoPE layer's keys carry no
+        position: k itself."""
+        rope = self.layer_rope[layer]
+        if rope is None:
             return k
-        freqs = delta.float()[:, None] * self.inv_freq[None, :]
+        freqs = delta.float()[:, None] * self.ropes[rope][0][None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return self.rotate(k, emb.cos(), emb.sin())
 
@@ -295,36 +333,41 @@ class LlamaFamily:
         x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
         if s.embedding_multiplier != 1.0:
             x = x * s.embedding_multiplier
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         T = x.shape[0]
-        pre = s.norm_placement == "pre"
-        cos, sin = self.cos_sin(batch.positions, x.dtype)
+        rot = [self.cos_sin(batch.positions, x.dtype, r) for r in range(len(self.ropes))]  # (cos, sin) per variant
+        act = F.silu if s.mlp_act == "silu" else partial(F.gelu, approximate="tanh")
         attend = self._reference_attention(batch, store, x) if self.backend is None else self._paged_attention(batch, store, x)
-        for li, (attn_norm, qkv_w, qkv_b, o_w, mlp_norm, gu_w, down_w) in enumerate(self.layers):
-            qkv = linear(self._rms(x, attn_norm) if pre else x, qkv_w)  # [T, (H + 2 Hkv) D]
+        for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
+            attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
+            qkv = linear(x if attn_in is None else self._rms(x, attn_in), qkv_w)  # [T, (H + 2 Hkv) D]
             if qkv_b is not None:
                 qkv = qkv + qkv_b
             qk = qkv[:, : (H + Hkv) * D]
             if self.qk_norms[li] is not None:
                 qk = self._qk_norm(qk, *self.qk_norms[li])
             qk = qk.view(T, H + Hkv, D)
-            if li not in s.nope_layers:
-                qk = self.rotate(qk, cos, sin)  # q and k in one pass
+            if self.layer_rope[li] is not None:
+                qk = self.rotate(qk, *rot[self.layer_rope[li]])  # q and k in one pass
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
             store.write(li, k, v)
             attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
-            x = self._residual(x, linear(attn.reshape(T, H * D), o_w), None if pre else attn_norm)
-            gate, up = linear(self._rms(x, mlp_norm) if pre else x, gu_w).chunk(2, dim=-1)
-            x = self._residual(x, linear(F.silu(gate) * up, down_w), None if pre else mlp_norm)
+            x = self._residual(x, linear(attn.reshape(T, H * D), o_w), attn_out)
+            gate, up = linear(x if mlp_in is None else self._rms(x, mlp_in), gu_w).chunk(2, dim=-1)
+            x = self._residual(x, linear(act(gate) * up, down_w), mlp_out)
         x = self._rms(x[batch.logit_rows], self.norm)
         logits = linear(x, self.lm_head)
         if s.logits_scaling != 1.0:
             logits = logits / s.logits_scaling
+        if s.final_softcap is not None:
+            logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits.float()  # [R, vocab]
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
-        """x plus a branch's output, normed first when the norms sit after the branch (OLMo 2) and scaled by
-        spec.residual_multiplier (Granite)."""
+        """x plus a branch's output, normed first where a norm sits on the branch's output (OLMo 2, Gemma) and
+        scaled by spec.residual_multiplier (Granite)."""
         if post_norm is not None:
             out = self._rms(out, post_norm)
         if self.spec.residual_multiplier != 1.0:
@@ -334,7 +377,8 @@ class LlamaFamily:
     def _reference_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
         """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table gathered into a dense fp32
         copy (store.gather), then engine.attention.reference.dense_attention, the SDPA-under-a-mask that
-        ReferenceBackend runs too, here in the weights dtype over the keys up to each group's span."""
+        ReferenceBackend runs too, here in the weights dtype over the keys up to each group's span (and the one
+        path that soft-caps attention scores, spec.attn_softcap)."""
         s = self.spec
         H, D = s.num_heads, s.head_dim
         T = x.shape[0]
@@ -344,8 +388,11 @@ class LlamaFamily:
         # the first mask.shape[-1] keys, so cutting the mask cuts the keys.
         spans = [None if x.dtype == torch.float32 else self._span(g) for g in batch.groups]
         masks = {None: [self._mask(g, None)[..., :n] for g, n in zip(batch.groups, spans)]}  # [B, 1, Q, n] each
-        # host_reads="compute": groups with host blocks attended by the formula on each tier, merged
-        paged = store.paged() if any(g.host_compute and g.on_host is not None for g in batch.groups) else None
+        # host_reads="compute": groups with host blocks attended by the formula on each tier, merged. Not with
+        # attention soft-capping (Gemma 2), which the partial formula lacks: its host blocks are gathered (streamed).
+        softcap = s.attn_softcap
+        paged = store.paged() if softcap is None and any(
+            g.host_compute and g.on_host is not None for g in batch.groups) else None
         splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
 
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -362,7 +409,7 @@ class LlamaFamily:
                 kb, vb = store.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
                 kb, vb = kb.to(q.device), vb.to(q.device)
                 # Attention in the weights dtype, as transformers computes it (a no-op cast for fp32).
-                o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype)  # [B, Q, H, D]
+                o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype, softcap=softcap)  # [B, Q, H, D]
                 attn[g.rows] = o.reshape(B * g.q_len, H, D)
             return attn
 

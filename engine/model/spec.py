@@ -19,7 +19,7 @@ class ModelLoadError(Exception):
 
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
-    "GraniteForCausalLM", "SmolLM3ForCausalLM",
+    "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
 })
 
 # Values transformers' config classes use when a key is absent from config.json (rms_norm_eps: 1e-6 unless listed).
@@ -31,11 +31,28 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "olmo2": {"max_position_embeddings": 2048, "rms_norm_eps": 1e-5},
     "granite": {"max_position_embeddings": 2048},
     "smollm3": {"max_position_embeddings": 32768, "sliding_window": None, "no_rope_layer_interval": 4},
+    "gemma2": {"max_position_embeddings": 8192, "sliding_window": 4096, "head_dim": 256, "tie_word_embeddings": True,
+               "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+               "sliding_window_pattern": 2},
+    "gemma3_text": {"max_position_embeddings": 131072, "sliding_window": 4096, "head_dim": 256,
+                    "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
+                    "final_logit_softcapping": None, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
+                    "rope_local_base_freq": 10_000.0},
 }
+_GEMMA = ("gemma2", "gemma3_text")
 # The families whose layer differs from Llama's: architecture and model_type must name the same one (the forward
 # pass follows model_type, transformers the architecture).
 _OWN_MODEL_TYPE = {"Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
-                   "SmolLM3ForCausalLM": "smollm3"}
+                   "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+
+# Each layer's norms by spec.norm_placement: (attention input, attention output, MLP input, MLP output), the
+# checkpoint's names; None: no norm there. An output norm is applied to the branch's output before its residual add.
+LAYER_NORMS: dict[str, tuple[str | None, str | None, str | None, str | None]] = {
+    "pre": ("input_layernorm", None, "post_attention_layernorm", None),
+    "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),  # OLMo 2
+    "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",  # Gemma 2 / 3
+                 "post_feedforward_layernorm"),
+}
 
 
 @dataclass(frozen=True)
@@ -64,11 +81,21 @@ class ModelSpec:
     #                        "proj" (OLMo 2: over the whole projection, weights [H*D] and [Hkv*D])
     norm_placement: str = "pre"  # "pre": each branch's input is normed (input_layernorm, post_attention_layernorm);
     #                              "post" (OLMo 2): each branch's output is, before its residual add
-    #                              (post_attention_layernorm, post_feedforward_layernorm), and no input_layernorm
-    rms_scale_fp32: bool = False  # half types: weight x normalized in fp32, then rounded (OLMo 2); else rounded first
+    #                              (post_attention_layernorm, post_feedforward_layernorm), and no input_layernorm;
+    #                              "sandwich" (Gemma): both, four norms a layer (LAYER_NORMS)
+    rms_scale_fp32: bool = False  # half types: weight x normalized in fp32, then rounded (OLMo 2, Gemma); else
+    #                               rounded first
+    norm_offset: float = 0.0  # every RMSNorm scales by (offset + weight), in fp32 (Gemma: 1; checkpoints store w - 1)
+    mlp_act: str = "silu"  # the gate's activation: "silu" (SwiGLU) | "gelu_tanh" (Gemma's GeGLU, tanh-approximated)
+    embed_scale: float = 1.0  # embeddings x it, the factor rounded to the weights dtype first (Gemma: sqrt(hidden))
+    attn_softcap: float | None = None  # attention scores -> tanh(s / c) * c before the softmax (Gemma 2)
+    final_softcap: float | None = None  # logits -> tanh(l / c) * c (Gemma 2)
+    local_rope: tuple[float, dict[str, Any] | None] | None = None  # (theta, scaling) of the sliding-window layers'
+    #                      RoPE (Gemma 3: rope_local_base_freq); None: every layer uses rope_theta and rope_scaling
     embedding_multiplier: float = 1.0  # embeddings x it (Granite)
     residual_multiplier: float = 1.0  # each branch's output x it before its residual add (Granite)
-    attention_multiplier: float | None = None  # the softmax scale (Granite); None: head_dim ** -0.5
+    attention_multiplier: float | None = None  # the softmax scale (Granite; Gemma: query_pre_attn_scalar ** -0.5);
+    #                                            None: head_dim ** -0.5
     logits_scaling: float = 1.0  # logits / it (Granite)
     nope_layers: frozenset[int] = frozenset()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
 
@@ -116,6 +143,27 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return theta, params
 
 
+def _layer_ropes(config: dict[str, Any], model_type: str
+                 ) -> tuple[tuple[float, dict[str, Any] | None], tuple[float, dict[str, Any] | None] | None]:
+    """(theta, scaling) of the full-attention layers (every layer's but Gemma 3's), and of Gemma 3's sliding ones.
+
+    Gemma 3 in transformers 5 writes rope_parameters keyed by layer type ({"full_attention": {...},
+    "sliding_attention": {...}}); v4 configs have rope_theta and rope_scaling (the full layers') and
+    rope_local_base_freq (the sliding layers', plain RoPE)."""
+    if model_type != "gemma3_text":
+        return _rope(config), None
+    params = config.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full, local = dict(config.get("rope_scaling") or params), {}
+    defaults = _DEFAULTS["gemma3_text"]
+    full.setdefault("rope_theta", config.get("rope_theta", defaults["rope_theta"]))
+    local.setdefault("rope_theta", config.get("rope_local_base_freq", defaults["rope_local_base_freq"]))
+    rest = {k: v for k, v in config.items() if k not in ("rope_scaling", "rope_parameters", "rope_theta")}
+    return _rope({**rest, "rope_parameters": full}), _rope({**rest, "rope_parameters": local})
+
+
 def _nope_layers(config: dict[str, Any], model_type: str, num_layers: int) -> frozenset[int]:
     """SmolLM3: config.no_rope_layers[i] is 1 where layer i USES RoPE; absent, every no_rope_layer_interval-th
     layer (i + 1 a multiple of it) skips RoPE. Other families rotate every layer."""
@@ -138,6 +186,17 @@ def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int,
     if model_type == "mistral":
         # MistralModel applies config.sliding_window to every layer and ignores layer_types.
         return (window,) * num_layers
+    if model_type in _GEMMA:
+        # Always sliding layers: layer_types, or every layer but each sliding_window_pattern-th (Gemma 2: 2).
+        pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
+                      or _DEFAULTS[model_type]["sliding_window_pattern"])
+        layer_types = config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(f"layer_types lists {len(layer_types)} layers but num_hidden_layers is {num_layers}")
+        if window is None and "sliding_attention" in layer_types:
+            raise ModelLoadError(f"{model_type}: sliding_attention layers without a sliding_window")
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
     # Qwen2 / Qwen3 / SmolLM3: the window only exists with use_sliding_window; layer_types picks the layers, and
     # without it max_window_layers does (layers from it on slide; Qwen), or RoPE does (the NoPE layers; SmolLM3).
     if not config.get("use_sliding_window", False):
@@ -167,7 +226,17 @@ def spec_from_config(
     if (own_type is not None or model_type in _OWN_MODEL_TYPE.values()) and own_type != model_type:
         raise ModelLoadError(f"architecture '{architecture}' with model_type '{model_type}' in {directory}: "
                              "they name different families")
-    if config.get("hidden_act", "silu") != "silu":
+    gemma = model_type in _GEMMA
+    defaults = _DEFAULTS[model_type]
+    if gemma:
+        # transformers' Gemma layers read hidden_activation only (old configs also carry a hidden_act).
+        act = config.get("hidden_activation") or "gelu_pytorch_tanh"
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+            raise ModelLoadError(f"hidden_activation '{act}' in {directory}; KV Scope's Gemma forward uses "
+                                 "gelu_pytorch_tanh")
+        if config.get("use_bidirectional_attention"):
+            raise ModelLoadError(f"use_bidirectional_attention in {directory} is not supported (causal only)")
+    elif config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{config['hidden_act']}' in {directory}; KV Scope's forward uses SiLU")
     if config.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias in {directory} is not supported")
@@ -177,9 +246,8 @@ def spec_from_config(
         vocab, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json in {directory} lacks a valid {e}") from None
-    theta, rope_scaling = _rope(config)
+    (theta, rope_scaling), local_rope = _layer_ropes(config, model_type)
     bos = config.get("bos_token_id")
-    defaults = _DEFAULTS[model_type]
     nope = _nope_layers(config, model_type, num_layers)
     granite = model_type == "granite"
     return ModelSpec(
@@ -201,20 +269,36 @@ def spec_from_config(
         # Qwen2 always has q/k/v bias and no attention_bias key; Llama's key would also bias o_proj,
         # which check_weights then rejects as an unexpected tensor.
         attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
         sliding_window=_sliding_windows(config, model_type, num_layers, nope),
         bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=name,
-        qk_norm={"qwen3": "head", "olmo2": "proj"}.get(model_type, "none"),
-        norm_placement="post" if model_type == "olmo2" else "pre",
-        rms_scale_fp32=model_type == "olmo2",
+        qk_norm={"qwen3": "head", "olmo2": "proj", "gemma3_text": "head"}.get(model_type, "none"),
+        norm_placement="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
+        rms_scale_fp32=model_type == "olmo2" or gemma,
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
-        attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else None,
+        attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else (
+            float(_get(config, defaults, "query_pre_attn_scalar")) ** -0.5 if gemma else None),
         logits_scaling=float(config.get("logits_scaling", 1.0)) if granite else 1.0,
         nope_layers=nope,
+        norm_offset=1.0 if gemma else 0.0,
+        mlp_act="gelu_tanh" if gemma else "silu",
+        embed_scale=hidden**0.5 if gemma else 1.0,
+        attn_softcap=_softcap(_get(config, defaults, "attn_logit_softcapping")) if gemma else None,
+        final_softcap=_softcap(_get(config, defaults, "final_logit_softcapping")) if gemma else None,
+        local_rope=local_rope,
     )
+
+
+def _get(config: dict[str, Any], defaults: dict[str, Any], key: str) -> Any:
+    """config[key], the family's default where the key is absent (an explicit null stays None)."""
+    return config[key] if key in config else defaults.get(key)
+
+
+def _softcap(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
@@ -226,8 +310,7 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     }
     if not spec.tie_word_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
-    norms = ("input_layernorm", "post_attention_layernorm") if spec.norm_placement == "pre" else (
-        "post_attention_layernorm", "post_feedforward_layernorm")
+    norms = [n for n in LAYER_NORMS[spec.norm_placement] if n is not None]
     qk_norm_shapes = {"none": {}, "head": {"q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,)},
                       "proj": {"q_norm": (q,), "k_norm": (kv_width,)}}[spec.qk_norm]
     for n in range(spec.num_layers):

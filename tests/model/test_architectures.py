@@ -1,8 +1,9 @@
-"""The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite and SmolLM3, each a tiny
-random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy `generate` on the same
-directory, at several block sizes, through a device tier smaller than one request, and under live
-reconfiguration; for SmolLM3 (NoPE layers) also K-shifts, against transformers with the shift replayed on its
-cache. Any other architecture is refused by name."""
+"""The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2 and
+Gemma 3 (text), each a tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy
+`generate` on the same directory, at several block sizes, through a device tier smaller than one request, and under
+live reconfiguration; for SmolLM3 (NoPE layers) and Gemma 3 (a RoPE base per layer type) also K-shifts, against
+transformers with the shift replayed on its cache. Gemma 2's attention soft-capping runs on the reference backend
+only: any other is refused. Any other architecture is refused by name."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from conftest import Reference, _engine, _save_tiny, prompts
-from engine.config import CacheConfig, EngineOptions
+from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.tiers import Tier
 from engine.model.loader import ModelLoadError, load_model
 from engine.runtime.engine import Engine
@@ -19,7 +20,9 @@ from engine.sequence import SamplingParams
 N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
 PROMPTS = prompts(30, [7, 30, 75])  # past the sliding window (24) of tiny_qwen3_sliding
-FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3")
+FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3", "tiny_gemma2",
+            "tiny_gemma3")
+SOFTCAP_REFUSED = "attention soft-capping \\(Gemma 2\\) runs on the reference backend only"
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -92,8 +95,13 @@ def test_greedy_equals_transformers_at_block_sizes(family, block_size):
 
 @pytest.mark.parametrize("attention", ["cpu", "reference"])
 def test_device_tier_smaller_than_one_request_stays_exact(family, attention):
-    """Two 8-token blocks on the device tier, requests of 23 to 91 tokens: the rest is read on the host tier."""
+    """Two 8-token blocks on the device tier, requests of 23 to 91 tokens: the rest is read on the host tier.
+    Gemma 2 (attention soft-capping) runs on the reference path only: `cpu` is refused."""
     model, ref = family
+    if model.spec.attn_softcap is not None and attention != "reference":
+        with pytest.raises(ConfigError, match=SOFTCAP_REFUSED):
+            _engine(model, 8, 2, "stream", attention)
+        return
     eng = _engine(model, 8, 2, "stream", attention)
     assert eng.pool.tiers[Tier.DEVICE].capacity == 2
     assert run(eng, PROMPTS) == [ref.greedy(p, N) for p in PROMPTS]
@@ -189,16 +197,25 @@ def test_shifting_every_position_keeps_the_fresh_runs_tokens(smollm3):
         assert [eng.seqs[i].output for i in ids] == [ref.greedy(p, N) for p in ps]
 
 
-def _shifted_greedy(hf, nope: frozenset[int], prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
+def _hf_layer_inv_freq(hf, nope: frozenset[int] = frozenset()) -> list[torch.Tensor | None]:
+    """Each layer's RoPE inv_freq [D/2] in transformers' model (Gemma 3: by layer type), None for a NoPE layer."""
+    rotary, types = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
+    if types is not None and hasattr(rotary, f"{types[0]}_inv_freq"):  # one RoPE per layer type
+        return [getattr(rotary, f"{t}_inv_freq").float() for t in types]
+    return [None if li in nope else rotary.inv_freq.float() for li in range(hf.config.num_hidden_layers)]
+
+
+def _shifted_greedy(hf, layer_inv: list[torch.Tensor | None], prompt: list[int], n: int, limit: int,
+                    n_keep: int) -> list[int]:
     """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
     (engine/runtime/seq_ops.py): before a token whose context would pass `limit`, keep the first n_keep tokens,
     drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions —
-    on the RoPE layers only."""
+    each layer with its own RoPE (layer_inv: _hf_layer_inv_freq), the NoPE layers not at all. The cache keeps
+    every key (no per-layer window cut), so key index = position, and the sliding layers' mask is by position."""
     from transformers import DynamicCache
 
     from engine.model.llama_family import rotate_half
 
-    inv = hf.model.rotary_emb.inv_freq.float()  # [D/2], default RoPE
     toks, out = list(prompt), []
     cache = DynamicCache()
     with torch.inference_mode():
@@ -210,14 +227,13 @@ def _shifted_greedy(hf, nope: frozenset[int], prompt: list[int], n: int, limit: 
             toks.append(out[-1])
             if len(toks) > limit:
                 n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
-                freqs = torch.full((1,), -float(n_discard))[:, None] * inv[None, :]
-                emb = torch.cat((freqs, freqs), dim=-1)
-                cos, sin = emb.cos(), emb.sin()
                 for li, layer in enumerate(cache.layers):
                     k, v = layer.keys, layer.values  # [1, Hkv, S, D]
                     tail = k[:, :, n_keep + n_discard:]
-                    if li not in nope:
-                        tail = tail * cos + rotate_half(tail) * sin
+                    if layer_inv[li] is not None:
+                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
+                        emb = torch.cat((freqs, freqs), dim=-1)
+                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
                     layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
                     layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
                 toks = toks[:n_keep] + toks[n_keep + n_discard:]
@@ -232,7 +248,155 @@ def test_context_shift_tokens_equal_transformers(smollm3, block_size):
     model, ref = smollm3
     ps = prompts(33, [20, 9])
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    want = [_shifted_greedy(ref.model, model.spec.nope_layers, p, 60, 32, 4) for p in ps]
+    want = [_shifted_greedy(ref.model, _hf_layer_inv_freq(ref.model, model.spec.nope_layers), p, 60, 32, 4)
+            for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+# -- Gemma 2 / Gemma 3 ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma2(tiny_gemma2):
+    return load_model(tiny_gemma2), Reference(tiny_gemma2)
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_gemma3):
+    return load_model(tiny_gemma3), Reference(tiny_gemma3)
+
+
+def test_gemma_specs(gemma2, gemma3):
+    g2, g3 = gemma2[0].spec, gemma3[0].spec
+    assert (g2.architecture, g2.model_type, g2.norm_placement, g2.norm_offset, g2.mlp_act, g2.qk_norm) == (
+        "Gemma2ForCausalLM", "gemma2", "sandwich", 1.0, "gelu_tanh", "none")
+    assert (g2.attn_softcap, g2.final_softcap, g2.attention_multiplier, g2.embed_scale) == (4.0, 6.0, 0.25, 8.0)
+    assert g2.sliding_window == (24, None, 24) and g2.local_rope is None and g2.tie_word_embeddings
+    assert (g3.architecture, g3.model_type, g3.norm_placement, g3.qk_norm, g3.head_dim) == (
+        "Gemma3ForCausalLM", "gemma3_text", "sandwich", "head", 16)
+    assert g3.attn_softcap is None and g3.final_softcap is None and g3.attention_multiplier == 32 ** -0.5
+    assert g3.sliding_window == (24, 24, None, 24, 24)
+    assert (g3.rope_theta, g3.rope_scaling["rope_type"], g3.rope_scaling["factor"]) == (1e6, "linear", 8.0)
+    assert g3.local_rope == (10_000.0, None)
+    assert gemma3[0].weights.keys() >= {"model.layers.0.pre_feedforward_layernorm.weight",
+                                        "model.layers.0.post_feedforward_layernorm.weight",
+                                        "model.layers.0.self_attn.q_norm.weight"}
+
+
+def test_gemma3_rope_parameters_in_either_config_format():
+    from engine.model.spec import _layer_ropes
+
+    v5 = {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    v4 = {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {"type": "linear", "factor": 8.0}}
+    for config in (v5, v4):
+        (theta, scaling), local = _layer_ropes(config, "gemma3_text")
+        assert (theta, scaling["rope_type"], scaling["factor"], local) == (1e6, "linear", 8.0, (1e4, None))
+    assert _layer_ropes({}, "gemma3_text") == ((1e6, None), (1e4, None))
+    assert _layer_ropes({"rope_theta": 5e5}, "llama") == ((5e5, None), None)
+
+
+@pytest.mark.parametrize("field, value", [("attn_softcap", None), ("final_softcap", None), ("norm_offset", 0.0),
+                                          ("embed_scale", 1.0), ("mlp_act", "silu"), ("attention_multiplier", None),
+                                          ("local_rope", None), ("norm_placement", "pre")])
+def test_each_gemma_difference_shows_in_the_logits(gemma2, gemma3, field, value):
+    """The tiny checkpoints are sensitive to every Gemma datum: with any one left at Llama's value the logits
+    move far from transformers' (so the equality tests above check each of them)."""
+    import dataclasses
+
+    from engine.fidelity.shadow import dense_logits
+    from engine.model.llama_family import LlamaFamily
+
+    # tiny_gemma2's query_pre_attn_scalar is its head_dim: the scale is checked on tiny_gemma3 (32 vs 16)
+    model, ref = gemma3 if field in ("local_rope", "attention_multiplier") else gemma2
+    p = PROMPTS[2]
+    with torch.inference_mode():
+        want = ref.model(torch.tensor([p])).logits[0, -1]
+    weights = dict(model.weights)
+    if field == "norm_placement":  # Llama's two norms: drop Gemma's two output norms
+        weights = {k: v for k, v in weights.items() if "post_feedforward" not in k}
+        weights |= {k.replace("pre_feedforward", "post_attention"): v for k, v in model.weights.items()
+                    if "pre_feedforward" in k}
+    wrong = LlamaFamily(dataclasses.replace(model.spec, **{field: value}), weights, torch.device("cpu"), "fp32")
+    assert (dense_logits(wrong, p) - want).abs().max() > 1e-2 * want.abs().max()
+
+
+def test_gemma2_soft_capping_runs_on_the_reference_backend_only(gemma2):
+    model, ref = gemma2
+    eng = Engine(model, CacheConfig(block_size=16))  # attention auto
+    assert eng.model.attention == "reference" and eng.model.backend is None
+    assert run(eng, PROMPTS[:2]) == [ref.greedy(p, N) for p in PROMPTS[:2]]
+    for name in ("cpu", "triton"):
+        with pytest.raises(ConfigError, match=f"attention: '{name}' cannot run this model: " + SOFTCAP_REFUSED):
+            Engine(model, CacheConfig(block_size=16), EngineOptions(attention=name))
+        with pytest.raises(ConfigError, match=SOFTCAP_REFUSED):
+            eng.model.use_attention(name)
+    assert eng.model.attention == "reference"
+    # host_reads="compute" (the host part attended by the partial formula, which has no soft-capping): the host
+    # blocks are gathered instead, and the tokens stay exact.
+    eng = _engine(model, 8, 2, "compute", "reference")
+    assert run(eng, PROMPTS) == [ref.greedy(p, N) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("attention", ["cpu", "reference"])
+def test_gemma3_runs_on_every_backend(gemma3, attention):
+    """No attention soft-capping in Gemma 3: the in-place backends run it (and auto picks `cpu` on the CPU)."""
+    model, ref = gemma3
+    eng = Engine(model, CacheConfig(block_size=16), EngineOptions(attention=attention))
+    assert eng.model.attention == attention
+    assert Engine(model, CacheConfig(block_size=16)).model.attention == "cpu"
+    assert run(eng, PROMPTS) == [ref.greedy(p, N) for p in PROMPTS]
+
+
+def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
+    """Sliding layers (base 10k) and the full layer (1M, linear x8) re-rotate each with their own RoPE: after a
+    context shift by hand each layer's keys are the old ones rotated by the position change with transformers'
+    inv_freq of that layer's type (and, on layer 0, which sees no context, equal a fresh prefill's: transformers'
+    cache keeps the last window - 1 keys of a sliding layer, those are compared); with the other type's, not."""
+    from engine.model.llama_family import rotate_half
+
+    model, ref = gemma3
+    p = prompts(31, [40])[0]
+    eng = Engine(model, CacheConfig(block_size=8))
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    seq = eng.seqs[sid]
+    assert seq.num_cached == 40
+    k_before, _ = eng.kv.tokens_kv(seq)
+    eng.seq_rm(sid, 4, 14)  # drop positions [4, 14), move the rest back by 10
+    eng.seq_add(sid, 14, None, -10)
+    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    assert eng.model.layer_rope == [1, 1, 0, 1, 1]  # ropes: 0 the full layer's, 1 the sliding ones'
+    keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
+    delta = torch.tensor([0] * 4 + [-10] * 26)
+    layer_inv = _hf_layer_inv_freq(ref.model)
+
+    def rotated(k, inv):
+        freqs = delta.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return k * emb.cos()[:, None] + rotate_half(k) * emb.sin()[:, None]
+
+    for li in range(model.spec.num_layers):
+        want = rotated(k_before[li][keep_idx], layer_inv[li])
+        assert (k_engine[li] - want).norm() / want.norm() <= 1e-5, li
+        other = layer_inv[2 if li != 2 else 0]
+        assert (k_engine[li] - rotated(k_before[li][keep_idx], other)).norm() / want.norm() > 1e-2, li
+    fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D], layer 0: no context
+    assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gemma3_context_shift_tokens_equal_transformers(gemma3, block_size):
+    """context_limit 32, n_keep 4, 60 new tokens: several shifts, each layer's keys re-rotated with its own base,
+    replayed on transformers' cache."""
+    model, ref = gemma3
+    ps = prompts(33, [20, 9])
+    layer_inv = _hf_layer_inv_freq(ref.model)
+    assert not torch.equal(layer_inv[0], layer_inv[2])
+    assert _shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    want = [_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
@@ -241,11 +405,12 @@ def test_context_shift_tokens_equal_transformers(smollm3, block_size):
 
 
 def test_other_architectures_are_refused_by_name(tmp_path, tokenizer_files):
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    from transformers import Phi3Config, Phi3ForCausalLM
 
-    path = _save_tiny(tmp_path / "gemma3", Gemma3TextConfig, Gemma3ForCausalLM, tokenizer_files, 9, head_dim=16)
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'Gemma3ForCausalLM' in .*KV Scope serves: "
-                                             r".*Olmo2ForCausalLM.*Qwen3ForCausalLM.*SmolLM3ForCausalLM") as e:
+    path = _save_tiny(tmp_path / "phi3", Phi3Config, Phi3ForCausalLM, tokenizer_files, 9, pad_token_id=0)
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'Phi3ForCausalLM' in .*KV Scope serves: "
+                                             r".*Gemma2ForCausalLM.*Gemma3ForCausalLM.*Olmo2ForCausalLM"
+                                             r".*Qwen3ForCausalLM.*SmolLM3ForCausalLM") as e:
         load_model(path)
     assert "GraniteForCausalLM" in str(e.value) and "\n" not in str(e.value)
 
