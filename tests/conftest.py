@@ -185,7 +185,7 @@ def bm(qtbot):
 # -- markers (registered in pyproject.toml) ----------------------------------------------------------------------
 # qt: every test that uses qtbot (directly or through a fixture); gpu: every test skipped without CUDA (a skipif
 # whose reason names CUDA); triton, subprocess and slow: the tests named below, by file and test function (all of
-# its parameters) or by node id with parameters. slow is also set in the test files (test_default_model.py,
+# its parameters) or by node id with parameters; every subprocess test is slow too. slow is also set in the test files (test_default_model.py,
 # test_loader.py, test_weights.py). Timings: --durations on 2 shared CPUs (load 3-6), 2026-12-01.
 TRITON = {
     "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
@@ -219,7 +219,9 @@ SUBPROCESS = {
     "test_weights.py": ["test_generate_peak_rss_is_one_copy_of_the_weights"],
 }
 SLOW = {
-    "test_admission.py": ["test_forks_and_pauses_preempt_a_bounded_number_of_times"],
+    "test_admission.py": ["test_forks_and_pauses_preempt_a_bounded_number_of_times",
+                          "test_any_mix_every_request_that_fits_alone_finishes_without_preemption"],
+    "test_attach_stream.py": ["test_short_soak_three_publishers_counts_match_through_the_ingest_process"],
     "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
     "test_cache_state.py": ["test_random_operations_keep_the_cache_consistent"],
     "test_cli.py": ["test_three_thousand_requests_stream_in_input_order_with_bounded_memory",
@@ -269,6 +271,8 @@ def pytest_collection_modifyitems(config, items) -> None:
         for marker, table in _NAMED.items():
             if name in table.get(file, ()) or item.name in table.get(file, ()):
                 item.add_marker(getattr(pytest.mark, marker))
+                if marker == "subprocess":  # a process start costs ~2 s of imports here: out of the fast lane
+                    item.add_marker(pytest.mark.slow)
     # A renamed test must not drop out of its marker silently: every name listed for a collected file exists.
     for marker, table in _NAMED.items():
         for file, names in table.items():

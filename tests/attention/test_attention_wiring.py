@@ -273,8 +273,7 @@ def test_half_weights_run_on_the_cpu_path(mistral):
 # -- the inline reference path and ReferenceBackend: one dense_attention -------------------------------
 
 
-@pytest.mark.parametrize("kv_dtype", ["fp32", "int8"])
-@pytest.mark.parametrize("bs", [1, 7, 16])
+@pytest.mark.parametrize("bs,kv_dtype", [(1, "fp32"), (7, "fp32"), (16, "fp32"), (7, "int8"), (16, "int8")])
 def test_inline_reference_path_is_the_reference_backend_bit_for_bit(mistral, bs, kv_dtype):
     """fp32 weights: the model's inline path (attention="reference": store.gather + dense_attention) and the same
     model reading through ReferenceBackend (decode/prefill over the paged table + dense_attention) give identical

@@ -71,7 +71,7 @@ def _run(eng: Engine, rng: random.Random, seed: int) -> dict[str, int]:
     return seen
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), block_size=st.sampled_from([1, 4, 8]), dev_blocks=st.integers(4, 40),
        host_blocks=st.integers(0, 40), host_reads=st.sampled_from(["promote", "stream", "compute"]))
 def test_every_counted_event_kind_equals_its_counter(llama_model, seed, block_size, dev_blocks, host_blocks,
