@@ -291,6 +291,14 @@ _WORKERS: dict[str, tuple[subprocess.Popen, str, str]] = {}
 _WORKER_DIR: list[str] = []  # made when the first worker starts (workers import this file too)
 
 
+def interpreter_env(**extra: str) -> dict[str, str]:
+    """The environment of a test worker that runs a test file as a script under the Triton interpreter (one
+    thread; the repository and tests/ importable, so the file can import conftest and its neighbours)."""
+    return dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]),
+                **extra)
+
+
 def _start_worker(name: str, build) -> None:
     if not _WORKER_DIR:
         _WORKER_DIR.append(tempfile.mkdtemp(prefix="kvscope-test-workers-"))
@@ -357,6 +365,58 @@ def _mb(model, blocks: int, block_size: int, dtype: str = "fp32") -> float:
     s = model.spec
     return blocks * BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
                                               s.num_kv_heads, s.head_dim) / 2**20
+
+
+def budget_mb(model, blocks: int, block_size: int, dtype="fp32", device: bool = True) -> float:
+    """The budget in MiB that gives exactly `blocks` blocks: on the device tier (device=True) the two reserved
+    slots are added, on the host tier none."""
+    from engine.kv.block_pool import RESERVED
+
+    return _mb(model, blocks + (RESERVED if device else 0), block_size, dtype)
+
+
+def hf_layer_inv_freq(hf, nope: frozenset[int] = frozenset()) -> list:
+    """Each layer's RoPE inv_freq [D/2] in transformers' model (Gemma 3: by layer type), None for a NoPE layer."""
+    rotary, types = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
+    if types is not None and hasattr(rotary, f"{types[0]}_inv_freq"):  # one RoPE per layer type
+        return [getattr(rotary, f"{t}_inv_freq").float() for t in types]
+    return [None if li in nope else rotary.inv_freq.float() for li in range(hf.config.num_hidden_layers)]
+
+
+def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
+    """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
+    (engine/runtime/seq_ops.py): before a token whose context would pass `limit`, keep the first n_keep tokens,
+    drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions —
+    each layer with its own RoPE (layer_inv: hf_layer_inv_freq), the NoPE layers not at all. The cache keeps
+    every key (no per-layer window cut), so key index = position, and the sliding layers' mask is by position."""
+    from transformers import DynamicCache
+
+    from engine.model.llama_family import rotate_half
+
+    toks, out = list(prompt), []
+    cache = DynamicCache()
+    with torch.inference_mode():
+        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True).logits[0, -1]
+        while True:
+            out.append(int(logits.argmax()))
+            if len(out) == n:
+                return out
+            toks.append(out[-1])
+            if len(toks) > limit:
+                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
+                for li, layer in enumerate(cache.layers):
+                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
+                    tail = k[:, :, n_keep + n_discard:]
+                    if layer_inv[li] is not None:
+                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
+                        emb = torch.cat((freqs, freqs), dim=-1)
+                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
+                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
+                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
+                toks = toks[:n_keep] + toks[n_keep + n_discard:]
+            pos = len(toks) - 1
+            logits = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
+                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
 
 
 def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", host_blocks: int = 400, **cfg):

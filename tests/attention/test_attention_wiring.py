@@ -20,7 +20,7 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, prompts
+from conftest import Reference, hf_layer_inv_freq, interpreter_env, prompts, shifted_greedy
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
@@ -100,46 +100,18 @@ def test_sliding_window_tokens_equal_transformers(mistral, backend, block_size):
     assert greedy(eng, ps, N) == [ref.greedy(p, N) for p in ps]
 
 
-def shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
-    """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
-    (engine/runtime/seq_ops.py): before computing a token whose context would pass `limit`, keep the first n_keep tokens,
-    drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions."""
-    from transformers import AutoModelForCausalLM, DynamicCache
-
-    from engine.model.llama_family import rotate_half
+def mistral_shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
+    """conftest.shifted_greedy on the checkpoint at `path` (every layer with the model's one RoPE)."""
+    from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    inv = hf.model.rotary_emb.inv_freq.float()  # [D/2], default RoPE
-    toks, out = list(prompt), []
-    cache = DynamicCache()  # full layers (no sliding crop): the window is the mask's, by index = position
-    with torch.inference_mode():
-        logits = hf(torch.tensor([toks]), past_key_values=cache, use_cache=True).logits[0, -1]
-        while True:
-            out.append(int(logits.argmax()))
-            if len(out) == n:
-                return out
-            toks.append(out[-1])
-            if len(toks) > limit:
-                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
-                freqs = torch.full((1,), -float(n_discard))[:, None] * inv[None, :]
-                emb = torch.cat((freqs, freqs), dim=-1)
-                cos, sin = emb.cos(), emb.sin()
-                for layer in cache.layers:
-                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
-                    tail = k[:, :, n_keep + n_discard:]
-                    tail = tail * cos + rotate_half(tail) * sin
-                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
-                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
-                toks = toks[:n_keep] + toks[n_keep + n_discard:]
-            pos = len(toks) - 1
-            logits = hf(torch.tensor([[toks[-1]]]), past_key_values=cache, use_cache=True,
-                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
+    return shifted_greedy(hf, hf_layer_inv_freq(hf), prompt, n, limit, n_keep)
 
 
 @pytest.fixture(scope="module")
 def shift_refs(tiny_mistral):
     ps = prompts(21, [20, 9])
-    return ps, [shifted_greedy(tiny_mistral, p, 60, 32, 4) for p in ps]
+    return ps, [mistral_shifted_greedy(tiny_mistral, p, 60, 32, 4) for p in ps]
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
@@ -359,9 +331,8 @@ def test_triton_backend_tokens_equal_transformers(mistral, tiny_mistral, tmp_pat
         pytest.skip(f"triton is not installed ({e})")
     _, ref = mistral
     out = tmp_path / "tokens.json"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"],  # conftest, imported there, reuses it
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    # conftest, imported there, reuses the conversion cache
+    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_mistral], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

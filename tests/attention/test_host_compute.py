@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, _engine, _mb, prompts
+from conftest import Reference, _engine, _mb, interpreter_env, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend
 from engine.runtime import step_kv
 from engine.attention import cpu_paged, reference, tier_split
@@ -311,9 +311,8 @@ def test_triton_partial_merges_with_the_host_part(tmp_path):
     except ImportError as e:
         pytest.skip(f"triton is not installed ({e})")
     out = tmp_path / "outputs.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"],  # conftest, imported there, reuses it
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    # conftest, imported there, reuses the conversion cache
+    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

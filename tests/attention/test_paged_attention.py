@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from conftest import background_result
+from conftest import background_result, interpreter_env
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, make_backend
 from engine.attention.cpu_paged import gather_head_major
 from engine.kv.codecs import Geometry, codecs_for, fp8_supported
@@ -287,9 +287,7 @@ def _triton_worker(out: str) -> tuple[list[str], dict] | None:
     """This file as a TRITON_INTERPRET=1 script writing every case's kernel output to `out` (None: no triton)."""
     if _triton_missing():
         return None
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    return [sys.executable, os.path.abspath(__file__), out], env
+    return [sys.executable, os.path.abspath(__file__), out], interpreter_env()
 
 
 BACKGROUND = {"triton_outputs": _triton_worker}  # started beside the suite when collection ends (tests/conftest.py)

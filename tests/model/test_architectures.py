@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Reference, _engine, _save_tiny, prompts
+from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.tiers import Tier
 from engine.model.loader import ModelLoadError, load_model
@@ -197,58 +197,13 @@ def test_shifting_every_position_keeps_the_fresh_runs_tokens(smollm3):
         assert [eng.seqs[i].output for i in ids] == [ref.greedy(p, N) for p in ps]
 
 
-def _hf_layer_inv_freq(hf, nope: frozenset[int] = frozenset()) -> list[torch.Tensor | None]:
-    """Each layer's RoPE inv_freq [D/2] in transformers' model (Gemma 3: by layer type), None for a NoPE layer."""
-    rotary, types = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
-    if types is not None and hasattr(rotary, f"{types[0]}_inv_freq"):  # one RoPE per layer type
-        return [getattr(rotary, f"{t}_inv_freq").float() for t in types]
-    return [None if li in nope else rotary.inv_freq.float() for li in range(hf.config.num_hidden_layers)]
-
-
-def _shifted_greedy(hf, layer_inv: list[torch.Tensor | None], prompt: list[int], n: int, limit: int,
-                    n_keep: int) -> list[int]:
-    """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
-    (engine/runtime/seq_ops.py): before a token whose context would pass `limit`, keep the first n_keep tokens,
-    drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions —
-    each layer with its own RoPE (layer_inv: _hf_layer_inv_freq), the NoPE layers not at all. The cache keeps
-    every key (no per-layer window cut), so key index = position, and the sliding layers' mask is by position."""
-    from transformers import DynamicCache
-
-    from engine.model.llama_family import rotate_half
-
-    toks, out = list(prompt), []
-    cache = DynamicCache()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True).logits[0, -1]
-        while True:
-            out.append(int(logits.argmax()))
-            if len(out) == n:
-                return out
-            toks.append(out[-1])
-            if len(toks) > limit:
-                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
-                for li, layer in enumerate(cache.layers):
-                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
-                    tail = k[:, :, n_keep + n_discard:]
-                    if layer_inv[li] is not None:
-                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
-                        emb = torch.cat((freqs, freqs), dim=-1)
-                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
-                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
-                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
-                toks = toks[:n_keep] + toks[n_keep + n_discard:]
-            pos = len(toks) - 1
-            logits = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
-                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
-
-
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_context_shift_tokens_equal_transformers(smollm3, block_size):
     """context_limit 32, n_keep 4, 60 new tokens: several shifts per sequence."""
     model, ref = smollm3
     ps = prompts(33, [20, 9])
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    want = [_shifted_greedy(ref.model, _hf_layer_inv_freq(ref.model, model.spec.nope_layers), p, 60, 32, 4)
+    want = [shifted_greedy(ref.model, hf_layer_inv_freq(ref.model, model.spec.nope_layers), p, 60, 32, 4)
             for p in ps]
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
@@ -370,7 +325,7 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
     assert eng.model.layer_rope == [1, 1, 0, 1, 1]  # ropes: 0 the full layer's, 1 the sliding ones'
     keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
     delta = torch.tensor([0] * 4 + [-10] * 26)
-    layer_inv = _hf_layer_inv_freq(ref.model)
+    layer_inv = hf_layer_inv_freq(ref.model)
 
     def rotated(k, inv):
         freqs = delta.float()[:, None] * inv[None, :]
@@ -392,11 +347,11 @@ def test_gemma3_context_shift_tokens_equal_transformers(gemma3, block_size):
     replayed on transformers' cache."""
     model, ref = gemma3
     ps = prompts(33, [20, 9])
-    layer_inv = _hf_layer_inv_freq(ref.model)
+    layer_inv = hf_layer_inv_freq(ref.model)
     assert not torch.equal(layer_inv[0], layer_inv[2])
-    assert _shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    want = [_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 

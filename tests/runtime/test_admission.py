@@ -10,18 +10,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import prompts
-from engine.kv.block_pool import RESERVED, BlockPool, Tier, blocks_for
+from conftest import budget_mb, prompts
+from engine.kv.block_pool import Tier, blocks_for
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams, SeqState
-
-
-def budget_mb(model, blocks: int, block_size: int, device: bool = True) -> float:
-    """The budget (MB) that gives exactly `blocks` blocks (on the device tier, with its two reserved slots)."""
-    s = model.spec
-    per = BlockPool.bytes_per_block(CacheConfig(block_size=block_size), s.num_layers, s.num_kv_heads, s.head_dim)
-    return (blocks + (RESERVED if device else 0)) * per / 2**20
 
 
 def tiers(model, dev: int, host: int, bs: int, mode: str = "promote") -> CacheConfig:

@@ -12,20 +12,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import prompts
-from engine.kv.block_pool import RESERVED, BlockPool, Tier
+from conftest import budget_mb, prompts
+from engine.kv.block_pool import Tier
 from engine.kv.codecs import fp8_supported
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.runtime.engine import Engine, RequestError
 from engine.sequence import SamplingParams
-
-
-def budget_mb(model, blocks: int, block_size: int, dtype=KVDtype.FP32, device: bool = True) -> float:
-    """The budget (MB) that gives exactly `blocks` blocks (on the device tier, with its two reserved slots)."""
-    s = model.spec
-    per = BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
-                                    s.num_kv_heads, s.head_dim)
-    return (blocks + (RESERVED if device else 0)) * per / 2**20
 
 
 def test_shared_prefix_on_a_full_device_tier_without_host_room_finishes(llama_model, llama_ref):
