@@ -70,3 +70,8 @@ class Snapshot:
     # What the KV format costs (Telemetry.quality): kv_dtype, lossless, keys_seen, key_outliers [[layer, head,
     # channel, absmax, ratio to the head's median channel]], shadow_every_s, shadow (the latest shadow step).
     quality: dict = field(default_factory=dict)
+    # The last config change (Telemetry.last_change), {} before the first and in files from before it was kept:
+    # t (engine clock), n (its number, counters.config_changes), changes {knob: new value} and before {knob: old
+    # value} as events label them, lossy, and counters: every Counters field at that moment (what "since the last
+    # change" is counted from).
+    last_change: dict = field(default_factory=dict)

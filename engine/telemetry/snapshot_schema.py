@@ -40,7 +40,8 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks", "quality")  # files from before marks (quality) existed have none
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change")  # files from before marks (quality, the last
+# change's counters) existed have none
 # Knobs added after snapshot files were first written: a file without one shows the default.
 LATER_KNOBS = ("shadow_every_s",)
 MAX_OUTLIERS = 1000
@@ -64,8 +65,10 @@ def _snapshot(body: Any) -> Snapshot:
     timing = {k: _num(v, f"timing.{_clip(k, 40)}", nan_ok=True) for k, v in timing.items()}
     marks = _marks(body.get("marks", []))
     quality = _quality(body.get("quality", {}), model)
+    last_change = _last_change(body.get("last_change", {}))
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
-                    memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality)
+                    memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality,
+                    last_change=last_change)
 
 
 def _model(x: Any) -> dict:
@@ -249,6 +252,26 @@ def _marks(x: Any) -> tuple:
         t, kind, label = _list(m, where, 3)
         out.append((float(_num(t, f"{where}[0]")), _str(kind, f"{where}[1]", MARK_KINDS), _str(label, f"{where}[2]")))
     return tuple(out)
+
+
+def _last_change(x: Any) -> dict:
+    """The last config change and the counters at it (Snapshot.last_change); {} where there was none."""
+    lc = _obj(x, "last_change")
+    if not lc:
+        return {}
+    lc = _obj(lc, "last_change", ("t", "n", "changes", "counters"), ("before", "lossy"), closed=True)
+    out = {"t": float(_num(lc["t"], "last_change.t")), "n": _int(lc["n"], "last_change.n", 1),
+           "lossy": _bool(lc.get("lossy", False), "last_change.lossy")}
+    for k in ("changes", "before"):
+        d = _obj(lc.get(k, {}), f"last_change.{k}")
+        out[k] = {_str(name, f"last_change.{k}"): _str(v, f"last_change.{k}.{_clip(name, 40)}") for name, v in d.items()}
+    ints = {f.name for f in dataclasses.fields(Counters) if f.type in ("int", int)}
+    counters = {}
+    for k, v in _obj(lc["counters"], "last_change.counters").items():
+        where = f"last_change.counters.{_clip(k, 40)}"
+        counters[k] = _int(v, where, 0) if k in ints else _num(v, where)
+    out["counters"] = counters
+    return out
 
 
 MAX_EVENTS = 100_000

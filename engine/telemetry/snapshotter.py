@@ -11,7 +11,7 @@ import collections
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -152,6 +152,11 @@ class Telemetry:
         self._dev_epoch: tuple[int, int] | None = None
         self._flat: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._shadow_point: tuple[float, float, float] | None = None  # for the next time-series point
+        # The last config change, as it was applied (the Cost panel's "since the last change" baseline, taken here
+        # whether or not a window was looking): {} before the first. _config_seen: each knob's value as events
+        # label it, from the latest snapshot and the changes since, so a change can say what it changed from.
+        self.last_change: dict = {}
+        self._config_seen: dict[str, str] = {}
 
     # -- inputs -------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -167,6 +172,15 @@ class Telemetry:
             c.cow_copies += 1
         elif kind == "config":
             c.config_changes += 1
+            self._note_change(fields)
+
+    def _note_change(self, fields: dict) -> None:
+        """Keep the counters at the config change just applied (Snapshot.last_change), what changed and from what."""
+        changes = {str(k): str(v) for k, v in fields.get("changes", {}).items()}
+        before = {k: self._config_seen[k] for k in changes if k in self._config_seen}
+        self.last_change = {"t": self.clock(), "n": self.counters.config_changes, "changes": changes,
+                            "before": before, "lossy": bool(fields.get("lossy")), "counters": asdict(self.counters)}
+        self._config_seen.update(changes)
 
     def pool_events(self, events: "Iterable[PoolEvent]") -> None:
         """The block pool's queued events (engine/kv/block_pool.py), as the engine drains them: counted; promotions
@@ -288,12 +302,14 @@ class Telemetry:
         model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
                  "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
                  "device": e.device, "context_limit": e.context_limit}
+        config = e.config.as_dict()
+        self._config_seen = {k: str(v) for k, v in config.items()}
         steps = max(self.counters.steps, 1)
         timing = {"forward_ms_per_step": 1e3 * self.counters.forward_s / steps,
                   "bookkeeping_ms_per_step": 1e3 * self.counters.bookkeeping_s / steps}
-        return Snapshot(t=now, model=model, config=e.config.as_dict(), tiers=tiers, seqs=seqs, counters=counters,
+        return Snapshot(t=now, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
-                        marks=tuple(self.marks), quality=self.quality(e))
+                        marks=tuple(self.marks), quality=self.quality(e), last_change=dict(self.last_change))
 
     def quality(self, e: EngineState) -> dict:
         """What the KV format costs (engine/fidelity/block_error.py, engine/fidelity/shadow.py): the key channels with outliers, the

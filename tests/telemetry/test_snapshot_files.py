@@ -327,3 +327,23 @@ def test_headless_end_quits_with_one_line_whatever_raises(qapp, capsys, fail):
     assert rc == 2 and "Traceback" not in err
     lines = [line for line in err.splitlines() if line.startswith("kvscope: error:")]
     assert len(lines) == 1 and lines[0].startswith("kvscope: error: snap.json: cannot draw the snapshot"), err
+
+
+def test_the_last_change_travels_in_the_file_and_older_files_open_without_it(tmp_path, good):
+    """Issue 22 item 1: the counters at the last config change are saved and read back; a file from before they were
+    kept (no last_change) still opens, with none; a damaged one is refused naming the field."""
+    snap, _ = snapshot_io.load(good)
+    last = snap.last_change
+    assert last["changes"] == {"block_size": "8"} and last["n"] == 1
+    assert 0 < last["counters"]["generated"] < snap.counters["generated"]
+    doc = doc_of(good)
+    del doc["snapshot"]["last_change"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(doc))
+    assert snapshot_io.load(str(older))[0].last_change == {}
+    doc = doc_of(good)
+    doc["snapshot"]["last_change"]["counters"]["generated"] = -3
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(doc))
+    with pytest.raises(snapshot_io.SnapshotFileError, match=r"last_change\.counters\.generated: -3 is out of range"):
+        snapshot_io.load(str(bad))

@@ -128,3 +128,31 @@ def test_marks_record_changes_and_engine_actions_and_survive_a_snapshot_file(lla
     path.write_text(json.dumps(doc))
     assert snapshot_io.load(str(path))[0].marks == ()
     assert sid in eng.seqs
+
+
+def test_a_config_change_keeps_the_counters_at_that_moment(engine):
+    """Issue 22 item 1: the Cost panel's "since the last change" counts from the counters the engine kept when it
+    applied the change (Snapshot.last_change), not from whatever snapshot a panel saw first."""
+    eng = engine
+    assert eng.snapshot().last_change == {}
+    for p in prompts(5, [20, 30]):
+        eng.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    _run(eng, 5)
+    eng.snapshot()  # the telemetry learns the config as it is (so a change can say what it changed from)
+    at = dict(vars(eng.counters))
+    eng.reconfigure(block_size=8, policy="lru")
+    t_change = eng.clock()
+    _run(eng, 6)
+    last = eng.snapshot().last_change
+    assert last["t"] == t_change and last["n"] == 1 == eng.counters.config_changes
+    assert last["changes"] == {"block_size": "8", "policy": "lru"} and last["before"] == {"block_size": "4",
+                                                                                          "policy": "heat"}
+    assert not last["lossy"]
+    kept = last["counters"]
+    for k in ("generated", "steps", "read_tokens", "read_tokens_missed", "preemptions"):
+        assert kept[k] == at[k], k  # nothing counted between the change and its record
+    assert eng.counters.generated > kept["generated"] and kept["config_changes"] == 1
+    eng.reconfigure(kv_dtype="int8")
+    last = eng.snapshot().last_change
+    assert last["n"] == 2 and last["before"] == {"kv_dtype": "fp32"} and last["lossy"]
+    assert last["counters"]["generated"] == eng.counters.generated

@@ -332,3 +332,33 @@ def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama
     eng.generate(prompts(42, [20]), SamplingParams(max_new_tokens=3, ignore_eos=True))
     panel.update_snapshot(eng.snapshot())
     assert hit[1].text().endswith("%")
+
+
+def test_cost_since_the_last_change_counts_from_the_change_while_its_tab_was_hidden(qtbot, window, runner):
+    """Issue 22 item 1: Heat is the tab on top, so the Cost panel gets no snapshot while a change is made; when its
+    tab is shown later, "since the last change" counts from the engine's counters at the change (kept with the
+    config event) and names it. Before, its first snapshot became the baseline: both columns were the same and no
+    change was named."""
+    from ui.panels.cost import BASE, cells
+
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 10, timeout=10_000)
+    qtbot.wait(400)  # several refreshes, each of which skips the hidden tab
+    assert window.cost.visibleRegion().isEmpty() and window.cost.values[0][0].text() == "—"
+    assert window.controls.apply("block_size", 8)
+    at = runner.engine.counters.generated
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > at + 30, timeout=20_000)
+    window.docks["Cost"].raise_()
+    qtbot.waitUntil(lambda: not window.cost.visibleRegion().isEmpty(), timeout=5000)
+    window.refresh_all()
+    snap = window.snapshot
+    assert "block_size 4 -> 8" in window.cost.changed.text()
+    kept = snap.last_change["counters"]
+    assert 10 < kept["generated"] <= at + 1  # (a step may end between the count read here and the change)
+    c = {k: float(snap.counters[k]) for k in BASE}
+    start = [v[0].text() for v in window.cost.values]
+    since = [v[1].text() for v in window.cost.values]
+    assert start == [t for t in cells(c)][:6] + start[6:8] + cells(c)[8:]
+    want = cells({k: c[k] - kept[k] for k in BASE})
+    assert since[:6] == want[:6] and since[8:] == want[8:]
+    assert start != since

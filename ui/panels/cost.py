@@ -1,7 +1,8 @@
 """What the present config costs, beside what it cost before the last change: the numbers a tuner compares.
 
-Two columns from the snapshot's counters: since the engine started, and since the last config change (the
-window keeps the counters it saw when the config last changed and shows the difference). "—" where nothing was
+Two columns from the snapshot's counters: since the engine started, and since the last config change: the
+difference from the counters the engine kept when it applied that change (Snapshot.last_change), so the column
+is right whether or not the panel was on screen then, and in a reopened snapshot file. "—" where nothing was
 counted: a rate with nothing to divide by is no data, not 0.
 """
 
@@ -73,6 +74,30 @@ def cells(c: dict) -> list[str]:
     ]
 
 
+def _value(text: str) -> str:
+    """A knob value as events label it, numbers short ("48.0" -> "48")."""
+    try:
+        return format(float(text), "g")
+    except ValueError:
+        return text
+
+
+def change_text(snap: Snapshot) -> str:
+    """What the second column counts from: the last change, named (knob old -> new), and how long ago."""
+    last = snap.last_change
+    if not last:
+        n = int(snap.counters.get("config_changes", 0) or 0)
+        if n:  # a file from before the counters at a change were kept
+            return (f"{n} config change(s), not recorded with their counters (an older snapshot file): the second "
+                    "column counts from the start")
+        return "no config change yet: both columns count from the engine's start"
+    before = last.get("before", {})
+    diff = ", ".join(f"{k} {_value(before[k])} -> {_value(v)}" if k in before else f"{k} -> {_value(v)}"
+                     for k, v in last["changes"].items())
+    ago = snap.t - last["t"]
+    return (f"last change (#{last['n']}, {ago:.0f} s ago): {diff or 'none'}" + (" (lossy)" if last.get("lossy") else ""))
+
+
 class CostPanel(QtWidgets.QWidget):
     def __init__(self):
         super().__init__()
@@ -106,19 +131,13 @@ class CostPanel(QtWidgets.QWidget):
         self.outliers.setStyleSheet("font-size: 8pt;")
         self.grid.addWidget(self.outliers, len(ROWS) + 2, 0, 1, 3)
         self.grid.setRowStretch(len(ROWS) + 3, 1)
-        self._config: dict | None = None
-        self._base: dict | None = None
 
     def update_snapshot(self, snap: Snapshot) -> None:
         c = {k: float(snap.counters.get(k, 0) or 0) for k in BASE}
-        if self._config is None:  # no change seen yet: both columns count from the start
-            self._config, self._base = dict(snap.config), {k: 0.0 for k in BASE}
-        elif self._config != snap.config:  # a change: the second column starts afresh
-            diff = ", ".join(f"{k} {self._config.get(k)} -> {v}" for k, v in snap.config.items()
-                             if self._config.get(k) != v)
-            self.changed.setText(f"last change: {diff}")
-            self._config, self._base = dict(snap.config), c
-        since = {k: c[k] - self._base[k] for k in BASE}
+        last = snap.last_change
+        base = {k: float(last["counters"].get(k, 0) or 0) for k in BASE} if last else {k: 0.0 for k in BASE}
+        self.changed.setText(change_text(snap))
+        since = {k: c[k] - base[k] for k in BASE}
         for row, a, b in zip(self.values, cells(c), cells(since)):
             row[0].setText(a)
             row[1].setText(b)
