@@ -53,11 +53,15 @@ def run_window(args: argparse.Namespace) -> int:
     app.setApplicationName("KV Scope")
     app.setOrganizationName("kvscope")
     _style(app)
-    from ui.main_window import MainWindow, open_snapshot_window
+    from ui.main_window import MainWindow, open_snapshot_window, snapshot_path
 
     if args.open_snapshot:
         try:
-            win = open_snapshot_window(args.open_snapshot)
+            path = snapshot_path(args.open_snapshot)  # a screenshot's PNG: the JSON saved beside it
+            if path != args.open_snapshot:
+                print(f"[kvscope] {args.open_snapshot} is a screenshot: opening {path}, the snapshot saved beside it",
+                      file=sys.stderr)
+            win = open_snapshot_window(path)
             # Every panel drawn once now, so a snapshot that passes the file checks and still cannot be
             # drawn is refused here, in one line, before any window shows.
             win.refresh_all()

@@ -56,7 +56,8 @@ class MainWindow(QtWidgets.QMainWindow):
         cl.addWidget(self.block_map, 1)
         self.setCentralWidget(central)
 
-        self.rates = RateHistory()  # the charts' and the status bar's rates, from every snapshot
+        # The charts' and the status bar's rates, from every snapshot; a saved snapshot's, as its window drew them.
+        self.rates = getattr(controller, "rates", None) or RateHistory()
         self.controls = ControlsPanel(controller, confirm_lossy)
         self.hit = HitRatePanel(self.rates)
         self.memory = MemoryPanel()
@@ -165,9 +166,11 @@ class MainWindow(QtWidgets.QMainWindow):
         """Refresh every panel now (screenshots, selection, tests)."""
         self.refresh(every_panel=True)
 
-    def refresh(self, every_panel: bool = False) -> None:
-        tables = {self.selected} if self.selected >= 0 else set()
-        snap = self.controller.snapshot(tables, wait=every_panel or self.snapshot is None)
+    def refresh(self, every_panel: bool = False, snap: Snapshot | None = None) -> None:
+        """snap: draw this one (a screenshot draws and saves the same snapshot); by default the controller's now."""
+        if snap is None:
+            tables = {self.selected} if self.selected >= 0 else set()
+            snap = self.controller.snapshot(tables, wait=every_panel or self.snapshot is None)
         self.snapshot = snap
         if not self.controller.read_only:
             # Wall time, not the snapshot's (the engine's clock stands still while it is paused, and a rate
@@ -205,6 +208,10 @@ class MainWindow(QtWidgets.QMainWindow):
             self._fps_t, self._fps_n = now, 0
         self._status(snap)
 
+    def front_tabs(self) -> list[str]:
+        """The tabbed docks whose tab is in front (a screenshot's JSON reopens with the same ones)."""
+        return [name for name in TABBED if not self.docks[name].widget().visibleRegion().isEmpty()]
+
     def _on_screen(self, panel: QtWidgets.QWidget) -> bool:
         """Whether any of the panel shows (a dock tabbed behind another does not); before the window is
         shown every panel counts, so tests and screenshots see them filled."""
@@ -216,9 +223,9 @@ class MainWindow(QtWidgets.QMainWindow):
         state = "read-only snapshot" if self.controller.read_only else (
             "engine paused" if self.controller.engine_paused else "running")
         # Live: the window's own 5 s rate, which falls to 0 while nothing is generated (the engine's is only
-        # updated when it steps). A saved snapshot: the engine's, as saved.
-        tps = snap.windowed.get("tokens_per_s", math.nan) if self.controller.read_only else \
-            self.rates.latest()["tokens_per_s"]
+        # updated when it steps). A saved snapshot: the saved window's, or the engine's in a file without them.
+        tps = snap.windowed.get("tokens_per_s", math.nan) if isinstance(self.rates, RateHistory) and \
+            self.controller.read_only else self.rates.latest()["tokens_per_s"]
         dev = 1 - c["read_tokens_missed"] / c["read_tokens"] if c.get("read_tokens") else math.nan
         pre = c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else math.nan
         self.status.setText(
@@ -227,10 +234,16 @@ class MainWindow(QtWidgets.QMainWindow):
             f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {_num(tps, '.1f')} tok/s | "
             f"device hit {_num(dev, '.3f')} prefix hit {_num(pre, '.3f')} | UI {self.fps:.0f} fps | {state}")
 
-    def caption(self) -> str:
+    def caption(self, when: datetime.datetime | None = None) -> str:
+        """The screenshot's caption: model, config, and when it was captured (now, or `when`); a saved snapshot's
+        is the one it was saved with (its capture time, not the time it was reopened)."""
+        saved = getattr(self.controller, "extra", {}).get("caption") if self.controller.read_only else None
+        if saved:
+            return saved
         snap = self.snapshot
         cfg = snap.config
-        when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        when = "capture time not saved" if self.controller.read_only else \
+            (when or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
         return (f"KV Scope — {snap.model['name']} on {snap.model['device']} — bs={cfg['block_size']} "
                 f"{cfg['kv_dtype']} device {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB "
                 f"policy {cfg['policy']} decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s prefetch "
@@ -255,8 +268,12 @@ class MainWindow(QtWidgets.QMainWindow):
 
     # -- screenshots ----------------------------------------------------------------------------
     def save_screenshot(self, png_path: str) -> str:
-        """Write the window as PNG with a caption strip, and the full snapshot as JSON beside it."""
-        self.refresh_all()
+        """Write the window as PNG with a caption strip, and beside it as JSON the snapshot drawn in it (every
+        block table), with what the window drew that a snapshot does not hold: the rates' lines, the events, the
+        caption, the workload. `--open-snapshot` draws the same picture from it."""
+        snap = self.controller.snapshot("all")
+        self.refresh(every_panel=True, snap=snap)
+        caption = self.caption(datetime.datetime.now())
         shot = self.grab().toImage()
         cap_h = 26
         img = QtGui.QImage(shot.width(), shot.height() + cap_h, QtGui.QImage.Format_ARGB32)
@@ -267,17 +284,19 @@ class MainWindow(QtWidgets.QMainWindow):
         f = p.font()
         f.setPointSize(10)
         p.setFont(f)
-        p.drawText(QtCore.QRect(8, shot.height(), shot.width() - 16, cap_h), QtCore.Qt.AlignVCenter, self.caption())
+        p.drawText(QtCore.QRect(8, shot.height(), shot.width() - 16, cap_h), QtCore.Qt.AlignVCenter, caption)
         p.end()
         if not img.save(png_path, "PNG"):
             raise OSError(f"cannot write {png_path}")
         json_path = os.path.splitext(png_path)[0] + ".json"
-        snap = self.controller.snapshot("all")
         # The events shown (the newest EVENTS_SAVED), so the file opens with its Events panel as it was.
         lines = [[float(t), str(k), str(f)] for t, k, f in self.events.events[-EVENTS_SAVED:]]
-        snapshot_io.save(json_path, snap, extra={"caption": self.caption(), "png": os.path.basename(png_path),
+        rates = {k: np.asarray(v, dtype=np.float64) for k, v in self.hit.drawn.items()}
+        snapshot_io.save(json_path, snap, extra={"caption": caption, "png": os.path.basename(png_path),
                                                  "colour_mode": self.block_map.mode(), "selected": self.selected,
-                                                 "events": lines})
+                                                 "events": lines, "rates": rates,
+                                                 "workload": self.controller.workload_name(),
+                                                 "tabs": self.front_tabs()})
         return json_path
 
     def _save_dialog(self) -> None:
@@ -308,6 +327,25 @@ class MainWindow(QtWidgets.QMainWindow):
 
 
 EVENTS_SAVED = 2000  # events written into a screenshot's JSON
+TABBED = ("Heat", "Residency", "Cost")  # docks that share a place, one in front (ui/dock_layout.py arrange)
+
+
+class SavedRates:
+    """The rates' lines a saved window drew (a screenshot's extra["rates"]), handed back as they were, so a reopened
+    snapshot draws the same lines; rebuilt from the engine's own series they would differ (the window samples
+    the counters at every refresh, the engine only when it steps)."""
+
+    def __init__(self, series: dict):
+        self._series = {k: np.asarray(v, dtype=np.float64) for k, v in series.items()}
+
+    def series(self, engine_series: dict | None = None) -> dict[str, np.ndarray]:
+        return dict(self._series)
+
+    def latest(self) -> dict[str, float]:
+        return {k: float(v[-1]) if len(v) else math.nan for k, v in self._series.items() if k != "t"}
+
+    def observe(self, t: float, counters: dict) -> bool:
+        return False
 
 
 class SnapshotController:
@@ -318,6 +356,8 @@ class SnapshotController:
 
     def __init__(self, snap: Snapshot, extra: dict):
         self.snap, self.extra = snap, extra
+        # Files from before the window saved its rates have none: the charts rebuild them from the engine's series.
+        self.rates = SavedRates(extra["rates"]) if extra.get("rates") else None
 
     def snapshot(self, tables="auto", wait: bool = True) -> Snapshot:
         return self.snap
@@ -354,7 +394,8 @@ class SnapshotController:
     def set_workload_paused(self, paused: bool) -> None: ...
 
     def workload_name(self) -> str:
-        return "none (a saved snapshot)"
+        saved = self.extra.get("workload")
+        return f"{saved} (saved)" if saved else "not saved"
 
     def replay_trace(self, path: str) -> str:
         raise RequestError("a saved snapshot is read-only")
@@ -364,8 +405,21 @@ class SnapshotController:
     def set_intensity(self, x: float) -> None: ...
 
 
+def snapshot_path(path: str) -> str:
+    """The snapshot file to open for path: a screenshot's PNG stands for the JSON saved beside it."""
+    if not path.lower().endswith(".png"):
+        return path
+    beside = os.path.splitext(path)[0] + ".json"
+    if os.path.isfile(beside):
+        return beside
+    raise snapshot_io.SnapshotFileError(
+        f"{path}: a screenshot, not a snapshot: open the .json saved beside it ({os.path.basename(beside)} is not "
+        f"in {os.path.dirname(os.path.abspath(path))})")
+
+
 def open_snapshot_window(path: str) -> MainWindow:
-    snap, extra = snapshot_io.load(path)
+    """A read-only window on a snapshot file (or on the JSON beside a screenshot's PNG)."""
+    snap, extra = snapshot_io.load(snapshot_path(path))
     win = MainWindow(SnapshotController(snap, extra))
     mode = extra.get("colour_mode")
     if mode:
@@ -373,6 +427,9 @@ def open_snapshot_window(path: str) -> MainWindow:
     if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
         win.select_sequence(extra["selected"])
     win.events.add_lines([tuple(e) for e in extra.get("events", [])])
+    for name in extra.get("tabs", []):  # the tab that was in front when it was saved
+        if name in TABBED:
+            win.docks[name].raise_()
     return win
 
 

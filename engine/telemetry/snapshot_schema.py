@@ -282,6 +282,21 @@ def _extra(x: Any) -> dict:
     for k in ("caption", "png"):
         if k in e:
             _str(e[k], f"extra.{k}")
+    if "workload" in e:
+        _str(e["workload"], "extra.workload")
+    if "tabs" in e:  # the window's tabbed docks in front, by name
+        for i, name in enumerate(_list(e["tabs"], "extra.tabs", max_n=16)):
+            _str(name, f"extra.tabs[{i}]")
+    if "rates" in e:  # the rates' lines the window drew (ui/main_window.py SavedRates): float64 series, one length
+        r = e["rates"]
+        if not isinstance(r, dict) or not isinstance(r.get("t"), np.ndarray):
+            raise _Bad("extra.rates", "expected an object of time series (arrays), t among them")
+        for k, a in r.items():
+            if not isinstance(a, np.ndarray) or a.dtype != np.float64 or a.ndim != 1:
+                raise _Bad(f"extra.rates.{_clip(k, 40)}", "expected a 1-D array of float64")
+            if len(a) != len(r["t"]):
+                raise _Bad(f"extra.rates.{_clip(k, 40)}", f"{len(a):,} points, expected {len(r['t']):,} (as extra.rates.t)")
+            _floats(a, f"extra.rates.{_clip(k, 40)}", nan_ok=(k != "t"))  # NaN: no data (a gap in the line)
     if "colour_mode" in e:
         _str(e["colour_mode"], "extra.colour_mode", COLOUR_MODES)
     if "selected" in e:

@@ -347,3 +347,36 @@ def test_the_last_change_travels_in_the_file_and_older_files_open_without_it(tmp
     bad.write_text(json.dumps(doc))
     with pytest.raises(snapshot_io.SnapshotFileError, match=r"last_change\.counters\.generated: -3 is out of range"):
         snapshot_io.load(str(bad))
+
+
+def test_the_windows_rates_travel_in_extra_checked(tmp_path, good):
+    """Issue 22 item 3: a screenshot's JSON keeps the rates' lines the window drew (extra.rates), so the file redraws
+    them; they are checked like the snapshot's own series."""
+    snap, extra = snapshot_io.load(good)
+    t = np.array([1.0, 2.0, 3.0])
+    rates = {"t": t, "device_hit_rate_w": np.array([0.5, np.nan, 0.75])}
+    again, got = snapshot_io.from_json(snapshot_io.to_json(snap, {**extra, "rates": rates, "workload": "demo"}))
+    np.testing.assert_array_equal(got["rates"]["device_hit_rate_w"], rates["device_hit_rate_w"])
+    assert got["workload"] == "demo"
+    for bad, message in (({"t": t, "x": np.zeros(2)}, r"extra\.rates\.x: 2 points, expected 3"),
+                         ({"t": t, "x": np.zeros(3, np.float32)}, r"extra\.rates\.x: expected a 1-D array of float64"),
+                         ({"x": t}, r"extra\.rates: expected an object of time series"),
+                         ({"t": np.array([1.0, np.nan, 2.0])}, r"extra\.rates\.t: holds NaN")):
+        with pytest.raises(snapshot_io.SnapshotFileError, match=message):
+            snapshot_io.from_json(snapshot_io.to_json(snap, {**extra, "rates": bad}))
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+def test_open_snapshot_of_a_screenshot_png_opens_the_json_beside_it_or_says_so(tmp_path, good):
+    """Issue 22 item 3: `--open-snapshot shot.png` opens shot.json (saved beside it by the screenshot), or says to."""
+    png = tmp_path / "shot.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    out = kvscope("--headless", "--open-snapshot", str(png), "--screenshot", str(tmp_path / "out.png"), "--run-for", "1")
+    assert_refused(out, str(png), "a screenshot, not a snapshot: open the .json saved beside it (shot.json is not in")
+    with open(good, encoding="utf-8") as f:
+        (tmp_path / "shot.json").write_text(f.read())
+    out = kvscope("--headless", "--open-snapshot", str(png), "--screenshot", str(tmp_path / "out.png"), "--run-for", "1")
+    assert out.returncode == 0, out.stderr
+    assert f"{png} is a screenshot: opening {tmp_path / 'shot.json'}, the snapshot saved beside it" in out.stderr
+    assert (tmp_path / "out.png").stat().st_size > 10_000

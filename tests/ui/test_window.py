@@ -362,3 +362,110 @@ def test_cost_since_the_last_change_counts_from_the_change_while_its_tab_was_hid
     want = cells({k: c[k] - kept[k] for k in BASE})
     assert since[:6] == want[:6] and since[8:] == want[8:]
     assert start != since
+
+
+def _charts(win) -> dict:
+    """Every strip chart's plotted arrays, marks, span and y range, by chart and series."""
+    out = {}
+    for name, chart in (("hit rate", win.hit.rates), ("kv format", win.hit.shadow), ("flow", win.hit.flow),
+                        ("tiers", win.memory.plot), ("process", win.memory.proc)):
+        for key, s in chart.series.items():
+            out[f"{name}.{key}"] = (np.array(s.x, dtype=np.float64), np.array(s.y, dtype=np.float64))
+        out[f"{name} marks"] = list(chart.marks)
+        out[f"{name} span"] = chart.span
+    return out
+
+
+def test_a_reopened_snapshot_draws_the_charts_and_caption_it_was_saved_with(qtbot, window, runner, tmp_path):
+    """Issue 22 item 3: `--open-snapshot` of a screenshot's JSON draws what the PNG shows: the same snapshot (the file
+    held one taken after the picture), the rates' lines the window drew (rebuilt from the engine's series they
+    were shifted and had gaps), the capture time in the caption (not the reopening's), read-only controls, the
+    workload that ran."""
+    import datetime
+    import re
+
+    from ui.main_window import open_snapshot_window
+
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 10, timeout=10_000)
+    assert window.controls.apply("block_size", 8)  # a mark on every chart
+    qtbot.wait(2500)  # some history of the window's own rates
+    window.docks["Cost"].raise_()  # its tab in front, as the file reopens
+    qtbot.waitUntil(lambda: window.front_tabs() == ["Cost"], timeout=5000)
+    before = datetime.datetime.now().replace(microsecond=0)
+    json_path = window.save_screenshot(str(tmp_path / "shot.png"))
+    live = _charts(window)  # what the PNG shows (no refresh ran since)
+    caption = json.load(open(json_path))["extra"]["caption"]
+    assert len(live["hit rate.device_hit_rate_w"][0]) > 10 and live["hit rate marks"]
+    qtbot.wait(1100)  # a second later: a caption of the reopening's time would differ
+    ro = open_snapshot_window(json_path)
+    qtbot.addWidget(ro)
+    ro.show()
+    ro.refresh_all()
+    again = _charts(ro)
+    assert again.keys() == live.keys()
+    for key, value in live.items():
+        if isinstance(value, tuple):
+            np.testing.assert_array_equal(again[key][0], value[0], err_msg=key)  # NaN (a gap) where the PNG has one
+            np.testing.assert_array_equal(again[key][1], value[1], err_msg=key)
+        else:
+            assert again[key] == value, key
+    assert ro.caption() == caption
+    qtbot.waitUntil(lambda: ro.front_tabs() == ["Cost"], timeout=5000)
+    assert ro.cost.changed.text().startswith("last change (#1, ") and "block_size 4 -> 8" in ro.cost.changed.text()
+    stamp = datetime.datetime.strptime(re.search(r"— (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", caption).group(1),
+                                       "%Y-%m-%d %H:%M:%S")
+    assert before <= stamp < datetime.datetime.now() - datetime.timedelta(seconds=1)
+    # Read-only, and it says so; the workload label names the saved workload, whole.
+    assert all(not c.isEnabled() for c in ro.controls.controls.values())
+    label = ro.controls.workload_label
+    assert label.text() == f"workload: {runner.workload_name()} (saved)" == label.toolTip()
+    assert label.fontMetrics().horizontalAdvance(label.text()) <= label.width()
+
+
+def test_open_snapshot_of_a_png_opens_the_json_beside_it(qtbot, tmp_path):
+    from engine.telemetry import snapshot_io
+    from ui.main_window import snapshot_path
+
+    png = tmp_path / "shot.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(snapshot_io.SnapshotFileError, match=r"shot.png: a screenshot, not a snapshot: open the .json "
+                                                             r"saved beside it \(shot.json is not in"):
+        snapshot_path(str(png))
+    (tmp_path / "shot.json").write_text("{}")
+    assert snapshot_path(str(png)) == str(tmp_path / "shot.json")
+    assert snapshot_path(str(tmp_path / "other.json")) == str(tmp_path / "other.json")
+
+
+def test_a_saved_snapshots_controls_look_disabled(qtbot, qapp, window, runner, tmp_path):
+    """Issue 22 item 3: the app's style drew a disabled slider's handle in its bright live colour: a reopened
+    snapshot's sliders looked as if they could be moved."""
+    from PySide6 import QtGui
+
+    from app.window import _style
+    from ui.main_window import open_snapshot_window
+
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 3, timeout=10_000)
+    json_path = window.save_screenshot(str(tmp_path / "shot.png"))
+    old_sheet, old_palette, old_font = qapp.styleSheet(), qapp.palette(), qapp.font()
+    _style(qapp)
+    try:
+        ro = open_snapshot_window(json_path)
+        qtbot.addWidget(ro)
+        ro.show()
+        live_handle = QtGui.QColor("#4fc3f7").rgb() & 0xFFFFFF
+
+        def handle_pixels(slider) -> int:
+            img = slider.grab().toImage()
+            return sum((img.pixel(x, y) & 0xFFFFFF) == live_handle for x in range(img.width()) for y in range(img.height()))
+
+        assert handle_pixels(window.controls.controls["block_size"].slider) > 20  # the live window's: bright
+        for name, c in ro.controls.controls.items():
+            if c.slider is not None:
+                assert not c.slider.isEnabled() and handle_pixels(c.slider) == 0, name
+        assert "read-only" in ro.controls.message.text() and "read-only" in ro.windowTitle()
+    finally:
+        qapp.setStyleSheet(old_sheet)
+        qapp.setPalette(old_palette)
+        qapp.setFont(old_font)

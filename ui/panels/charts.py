@@ -67,6 +67,7 @@ class HitRatePanel(QtWidgets.QWidget):
     def __init__(self, rates: RateHistory | None = None):
         super().__init__()
         self.history = rates if rates is not None else RateHistory()
+        self.drawn: dict[str, np.ndarray] = {}
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
         self.rates = StripChart("Hit rate", "rate", span_s=SPAN_S, y_range=(0.0, 1.0),
@@ -91,6 +92,7 @@ class HitRatePanel(QtWidgets.QWidget):
         """part: "rates", "flow" or "all" (the window alternates: one frame paints the rates and the shadow chart,
         another the flow). The shadow series are the engine's own (a point per shadow step, NaN between)."""
         series = self.history.series(snap.series)
+        self.drawn = series  # what the lines show: a screenshot's JSON keeps it, so the file redraws the same
         x = series["t"] - snap.t
         marks = _marks(snap)
         for chart in (self.rates, self.flow):

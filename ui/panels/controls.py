@@ -32,6 +32,12 @@ LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", 
 ZERO_TEXT = {"device_layers": "all layers", "shadow_every_s": "off"}  # what a 0 in the value box means
 SPIN_TEXT = "131072.00 MB"  # the widest value a box shows for a slider stop
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
+# Disabled controls (a saved snapshot's) drawn as disabled: the app's style gives a slider's handle its bright
+# colour whatever its state, and the boxes their normal text.
+DISABLED_STYLE = ("QSlider::handle:horizontal:disabled { background: #4a5059; }"
+                  " QSlider::groove:horizontal:disabled { background: #23272d; }"
+                  " QSpinBox:disabled, QDoubleSpinBox:disabled, QComboBox:disabled { color: #5c626b;"
+                  " background: #1b1e23; border: 1px solid #2a2f37; }")
 
 
 def slider_stops(knob: Knob) -> tuple[float, ...]:
@@ -235,6 +241,7 @@ class ControlsPanel(QtWidgets.QWidget):
         self.replay.clicked.connect(lambda: (lambda p: p and self.replay_trace(p))(self.workload_path()))
         self.demo.clicked.connect(self.use_demo)
         self._show_workload()
+        self.setStyleSheet(DISABLED_STYLE)
         if controller.read_only:
             for w in [*self.controls.values(), self.reset, self.load, self.pause, self.step, self.wl_pause,
                       self.intensity, self.record, self.replay, self.demo]:
