@@ -7,9 +7,12 @@ without a server."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 from engine.attach.cluster import MODES
@@ -109,16 +112,19 @@ def check_numbers(args) -> None:
             raise SourceError(f"{flag} {v:g}: must be a finite number {'>=' if inclusive else '>'} {least:g}")
 
 
-def _start_demo() -> tuple[list, list, list[str]]:
+def _start_demo(fakes: list) -> tuple[list, list, list[str]]:
+    """Start the demo's publishers, each appended to fakes as it starts (so an interrupted start stops those
+    already running). Each dies with this process however it ends (engine/attach/fake/spawn.py)."""
     from engine.attach.fake.spawn import FakeProcess
 
     # The vLLM one also withholds a few batches from its live stream (recovered from its replay socket) and
     # sends a junk frame now and then, so the Sources panel has something to show.
-    fakes = [FakeProcess("--flavor", "vllm", "--dp", "2", "--cpu-offload", "1500",
-                         "--rate", "1500", "--duration", "1e9", "--metrics-port", "0", "--kv-cache-metrics",
-                         "--capacity", "2500", "--seed", "1", "--gap", "150:5", "--malformed-every", "200"),
-             FakeProcess("--flavor", "sglang", "--rate", "800", "--duration", "1e9",
-                         "--metrics-port", "0", "--capacity", "1800", "--seed", "2")]
+    for argv in (("--flavor", "vllm", "--dp", "2", "--cpu-offload", "1500",
+                  "--rate", "1500", "--duration", "1e9", "--metrics-port", "0", "--kv-cache-metrics",
+                  "--capacity", "2500", "--seed", "1", "--gap", "150:5", "--malformed-every", "200"),
+                 ("--flavor", "sglang", "--rate", "800", "--duration", "1e9",
+                  "--metrics-port", "0", "--capacity", "1800", "--seed", "2")):
+        fakes.append(FakeProcess(*argv))
     return fakes, [f"{fakes[0].pub},dp=2,name=fake-vllm,metrics={fakes[0].metrics}",
                    f"{fakes[1].pub},name=fake-sglang,metrics={fakes[1].metrics}"], []
 
@@ -131,8 +137,40 @@ def _summary(session) -> dict:
             "caches": {session.cluster.group_label(k): len(g) for k, g in session.cluster.groups.items()}}
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl+C raises KeyboardInterrupt: the same clean stop (the session, the demo's
+    publishers), exit status 128 + 15."""
+
+
+def _terminate(signum, _frame) -> None:
+    raise Stopped()
+
+
+@contextlib.contextmanager
+def _stop_signals(handler):
+    """SIGINT and SIGTERM go to handler while inside (the main thread only: elsewhere signals cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    with _stop_signals(lambda signum, frame: _terminate(signum, frame) if signum == signal.SIGTERM
+                       else signal.default_int_handler(signum, frame)):
+        try:
+            return _main(args)
+        except Stopped:  # before the session's try (while the demo's publishers start): they were stopped there
+            return 128 + signal.SIGTERM
+
+
+def _main(args) -> int:
     from engine.attach.source import SourceError
 
     try:
@@ -173,7 +211,7 @@ def main(argv: list[str]) -> int:
 
             tokens = TokenText(args.tokenizer)
         if args.demo:
-            fakes, (vllm_src, sglang_src), demo_urls = _start_demo()
+            fakes, (vllm_src, sglang_src), demo_urls = _start_demo(fakes)
             args.vllm.append(vllm_src)
             args.sglang.append(sglang_src)
             args.metrics.extend(demo_urls)
@@ -188,6 +226,10 @@ def main(argv: list[str]) -> int:
         for f in fakes:
             f.stop()
         return 2
+    except KeyboardInterrupt:  # Ctrl+C or SIGTERM while starting
+        for f in fakes:
+            f.stop()
+        raise
     rc = 0
     try:
         session.start()
@@ -197,6 +239,8 @@ def main(argv: list[str]) -> int:
             print(json.dumps(res, default=str) if args.json else _summary_text(res))
         else:
             rc = _window(args, session, tokens)
+    except Stopped:
+        rc = 128 + signal.SIGTERM
     except KeyboardInterrupt:
         rc = 130
     finally:
@@ -268,11 +312,31 @@ def _window(args, session, tokens) -> int:
         note = QtWidgets.QLabel("demo: fake vLLM / SGLang publishers on 127.0.0.1 (engine/attach/fake/publisher.py)")
         note.setStyleSheet("color: #e6c07b; padding-right: 6px")
         win.statusBar().addPermanentWidget(note)
-    if not args.headless:
-        win.show_fitted()  # fitted to the screen's free area, as the main window (headless: the default size)
-        return app.exec()
-    win.show()
     rc = {"rc": 0}
+
+    def stop(signum, _frame) -> None:  # Ctrl+C, SIGTERM: close the window; main's finally stops the rest
+        rc["rc"] = 128 + signum
+        win.close()
+        app.quit()
+
+    # Python runs a signal's handler only between bytecodes, and Qt's event loop runs none of its own: a timer
+    # lets it in within 0.2 s.
+    wake = QtCore.QTimer(win)
+    wake.timeout.connect(lambda: None)
+    wake.start(200)
+    with _stop_signals(stop):
+        if not args.headless:
+            win.show_fitted()  # fitted to the screen's free area, as the main window (headless: the default size)
+            app.exec()
+            return rc["rc"]
+        return _headless_window(app, win, args, rc)
+
+
+def _headless_window(app, win, args, rc: dict) -> int:
+    from PySide6 import QtCore
+
+    win.show()
+    print(f"[kvscope] attached (offscreen): the screenshot in {args.run_for:g} s", file=sys.stderr, flush=True)
 
     def finish() -> None:
         try:

@@ -277,3 +277,78 @@ def test_the_status_line_and_the_sources_table_count_the_same_events(qtbot, fake
         assert checked >= 12
     finally:
         win.close()
+
+
+def test_ctrl_q_closes_the_attach_window(qtbot):
+    """Issue 22 item 5: Ctrl+Q quits there too (`kvscope attach` ends with its window), as in the main window."""
+    from PySide6 import QtCore
+
+    session = AttachSession(parse_source("vllm", "tcp://127.0.0.1:47981"), []).start()  # nothing there
+    win = AttachWindow(session, None, owns_session=True)
+    qtbot.addWidget(win)
+    win.show()
+    win.activateWindow()
+    qtbot.waitActive(win)
+    assert win.isVisible()
+    # To the window's QWindow: through the window system's key path, where shortcuts are matched (a key event sent to
+    # the widget skips them on the offscreen platform).
+    qtbot.keyClick(win.windowHandle(), QtCore.Qt.Key_Q, QtCore.Qt.ControlModifier)
+    qtbot.waitUntil(lambda: not win.isVisible(), timeout=2000)
+    assert not win.timer.isActive()
+
+
+def _descendants(pid: int) -> list:
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.subprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGINT", "SIGKILL"])
+def test_the_demos_publishers_die_with_kvscope_attach_whatever_ends_it(tmp_path, how):
+    """Issue 22 item 5: `kvscope attach --demo` stopped by SIGTERM or Ctrl+C (SIGINT) left its fake publishers
+    running (duration 1e9, ~12 % CPU each). Now SIGTERM and SIGINT close the window and stop them (exit 143 / 130),
+    and even a SIGKILL, which runs nothing, ends them: each watches a pipe from its parent that the kernel closes."""
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
+    parent = subprocess.Popen([sys.executable, "-m", "app.cli", "attach", "--demo", "--headless", "--screenshot",
+                               str(tmp_path / "never.png"), "--run-for", "120"], cwd=root, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    children = []
+    try:
+        def publishers() -> list:
+            return [p for p in _descendants(parent.pid) if "engine.attach.fake.publisher" in " ".join(p.cmdline())]
+
+        for line in parent.stderr:  # the publishers and the ingest process are up, then the window
+            if line.startswith("[kvscope] attached (offscreen)"):
+                break
+        else:
+            raise AssertionError(f"kvscope attach ended: {parent.wait()}")
+        time.sleep(1.0)  # its frames flowing
+        children = _descendants(parent.pid)  # the publishers and the ingest process (and what it started)
+        assert len(publishers()) == 2 and len(children) >= 3, [p.cmdline() for p in children]
+        parent.send_signal(getattr(signal, how))
+        rc = parent.wait(timeout=20)
+        if how != "SIGKILL":
+            assert rc == 128 + getattr(signal, how), parent.stderr.read()
+            assert "Traceback" not in parent.stderr.read()
+        gone, alive = psutil.wait_procs(children, timeout=5)
+        assert not alive, [(p.pid, p.cmdline()) for p in alive]
+    finally:  # (on a failure: none left behind)
+        for p in children + _descendants(parent.pid):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()

@@ -102,7 +102,16 @@ class AttachWindow(QtWidgets.QMainWindow):
         if session.recording:
             file.addAction("Save &recording…", self._record_dialog)
         file.addSeparator()
-        file.addAction("Close", self.close)
+        close = QtGui.QAction("&Close", self)
+        close.setShortcut(QtGui.QKeySequence.Close)  # Ctrl+W
+        close.triggered.connect(self.close)
+        file.addAction(close)
+        # Ctrl+Q as in the main window: `kvscope attach` ends with its window; opened by File > Attach, only
+        # this window closes.
+        quit_ = QtGui.QAction("&Quit", self)
+        quit_.setShortcut(QtGui.QKeySequence("Ctrl+Q"))
+        quit_.triggered.connect(self.close)
+        file.addAction(quit_)
         view = self.menuBar().addMenu("&View")
         for d in self.docks.values():
             view.addAction(d.toggleViewAction())

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import struct
 import sys
+import threading
 import time
 from collections import deque
 
@@ -290,11 +292,31 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pregenerate", action="store_true",
                     help="encode every batch before publishing (a bench: then publishing costs a send per batch)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--exit-with-stdin", action="store_true",
+                    help="exit when stdin ends: started by a parent that holds the other end of a pipe (spawn.py), "
+                         "so the publisher dies with its parent, whatever ends it (a SIGKILL included)")
     return ap
+
+
+def exit_when_stdin_ends() -> None:
+    """A thread that ends the process when stdin reaches its end: the parent holding the pipe's other end has
+    closed it or is gone (the kernel closes a dead process's files). At once: nobody is left to read a summary."""
+
+    def watch() -> None:
+        try:
+            while sys.stdin.buffer.read(4096):  # the parent never writes: this waits for the end
+                pass
+        except (OSError, ValueError):
+            pass
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.exit_with_stdin:
+        exit_when_stdin_ends()
     ctx = zmq.Context()
     n = args.dp
     base, rbase, pubs, routers = _bind(ctx, n, args.port, args.hwm, replay_port=args.replay_port)

@@ -18,9 +18,11 @@ class FakeProcess:
         machine, so on a shared 2-CPU box it must not take CPU from the window whose frames are measured)."""
         env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
         lower = (lambda: os.nice(nice)) if nice > 0 and hasattr(os, "nice") else None
-        self.proc = subprocess.Popen([sys.executable, "-m", "engine.attach.fake.publisher", *args], cwd=ROOT,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                                     preexec_fn=lower)
+        # Its stdin is a pipe only this process holds (never inherited: non-inheritable, and the ingest process
+        # is spawned): when this process ends, however it ends, the publisher sees the end of its input and exits.
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.attach.fake.publisher", *args, "--exit-with-stdin"],
+                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, preexec_fn=lower)
         self._lines: list[dict] = []
         self._cv = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
@@ -79,7 +81,7 @@ class FakeProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        for f in (self.proc.stdout, self.proc.stderr):
+        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 f.close()
             except OSError:
