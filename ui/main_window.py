@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import math
 import os
@@ -13,6 +14,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from engine.telemetry import snapshot_io
 from engine.errors import ConfigError, RequestError
 from engine.telemetry.snapshot import Snapshot
+from engine.telemetry.snapshotter import SERIES_LEN
 from ui import dock_layout
 from ui.block_map.widget import BlockMap
 from ui.panels.controls import ControlsPanel
@@ -57,7 +59,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.setCentralWidget(central)
 
         # The charts' and the status bar's rates, from every snapshot; a saved snapshot's, as its window drew them.
-        self.rates = getattr(controller, "rates", None) or RateHistory()
+        self.rates = getattr(controller, "rates", None) or EngineClockRates(RateHistory())
         self.controls = ControlsPanel(controller, confirm_lossy)
         self.hit = HitRatePanel(self.rates)
         self.memory = MemoryPanel()
@@ -175,7 +177,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if not self.controller.read_only:
             # Wall time, not the snapshot's (the engine's clock stands still while it is paused, and a rate
             # must fall to 0 then).
-            self.rates.observe(time.monotonic(), snap.counters)
+            self.rates.observe(time.monotonic(), snap.counters, snap.t)
         self.block_map.set_snapshot(snap)
         # The other panels take turns, so a frame repaints the map and one or two panels, not all.
         slot = self.frames % SLOW_EVERY
@@ -224,7 +226,7 @@ class MainWindow(QtWidgets.QMainWindow):
             "engine paused" if self.controller.engine_paused else "running")
         # Live: the window's own 5 s rate, which falls to 0 while nothing is generated (the engine's is only
         # updated when it steps). A saved snapshot: the saved window's, or the engine's in a file without them.
-        tps = snap.windowed.get("tokens_per_s", math.nan) if isinstance(self.rates, RateHistory) and \
+        tps = snap.windowed.get("tokens_per_s", math.nan) if isinstance(self.rates, EngineClockRates) and \
             self.controller.read_only else self.rates.latest()["tokens_per_s"]
         dev = 1 - c["read_tokens_missed"] / c["read_tokens"] if c.get("read_tokens") else math.nan
         pre = c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else math.nan
@@ -328,6 +330,38 @@ class MainWindow(QtWidgets.QMainWindow):
 
 EVENTS_SAVED = 2000  # events written into a screenshot's JSON
 TABBED = ("Heat", "Residency", "Cost")  # docks that share a place, one in front (ui/dock_layout.py arrange)
+
+
+class EngineClockRates:
+    """The window's rates (ui/charts/rates.py), sampled on the wall clock so that a paused engine's rates fall to 0,
+    handed to the charts on the engine's clock, which their marks and the engine's series are on: each sample at
+    its snapshot's time (a pause's samples at the moment it began). Drawn against the wall clock, after a pause of P
+    seconds every line ended P seconds to the right of "now", shifted from the marks by as much."""
+
+    def __init__(self, history: RateHistory):
+        self.history = history
+        keep = SERIES_LEN + 64  # as many as the history's rows (RateHistory's default), and its gap rows
+        self._wall: collections.deque[float] = collections.deque(maxlen=keep)
+        self._engine: collections.deque[float] = collections.deque(maxlen=keep)
+
+    def observe(self, wall_t: float, counters: dict, engine_t: float) -> bool:
+        if not self.history.observe(wall_t, counters):
+            return False
+        self._wall.append(wall_t)
+        self._engine.append(engine_t)
+        return True
+
+    def latest(self) -> dict[str, float]:
+        return self.history.latest()
+
+    def series(self, engine_series: dict | None = None) -> dict[str, np.ndarray]:
+        out = self.history.series(engine_series)
+        if not self._wall:
+            return out
+        t = out["t"].copy()
+        own = t >= self.history.first_t  # (before it: the engine's own samples, on its clock already)
+        t[own] = np.interp(t[own], np.asarray(self._wall), np.asarray(self._engine))
+        return out | {"t": t}
 
 
 class SavedRates:

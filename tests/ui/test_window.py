@@ -469,3 +469,27 @@ def test_a_saved_snapshots_controls_look_disabled(qtbot, qapp, window, runner, t
         qapp.setStyleSheet(old_sheet)
         qapp.setPalette(old_palette)
         qapp.setFont(old_font)
+
+
+def test_after_a_pause_the_rates_lines_end_at_now_beside_their_marks(qtbot, window, runner):
+    """The window's rates were sampled on the wall clock and drawn against the engine's, which stands still while
+    the engine is paused: after a pause of P seconds every line ended P seconds right of "now" (off the chart) and
+    was shifted from the marks by P. They are drawn on the engine's clock, as everything else; the status bar still
+    reads 0 tok/s after a pause longer than its window."""
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 5, timeout=10_000)
+    runner.pause_engine(True)
+    qtbot.wait(6000)  # longer than the rates' 5 s window
+    window.refresh_all()
+    assert "| 0.0 tok/s |" in window.status.text() and "engine paused" in window.status.text()
+    runner.pause_engine(False)
+    assert window.controls.apply("block_size", 8)  # a mark at the engine's time of the change
+    qtbot.waitUntil(lambda: runner.engine.config.block_size == 8, timeout=10_000)
+    qtbot.wait(1500)
+    window.refresh_all()
+    chart = window.hit.rates
+    x = chart.series["device_hit_rate"].x
+    assert -0.5 < x[-1] <= 0.05, x[-1]  # the newest sample is now (it was +6 s)
+    mark = [ago for ago, kind, _ in chart.marks if kind == "config"][-1]
+    # The windowed rate's samples step at the refresh rate through the change's moment, not 3 s away from it.
+    assert np.min(np.abs(x - mark)) < 0.5

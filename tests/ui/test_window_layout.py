@@ -179,7 +179,7 @@ def test_tokens_per_second_falls_to_zero_while_paused(qtbot, window, runner, mon
     import ui.charts.rates
 
     monkeypatch.setattr(ui.charts.rates, "WINDOW_S", 1.0, raising=False)
-    window.rates.window_s = 1.0  # a 1 s window so the test need not wait 5
+    window.rates.history.window_s = 1.0  # a 1 s window so the test need not wait 5
     busy(runner)
     qtbot.waitUntil(lambda: runner.engine.counters.generated > 20, timeout=10_000)
     qtbot.wait(1200)
