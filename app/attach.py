@@ -142,8 +142,15 @@ class Stopped(KeyboardInterrupt):
     publishers), exit status 128 + 15."""
 
 
-def _terminate(signum, _frame) -> None:
-    raise Stopped()
+_SIGNALLED: list[int] = []  # the stop signals received: an error raised after one is the interruption's
+
+
+def _interrupt(signum, frame) -> None:
+    """Outside the window: SIGTERM raises Stopped, Ctrl+C KeyboardInterrupt, where the main thread is."""
+    _SIGNALLED.append(signum)
+    if signum == signal.SIGTERM:
+        raise Stopped()
+    signal.default_int_handler(signum, frame)
 
 
 @contextlib.contextmanager
@@ -162,12 +169,19 @@ def _stop_signals(handler):
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    with _stop_signals(lambda signum, frame: _terminate(signum, frame) if signum == signal.SIGTERM
-                       else signal.default_int_handler(signum, frame)):
+    with _stop_signals(_interrupt):
         try:
             return _main(args)
         except Stopped:  # before the session's try (while the demo's publishers start): they were stopped there
             return 128 + signal.SIGTERM
+        except KeyboardInterrupt:
+            return 128 + signal.SIGINT
+        except Exception:
+            # Interrupted inside an import, the interruption comes out as another error (PySide6: "could not
+            # import module"): after a stop signal it is the signal's exit, not a traceback.
+            if _SIGNALLED:
+                return 128 + _SIGNALLED[-1]
+            raise
 
 
 def _main(args) -> int:
@@ -300,9 +314,15 @@ def _window(args, session, tokens) -> int:
         if problem:
             print(attach_advice(problem), file=sys.stderr)
             return 2
-    from PySide6 import QtCore, QtWidgets
+    # A signal inside PySide6's first import aborts the process (shiboken's bootstrap: exit 134, no cleanup):
+    # held until the import is done, then acted on.
+    held: list[int] = []
+    with _stop_signals(lambda signum, _frame: held.append(signum)):
+        from PySide6 import QtCore, QtWidgets
 
-    from ui.attach.window import AttachWindow
+        from ui.attach.window import AttachWindow
+    if held:
+        _interrupt(held[-1], None)
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
     _style(app)
@@ -315,6 +335,7 @@ def _window(args, session, tokens) -> int:
     rc = {"rc": 0}
 
     def stop(signum, _frame) -> None:  # Ctrl+C, SIGTERM: close the window; main's finally stops the rest
+        _SIGNALLED.append(signum)
         rc["rc"] = 128 + signum
         win.close()
         app.quit()
