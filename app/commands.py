@@ -30,7 +30,8 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
                             n_keep=getattr(args, "n_keep", 0) or 0,
                             weights_dtype=getattr(args, "weights_dtype", None) or "auto",
                             attention=getattr(args, "attention", None) or "auto",
-                            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto")
+                            cuda_graphs=getattr(args, "cuda_graphs", None) or "auto",
+                            kv_groups=getattr(args, "kv_groups", None) or "auto")
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.
@@ -292,6 +293,26 @@ def _result(engine, seq, load_s: float) -> dict:
     return {"token_ids": seq.output, "text": engine.tokenizer.decode(seq.output), "stats": stats}
 
 
+def _group_sizing(engine, batch: int, context: int, dsize: float) -> list[dict]:
+    """Each KV-cache group's share of the sizing formula: a sliding-window group holds at most window - 1 keys beside
+    a step's prompt chunk per sequence, whatever the context."""
+    s = engine.spec
+    chunk = engine.options.max_batched_tokens
+    configs = engine.kv.configs(engine.config) if engine.grouped else [engine.config]
+    out = []
+    for g, c in zip(engine.kv_groups, configs):
+        tokens = g.live_tokens(context, chunk)
+        n = len(g.layers)
+        per_token = n * s.num_kv_heads * s.head_dim * 2 * dsize
+        cap = "" if g.window is None else f" (min(context, window {g.window} - 1 + chunk {chunk}))"
+        out.append({"title": g.title, "layers": list(g.layers), "window": g.window, "tokens_per_sequence": tokens,
+                    "bytes_per_token": per_token, "bytes": batch * tokens * per_token,
+                    "device_budget_mb": c.device_budget_mb, "host_budget_mb": c.host_budget_mb,
+                    "formula": f"{batch} x {tokens}{cap} x {n} x {s.num_kv_heads} x {s.head_dim} x 2 x {dsize:.4g} = "
+                               f"{batch * tokens * per_token:,.0f} bytes ({batch * tokens * per_token / 2**20:.1f} MiB)"})
+    return out
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     from engine.kv.block_pool import BlockPool
     from engine.config import CacheConfig, KVDtype
@@ -314,6 +335,7 @@ def cmd_info(args: argparse.Namespace) -> int:
                f"({total / 2**20:.1f} MiB)")
     engine = Engine(model, config)
     mem = engine.memory()
+    groups = _group_sizing(engine, args.batch, args.context, dsize)
     info = {
         "model": {"name": s.name, "architecture": s.architecture, "layers": s.num_layers, "heads": s.num_heads,
                   "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden": s.hidden_size, "vocab": s.vocab_size,
@@ -323,6 +345,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "fp32_bytes_per_token_check": fp32_token,
         "sizing": {"batch": args.batch, "context": args.context, "dtype": config.kv_dtype.label, "bytes": total,
                    "formula": formula},
+        "kv_groups": groups,
         "config": config.as_dict(),
         "memory": mem,
     }
@@ -335,6 +358,14 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("bytes/token " + ", ".join(f"{k} {v:,.0f}" for k, v in per_dtype.items()) +
           f"  (block size {config.block_size}; scales included)")
     print(f"sizing     {formula}")
+    if len(groups) > 1:
+        held = sum(g["bytes"] for g in groups)
+        print(f"kv groups  {len(groups)} pools (--kv-groups auto); the budgets split by the bytes a sequence holds in "
+              f"each at the context limit: {held:,.0f} bytes ({held / 2**20:.1f} MiB) for the above, "
+              f"{held / total:.2f}x one pool's")
+        for g in groups:
+            print(f"  {g['title']:<28} {g['formula']}; budgets {g['device_budget_mb']:.1f} + "
+                  f"{g['host_budget_mb']:.1f} MiB")
     print(f"config     {config.summary()}")
     for name, t in mem["tiers"].items():
         print(f"{name:<10} {t['capacity_blocks']:,} blocks x {mem['block_bytes']:,} B on {t['device']}: "

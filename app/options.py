@@ -27,6 +27,10 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off", "static"),
                    help="replay decode steps from CUDA graphs, one per batch-size bucket (auto: on with CUDA and a "
                         "paged attention backend; static: the graphs' padded static-shaped step run eagerly, a check)")
+    p.add_argument("--kv-groups", default="auto", choices=("auto", "off"),
+                   help="KV-cache groups: auto keeps a pool per attention type (full layers; each sliding window, "
+                        "whose blocks are let go once they leave every window: Gemma 2/3, GPT-OSS); off keeps every "
+                        "layer's K/V for every token in one pool (a window is then only a mask)")
 
 
 def add_cache_flags(p: argparse.ArgumentParser) -> None:

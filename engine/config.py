@@ -216,11 +216,16 @@ class EngineOptions:
     # Decode steps replayed from CUDA graphs (engine/runtime/cuda_graphs.py): auto (on with CUDA and a paged backend),
     # on, off; "static" runs the graphs' static-shaped step eagerly (how the CPU tests check it).
     cuda_graphs: str = "auto"
+    # KV-cache groups (engine/kv/groups.py): auto (one pool per attention type: full layers, each sliding window;
+    # a sliding-window group frees blocks that leave every window), off (one pool for every layer, as a model
+    # without sliding layers has: sliding windows are then only an attention mask).
+    kv_groups: str = "auto"
     extra: dict = field(default_factory=dict)
 
     WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16")  # not a field (no annotation): the values weights_dtype takes
     ATTENTION = ("auto", "reference", "cpu", "triton")  # not a field: the values attention takes
     CUDA_GRAPHS = ("auto", "on", "off", "static")  # not a field: the values cuda_graphs takes
+    KV_GROUPS = ("auto", "off")  # not a field: the values kv_groups takes
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ConfigError (naming the option and its range) for values no model, or this model (whose
@@ -236,6 +241,8 @@ class EngineOptions:
             raise bad("weights_dtype", self.weights_dtype, f"is not one of {', '.join(self.WEIGHTS_DTYPES)}")
         if self.attention not in self.ATTENTION:
             raise bad("attention", self.attention, f"is not one of {', '.join(self.ATTENTION)}")
+        if self.kv_groups not in self.KV_GROUPS:
+            raise bad("kv_groups", self.kv_groups, f"is not one of {', '.join(self.KV_GROUPS)}")
         for name in ("max_batch", "max_batched_tokens", "keep_finished", "stall_steps"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:

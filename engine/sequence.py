@@ -61,6 +61,24 @@ class SamplingParams:
 
 
 @dataclass(slots=True)
+class GroupTable:
+    """A sequence's block table in a sliding-window KV-cache group (engine/kv/groups.py). The group dropped the first
+    `dropped` tokens' keys as they left the window (they never come back, as in transformers' sliding-window cache
+    and llama.cpp's iSWA one); the table starts at block `base` = dropped // block_size, whose first tokens up to
+    `dropped` are hidden from attention. `base_hash` is the chain hash of block base - 1 (0: none), the parent of
+    `hashes[0]`."""
+
+    blocks: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)
+    base: int = 0
+    dropped: int = 0
+    base_hash: int = 0
+    table_version: int = 0
+    _np_table: np.ndarray | None = None
+    _np_version: int = -1
+
+
+@dataclass(slots=True)
 class Sequence:
     id: int
     prompt_len: int
@@ -87,6 +105,7 @@ class Sequence:
     rng: object = None  # torch.Generator when sampling
     table_version: int = 0  # bumped at every change of `blocks`, so a numpy copy can be cached
     repositioned: bool = False  # some position differs from its index (after a shift, seq_add or seq_div)
+    groups: list[GroupTable] = field(default_factory=list)  # tables in the other KV-cache groups (engine/kv/groups.py)
     _np_table: np.ndarray | None = None
     _np_version: int = -1
 
@@ -96,6 +115,15 @@ class Sequence:
             self._np_table = np.asarray(self.blocks, dtype=np.int64)
             self._np_version = self.table_version
         return self._np_table
+
+    @property
+    def base(self) -> int:
+        """Leading blocks dropped from the table (a sliding-window group's view, engine/kv/groups.py: 0 here)."""
+        return 0
+
+    @property
+    def base_hash(self) -> int:
+        return 0
 
     def key_positions(self, n: int) -> np.ndarray:
         """Positions of the first n tokens."""

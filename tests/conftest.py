@@ -419,6 +419,60 @@ def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n
                         position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
 
 
+def windowed_shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int,
+                            windows: list) -> list[int]:
+    """shifted_greedy as a KV-cache group of sliding-window layers keeps keys (engine/kv/grouped.py): a sliding
+    layer drops a key once it leaves the window of the next query, and a dropped key never comes back, a context
+    shift moving it closer or not (as transformers' sliding-window cache and llama.cpp's iSWA cache hold them).
+    transformers' cache keeps every key here (index = position, re-rotated by the replayed shift); what each layer
+    sees is given as precomputed masks per layer type (full: causal; sliding: causal, inside the window, and not
+    dropped). windows: spec.sliding_window (one per layer)."""
+    from transformers import DynamicCache
+
+    from engine.model.llama_family import rotate_half
+
+    window = next(w for w in windows if w is not None)
+    assert all(w in (None, window) for w in windows)
+    toks, out = list(prompt), []
+    dropped = 0  # leading tokens the sliding layers dropped
+    cache = DynamicCache()
+
+    def masks(q0: int, q: int) -> dict:
+        qi = torch.arange(q0, q0 + q)[:, None]
+        kj = torch.arange(q0 + q)[None, :]
+        causal = kj <= qi
+        sliding = causal & (kj > qi - window) & (kj >= dropped)
+        add = lambda m: torch.where(m, 0.0, float("-inf"))[None, None]  # noqa: E731
+        return {"full_attention": add(causal), "sliding_attention": add(sliding)}
+
+    with torch.inference_mode():
+        T = len(toks)
+        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True, attention_mask=masks(0, T)).logits[0, -1]
+        while True:
+            out.append(int(logits.argmax()))
+            if len(out) == n:
+                return out
+            toks.append(out[-1])
+            dropped = max(dropped, len(toks) - 1 - window + 1)  # out of the window of the next query
+            if len(toks) > limit:
+                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
+                for li, layer in enumerate(cache.layers):
+                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
+                    tail = k[:, :, n_keep + n_discard:]
+                    if layer_inv[li] is not None:
+                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
+                        emb = torch.cat((freqs, freqs), dim=-1)
+                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
+                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
+                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
+                kept = list(range(n_keep)) + list(range(n_keep + n_discard, len(toks) - 1))  # cached ones
+                dropped = sum(1 for i in kept if i < dropped)
+                toks = toks[:n_keep] + toks[n_keep + n_discard:]
+            pos = len(toks) - 1
+            logits = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True, attention_mask=masks(pos, 1),
+                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
+
+
 def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", host_blocks: int = 400, **cfg):
     """An engine whose device tier holds dev_blocks blocks (and the reserved two), host tier host_blocks, host_reads=mode."""
     from engine.config import CacheConfig, EngineOptions

@@ -38,6 +38,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         args.shadow_every_s = 0.0  # benchmarks time the engine alone unless shadow steps are asked for
     if getattr(args, "long", None):
         return cmd_bench_long(args)
+    if getattr(args, "kv_memory", None):
+        from app.bench.kv_memory import cmd_bench_kv_memory
+
+        return cmd_bench_kv_memory(args)
     if getattr(args, "quality", False):
         from app.bench.quality import cmd_bench_quality
 

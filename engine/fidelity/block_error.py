@@ -68,8 +68,9 @@ class KVErrors:
         self.keys_seen = 0  # tokens whose keys went into key_absmax
         self._axes: tuple | None = None  # (kcodec, vcodec, their token_axes), for the pool in use
 
-    def probe(self, pool, targets: list[tuple[TierPool, np.ndarray, np.ndarray]]) -> "StepProbe":
-        """A probe for a step writing, per tier, tokens (lids, offsets) into `TierPool` tier (its appends' order)."""
+    def probe(self, pool, targets: list[tuple[TierPool, np.ndarray, np.ndarray]], count: bool = True) -> "StepProbe":
+        """A probe for a step writing, per tier, tokens (lids, offsets) into `TierPool` tier (its appends' order).
+        count=False: the step's tokens are counted by another probe (one per KV-cache group writes them)."""
         out = []
         for tier, lids, offs in targets:
             wl, tok_block = np.unique(lids, return_inverse=True)  # as ModelRunner._appends orders them
@@ -77,7 +78,8 @@ class KVErrors:
             np.minimum.at(prev_fill, tok_block, offs)
             dev = self.key_absmax_dev.device if tier.tier == Tier.DEVICE else torch.device("cpu")
             out.append(_Target(tier, pool.slot[wl], tok_block, prev_fill, dev))
-        self.keys_seen += sum(len(lids) for _, lids, _ in targets)
+        if count:
+            self.keys_seen += sum(len(lids) for _, lids, _ in targets)
         if self._axes is None or self._axes[0] is not pool.kcodec or self._axes[1] is not pool.vcodec:
             self._axes = (pool.kcodec, pool.vcodec, token_axes(pool.kcodec, pool.geom), token_axes(pool.vcodec, pool.geom))
         return StepProbe(self, pool.kcodec, pool.vcodec, not pool.config.kv_dtype.lossless, out, self._axes[2:])

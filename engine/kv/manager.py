@@ -31,8 +31,11 @@ class KVManager:
     release; `residency` (engine/kv/residency.py) decides where blocks are when a step runs."""
 
     def __init__(self, spec: "ModelSpec", device: torch.device, config: CacheConfig, events: EventSink,
-                 counters: KVCounters):
+                 counters: KVCounters, layers: tuple[int, ...] | None = None):
+        """`layers`: the model layers this pool holds (a KV-cache group's, engine/kv/groups.py); None: all of them."""
         self.spec = spec
+        self.layers = tuple(range(spec.num_layers)) if layers is None else tuple(layers)
+        self.num_layers = len(self.layers)
         self.device = device
         self.events = events
         self.counters = counters
@@ -58,7 +61,7 @@ class KVManager:
                 raise ConfigError("kv_dtype fp8: this torch build cannot store float8_e4m3fn")
 
     def bytes_per_block(self, config: CacheConfig) -> int:
-        return BlockPool.bytes_per_block(config, self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
+        return BlockPool.bytes_per_block(config, self.num_layers, self.spec.num_kv_heads, self.spec.head_dim)
 
     def make_pool(self, config: CacheConfig, storage: bool = True, replacing: BlockPool | None = None) -> BlockPool:
         """A new, empty pool of `config`'s geometry (ConfigError if this machine cannot hold it). storage=False:
@@ -67,7 +70,7 @@ class KVManager:
         self.check_memory(config, replacing)
         first = self.pool.next_serial if getattr(self, "pool", None) is not None else 0
         try:
-            pool = BlockPool((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
+            pool = BlockPool((self.num_layers, self.spec.num_kv_heads, self.spec.head_dim), config, self.device,
                              first_serial=first, storage=storage)
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             raise ConfigError(f"cannot allocate the KV tiers ({config.summary()}): {str(e).splitlines()[0]}") from None
@@ -81,7 +84,7 @@ class KVManager:
         less one layer of each (held beside them while that layer is copied)."""
         import psutil
 
-        sizes = tier_sizes(config, self.spec.num_layers, self.bytes_per_block(config), RESERVED)
+        sizes = tier_sizes(config, self.num_layers, self.bytes_per_block(config), RESERVED)
         dev = (sizes.dev_cap + RESERVED) * sizes.dev_block_bytes  # device memory
         host = sizes.host_cap * sizes.block_bytes + sizes.spilled_bytes  # host memory
         vm = psutil.virtual_memory()
@@ -148,9 +151,26 @@ class KVManager:
     def can_allocate(self, need: int) -> bool:
         return self.pool.can_allocate(Tier.DEVICE, need)
 
+    def blocks_at_peak(self, tokens: int) -> int:
+        """Blocks one sequence of `tokens` tokens holds at most."""
+        return blocks_for(tokens, self.config.block_size)
+
+    def device_bytes(self) -> int:
+        return self.pool.tiers[Tier.DEVICE].used * self.pool.block_bytes
+
+    def host_bytes(self) -> int:
+        return self.pool.tiers[Tier.HOST].used * self.pool.block_bytes
+
+    def relayout(self, seqs: list[Sequence], new: CacheConfig, now: float) -> dict:
+        """Re-lay every live sequence and the prefix cache into `new`'s geometry (engine/kv/relayout.py)."""
+        from engine.kv.relayout import relayout
+
+        return relayout(self, seqs, new, now)
+
     # -- prefix cache -------------------------------------------------------------------------
-    def find_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Cached blocks (and their hashes) for the longest cached prefix of the prompt; takes no reference.
+    def find_prefix(self, seq: Sequence, limit: int | None = None) -> tuple[list[int], list[int]]:
+        """Cached blocks (and their hashes) for the longest cached prefix of the prompt, at most `limit` blocks;
+        takes no reference.
 
         The last token is always computed. Cached blocks hold keys at positions 0..n-1, so the match stops
         where the sequence's positions stop being its indices (after a shift, seq_add or seq_div).
@@ -163,6 +183,8 @@ class KVManager:
         if seq.repositioned:
             canon = next((i for i, q in enumerate(seq.pos) if q != i), len(seq.pos))
             reusable = min(reusable, canon // bs)
+        if limit is not None:
+            reusable = min(reusable, limit)
         for b in range(reusable):
             toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
             h = chain_hash(parent, toks)
@@ -233,8 +255,8 @@ class KVManager:
         for b in range(old // bs, seq.num_cached // bs):
             if (b + 1) * bs > seq.canonical or seq.hashes[b]:
                 continue
-            parent = seq.hashes[b - 1] if b else 0
-            if b and not parent:
+            parent = seq.hashes[b - 1] if b else seq.base_hash  # a window group's view: the last block it dropped
+            if (b or seq.base) and not parent:
                 break
             toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
             h = chain_hash(parent, toks)
@@ -266,6 +288,12 @@ class KVManager:
         if tables:
             self.pool.touch(np.unique(np.concatenate(tables)), now)
 
+    def touch_seqs(self, seqs: list[Sequence], now: float) -> None:
+        self.touch([s.table() for s in seqs], now)
+
+    def trim(self, seqs, now: float) -> None:
+        """Nothing to drop: every layer here attends over every key (engine/kv/grouped.py trims window groups)."""
+
     # -- block contents -----------------------------------------------------------------------
     def tokens_kv(self, seq: Sequence, pool: BlockPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K/V of a sequence's cached tokens: [L, n, Hkv, D] each."""
@@ -281,16 +309,42 @@ class KVManager:
         own = sum(1 for lid in seq.blocks[b0:] if p.ref_of(lid) == 1)
         return need <= p.reclaimable(Tier.DEVICE) + p.reclaimable(Tier.HOST) + own
 
+    def relay(self, seq: Sequence, keep: list[int], old_pos: list[int], new_pos: list[int], first: int,
+              shift, now: float) -> None:
+        """Re-lay the sequence's blocks from the one holding token `first` (the first kept token that changed) for a
+        change keeping tokens `keep` (old indices, ascending) at `new_pos` (its token-level part is already on
+        `seq`): the kept cached keys read back, those whose position changed re-rotated by `shift(k, delta, layer)`
+        (K-shift), written into fresh blocks; shared blocks are never written (copy-on-write for free)."""
+        bs = self.config.block_size
+        b0 = first // bs
+        cached_keep = [i for i in keep if i < seq.num_cached]
+        k_tail = v_tail = None
+        if seq.num_cached and len(cached_keep) > b0 * bs:
+            k, v = self.tokens_kv(seq)  # [L, n, Hkv, D]
+            idx = torch.as_tensor(cached_keep[b0 * bs:], device=k.device)
+            k_tail, v_tail = k[:, idx], v[:, idx]
+            delta = torch.as_tensor([new_pos[j] - old_pos[i] for j, i in enumerate(keep)
+                                     if i < seq.num_cached][b0 * bs:], device=k.device)
+            if bool((delta != 0).any()):
+                for i, layer in enumerate(self.layers):
+                    k_tail[i] = shift(k_tail[i], delta, layer)
+        self.relay_tail(seq, b0, k_tail, v_tail, len(cached_keep), now)
+
     def relay_tail(self, seq: Sequence, b0: int, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None,
                    new_cached: int, now: float) -> None:
         """Replace the sequence's blocks from b0 on by fresh blocks holding k_tail/v_tail [L, n, Hkv, D]."""
+        self.relay_blocks(seq, b0, k_tail, v_tail, now)
+        seq.num_cached = new_cached
+        self.hash_full_blocks(seq, 0)
+
+    def relay_blocks(self, seq, b0: int, k_tail: torch.Tensor | None, v_tail: torch.Tensor | None, now: float) -> None:
+        """The blocks part of relay_tail: the table cut at b0, then fresh blocks holding k_tail/v_tail."""
         p = self.pool
         bs = self.config.block_size
         for lid in seq.blocks[b0:]:
             p.decref(lid)
         seq.blocks, seq.hashes = seq.blocks[:b0], seq.hashes[:b0]
         seq.table_version += 1
-        seq.num_cached = b0 * bs
         if k_tail is not None:
             n = k_tail.shape[1]
             nb = blocks_for(n, bs)
@@ -308,8 +362,6 @@ class KVManager:
             seq.blocks += lids
             seq.table_version += 1
             seq.hashes += [0] * nb
-        seq.num_cached = new_cached
-        self.hash_full_blocks(seq, 0)
 
     # -- checks -------------------------------------------------------------------------------
     def check(self, seqs) -> None:

@@ -66,14 +66,26 @@ class _Plan:
 
     # -- what is kept --------------------------------------------------------------------------------------------
     def sequence(self, seq: Sequence, now: float) -> tuple[list[int], list[int]]:
+        """A sequence's tokens cut into new blocks. A window group's view (engine/kv/groups.py) starts at its table's
+        first block: its chain continues from `base_hash`; re-based to another block size (grouped.Rebased) its first
+        `lead` tokens are ones the group dropped, read as zeros from the old null block (never visible)."""
         n = seq.num_cached
         if n == 0:
             return [], []
         bs = self.old.geom.block_size
+        lead = getattr(seq, "lead", 0)
         lids = np.asarray(seq.blocks, dtype=np.int64)
-        i = np.arange(n)
-        src = (self.old.tier[lids[i // bs]].astype(np.int64), self.old.slot[lids[i // bs]], i % bs)
-        blocks, hashes, _ = self._run(src, seq.tokens[:n], seq.canonical, seq.id, now, free_only=False)
+        held = np.arange(n) - lead  # each token's index in the old table
+        ok = held >= 0
+        tier = np.full(n, int(Tier.DEVICE), dtype=np.int64)
+        slot = np.full(n, self.old.tiers[Tier.DEVICE].null_slot, dtype=np.int64)
+        off = np.zeros(n, dtype=np.int64)
+        tier[ok] = self.old.tier[lids[held[ok] // bs]]
+        slot[ok] = self.old.slot[lids[held[ok] // bs]]
+        off[ok] = held[ok] % bs
+        canonical = seq.canonical if seq.base_hash or not (seq.base or lead > 0) else 0  # a chain that cannot go on
+        blocks, hashes, _ = self._run((tier, slot, off), seq.tokens[:n], canonical, seq.id, now, free_only=False,
+                                      parent=seq.base_hash)
         return blocks, hashes
 
     def cached_blocks(self, now: float) -> None:
@@ -137,7 +149,7 @@ class _Plan:
     def _free_tier(self) -> Tier | None:
         return next((t for t in (Tier.DEVICE, Tier.HOST) if self.pool.tiers[t].free_slots), None)
 
-    def _run(self, src, tokens, canonical: int, owner: int, now: float, free_only: bool):
+    def _run(self, src, tokens, canonical: int, owner: int, now: float, free_only: bool, parent: int = 0):
         """Tokens (their old places `src`) cut into blocks of the new size: a full block within the first
         `canonical` tokens is hashed (chained) and shared with one planned already; the rest are fresh blocks owned
         by `owner`. free_only: take only free slots (never evict) and stop when none is.
@@ -145,7 +157,6 @@ class _Plan:
         pool, bs = self.pool, self.pool.geom.block_size
         n = len(tokens)
         blocks, hashes = [], []
-        parent = 0
         for b in range(blocks_for(n, bs)):
             lo, hi = b * bs, min((b + 1) * bs, n)
             toks = np.asarray(tokens[lo:hi], dtype=np.int32)

@@ -104,11 +104,22 @@ class AttnGroup:
 
 
 @dataclass
+class KVPart:
+    """One KV-cache group's share of a step (engine/kv/groups.py): the model layers whose K/V its store holds (its
+    layer i is model layer layers[i]), and its attention groups over its own block tables."""
+
+    layers: tuple[int, ...]
+    groups: list[AttnGroup]
+    store: "KVStore"
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     groups: list[AttnGroup]
     logit_rows: torch.Tensor  # [R] rows of T whose next-token logits are wanted
+    parts: list[KVPart] | None = None  # several KV-cache groups: each layer reads its group's part; None: one store
 
 
 class KVStore(Protocol):
@@ -338,7 +349,17 @@ class LlamaFamily:
         T = x.shape[0]
         rot = [self.cos_sin(batch.positions, x.dtype, r) for r in range(len(self.ropes))]  # (cos, sin) per variant
         act = F.silu if s.mlp_act == "silu" else partial(F.gelu, approximate="tanh")
-        attend = self._reference_attention(batch, store, x) if self.backend is None else self._paged_attention(batch, store, x)
+        # Each layer's store, attention and index there: one store for all layers, or its KV-cache group's part.
+        parts = batch.parts or [KVPart(tuple(range(s.num_layers)), batch.groups, store)]
+        attends = []
+        for part in parts:
+            b = batch if part.groups is batch.groups else dataclasses.replace(batch, groups=part.groups)
+            attends.append(self._reference_attention(b, part.store, x) if self.backend is None
+                           else self._paged_attention(b, part.store, x))
+        where = [(0, 0)] * s.num_layers
+        for pi, part in enumerate(parts):
+            for local, li in enumerate(part.layers):
+                where[li] = (pi, local)
         for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
             qkv = linear(x if attn_in is None else self._rms(x, attn_in), qkv_w)  # [T, (H + 2 Hkv) D]
@@ -352,8 +373,9 @@ class LlamaFamily:
                 qk = self.rotate(qk, *rot[self.layer_rope[li]])  # q and k in one pass
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-            store.write(li, k, v)
-            attn = attend(li, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
+            pi, local = where[li]
+            parts[pi].store.write(local, k, v)
+            attn = attends[pi](local, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
             x = self._residual(x, linear(attn.reshape(T, H * D), o_w), attn_out)
             gate, up = linear(x if mlp_in is None else self._rms(x, mlp_in), gu_w).chunk(2, dim=-1)
             x = self._residual(x, linear(act(gate) * up, down_w), mlp_out)

@@ -26,14 +26,15 @@ from typing import Callable
 
 import torch
 
-from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, Tier, blocks_for
+from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, blocks_for
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.errors import RequestError
+from engine.kv.grouped import GroupedKV
+from engine.kv.groups import kv_groups
 from engine.kv.manager import KVManager
 from engine.model.loader import LoadedModel
 from engine.model.llama_family import LlamaFamily
 from engine.runtime.model_runner import ModelRunner
-from engine.kv.relayout import relayout
 from engine.runtime.scheduler import Scheduled, Scheduler, SchedulerOutput, Stall
 from engine.runtime.seq_ops import SequenceOps
 from engine.fidelity.shadow import Measured, Shadow
@@ -84,7 +85,15 @@ class Engine:
         self.telemetry = Telemetry(self.counters, self.clock, str(self.device),
                                    self.cuda_memory if self.device.type == "cuda" else None)
         self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
-        self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
+        # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
+        self.kv_groups = kv_groups(self.spec, self.options.kv_groups)
+        self.grouped = len(self.kv_groups) > 1 and self.kv_groups[0].window is None
+        if self.grouped:
+            self.kv = GroupedKV(self.spec, self.device, config, self.telemetry, self.counters, self.kv_groups,
+                                self.context_limit, self.options.max_batched_tokens)
+        else:  # one pool for every layer (a model whose layers all slide keeps its window as a mask, for now)
+            self.kv_groups = kv_groups(self.spec, "off")
+            self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit)
         # The table's operations: llama.cpp's seq_* calls, the context shift, the lifecycle (engine/runtime/seq_ops.py)
@@ -266,7 +275,7 @@ class Engine:
                 raise ConfigError(f"resizing the tiers failed ({_why(e)}); the change was undone, nothing was changed") from e
         elif layout:
             try:
-                held = relayout(self.kv, [s for s in self.seqs.values() if not s.done], new, self.clock())
+                held = self.kv.relayout([s for s in self.seqs.values() if not s.done], new, self.clock())
             except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
                 raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
             except ConfigError:
@@ -299,7 +308,8 @@ class Engine:
                 self._carry_out(plan, self.scheduler.watch_progress([], now), now)
                 self._drain_pool_events()
                 return []
-            run, writes = self.runner.prepare(self.pool, sched)
+            run, writes = (self.runner.prepare_grouped(self.kv, sched) if self.grouped
+                           else self.runner.prepare(self.pool, sched))
             t1 = time.perf_counter()
         logits = run()
         shadow = self.shadow.pick(sched, logits, now, self.config.shadow_every_s)
@@ -312,9 +322,7 @@ class Engine:
             self.counters.steps += 1
             self._carry_out(plan, self.scheduler.watch_progress(sched, now), now)
             self._drain_pool_events()
-            pool = self.pool
-            self.telemetry.after_step(StepSample(now, pool.tiers[Tier.DEVICE].used * pool.block_bytes,
-                                                 pool.tiers[Tier.HOST].used * pool.block_bytes))
+            self.telemetry.after_step(StepSample(now, self.kv.device_bytes(), self.kv.host_bytes()))
         measured = self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
         if measured is not None:
             with self.lock:
@@ -358,7 +366,7 @@ class Engine:
                     range(old, seq.num_cached)):
                 seq.canonical = seq.num_cached
             self.kv.hash_full_blocks(seq, old)
-            touched.append(seq.table())
+            touched.append(seq)
             if seq.pending > 0:  # a prompt chunk that is not the last: no token yet
                 continue
             seq.tokens.append(tok)
@@ -373,7 +381,8 @@ class Engine:
             if finished:
                 self.ops.finish(seq, "eos" if tok in self.eos else "length", now)
             outs.append(TokenOut(seq.id, tok, finished))
-        self.kv.touch(touched, now)
+        self.kv.touch_seqs(touched, now)
+        self.kv.trim(touched, now)  # window groups let go of blocks that left every window
         return outs
 
     # -- traces and the prefix cache --------------------------------------------------------------

@@ -7,6 +7,8 @@ nothing about which sequences run or where blocks live.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import torch
 
@@ -16,7 +18,7 @@ from engine.kv.codecs import Appends
 from engine.telemetry.counters import Counters
 from engine.runtime.cuda_graphs import DecodeGraphs
 from engine.fidelity.block_error import KVErrors
-from engine.model.llama_family import AttnGroup, ForwardBatch, LlamaFamily
+from engine.model.llama_family import AttnGroup, ForwardBatch, KVPart, LlamaFamily
 from engine.runtime.step_kv import StepKV
 from engine.sequence import Sequence
 
@@ -68,6 +70,8 @@ class ModelRunner:
         self.counters = counters or Counters()
         spec = model.spec
         self.errors = KVErrors(spec.num_layers, spec.num_kv_heads, spec.head_dim, device)  # eager steps measure
+        self.group_streams: dict[int, HostStream] = {}  # KV-cache groups past the first: their own staging
+        self._ns = ""  # input-buffer names' prefix while a KV-cache group past the first is built
 
     def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """(run() -> logits [len(sched), vocab], writes): a decode step through its CUDA graph when it can, else
@@ -90,8 +94,42 @@ class ModelRunner:
 
         return run, writes
 
-    def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
-        """The step's flat token batch, where each token's K/V goes, and the attention groups."""
+    def prepare_grouped(self, kv, sched: list[tuple[Sequence, int]]):
+        """prepare() for a model with several KV-cache groups (engine/kv/grouped.py): one part per group, each built
+        from the group's pool and its view of the sequences (its own tables, tiers, stores), the forward pass
+        reading each layer's K/V from its group's part; eager (no CUDA graph). writes: one (lids, fills) per group."""
+        parts, writes = [], []
+        batch = None
+        try:
+            for g, (grp, m) in enumerate(zip(kv.groups, kv.mgrs)):
+                self._ns = f"g{g}." if g else ""
+                views = sched if g == 0 else [(kv.view(seq, g), n) for seq, n in sched]
+                b, store, w = self.build(m.pool, views, layer_ids=grp.layers, group=g)
+                batch = batch or b
+                parts.append(KVPart(grp.layers, b.groups, store))
+                writes.append(w)
+        finally:
+            self._ns = ""
+        batch = dataclasses.replace(batch, parts=parts)
+
+        def run() -> torch.Tensor:
+            try:
+                logits = self.model.forward(batch, parts[0].store)
+            finally:
+                for part in parts:
+                    if part.store.stream is not None:
+                        part.store.stream.finish()
+                        self.counters.streamed_bytes += part.store.stream.bytes
+            for part in parts:
+                part.store.probe.finish()
+            return logits
+
+        return run, tuple(writes)
+
+    def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]], layer_ids: tuple[int, ...] | None = None,
+              group: int = 0):
+        """The step's flat token batch, where each token's K/V goes, and the attention groups. `layer_ids`, `group`:
+        the model layers of the pool's layers and the KV-cache group they are (prepare_grouped)."""
         bs = pool.geom.block_size
         ids, pos, lids, offs = [], [], [], []
         decode_rows, decode = [], []
@@ -122,32 +160,39 @@ class ModelRunner:
         new_fill = np.zeros(len(wl), dtype=np.int64)
         np.maximum.at(new_fill, np.searchsorted(wl, lids_np), offs_np + 1)
         dev_tier, host_tier = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
+        count = group == 0  # each group writes the step's tokens: counted once
         if not on_host.any():
             store = StepKV(pool, self._appends(pool, lids_np, offs_np, "", device=True),
-                        probe=self.errors.probe(pool, [(dev_tier, lids_np, offs_np)]))
+                           probe=self.errors.probe(pool, [(dev_tier, lids_np, offs_np)], count), layer_ids=layer_ids)
         else:  # some blocks written are on the host tier: their tokens' K/V go there
             rows = np.flatnonzero(on_host)
             dev_rows = np.flatnonzero(~on_host)
             host = (torch.as_tensor(rows, device=self.device), self._appends(pool, lids_np[rows], offs_np[rows], "h", device=False))
             dev = self._appends(pool, lids_np[dev_rows], offs_np[dev_rows], "", device=True, rows=dev_rows) if len(dev_rows) else None
             store = StepKV(pool, dev, host, probe=self.errors.probe(
-                pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])]))
+                pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])], count),
+                layer_ids=layer_ids)
         if hosts and pool.config.host_reads != "compute":
-            store.stream = self._stream(pool, hosts)
-        put = self.inputs.put
+            store.stream = self._stream(pool, hosts, group)
+        put = self._put
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
         return batch, store, (wl, new_fill)
 
-    def _stream(self, pool: BlockPool, hosts: list[tuple[AttnGroup, str, np.ndarray, np.ndarray]]) -> StepStream:
+    def _put(self, name: str, a: np.ndarray) -> torch.Tensor:
+        return self.inputs.put(self._ns + name, a)
+
+    def _stream(self, pool: BlockPool, hosts: list[tuple[AttnGroup, str, np.ndarray, np.ndarray]],
+                group: int = 0) -> StepStream:
         """The step's host blocks streamed through staging: their distinct slots, copied a layer ahead for the
         layers the device tier keeps on the compute device, and each group's table of staging rows."""
         slots = np.unique(np.concatenate([table[mask] for _, _, mask, table in hosts]))
         dev, host = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
         layers = [li for li, t in enumerate(dev.k["data"]) if t.device.type == self.device.type]
-        step = self.stream.begin(host.k, host.v, slots, layers)
+        stream = self.stream if group == 0 else self.group_streams.setdefault(group, HostStream(self.device))
+        step = stream.begin(host.k, host.v, slots, layers)
         for g, name, mask, table in hosts:
-            g.staged_table = self.inputs.put(name + ".staged", np.where(mask, step.staged_rows(table), 0))
+            g.staged_table = self._put(name + ".staged", np.where(mask, step.staged_rows(table), 0))
         return step
 
     def _appends(self, pool: BlockPool, lids: np.ndarray, offs: np.ndarray, prefix: str, device: bool,
@@ -159,7 +204,7 @@ class ModelRunner:
         np.minimum.at(prev_fill, tok_block, offs)
         max_rank = int((offs - prev_fill[tok_block]).max())
         if device:
-            put = self.inputs.put
+            put = self._put
             a = Appends.of(put(prefix + "slots", pool.slot[lids]), put(prefix + "offsets", offs),
                            put(prefix + "wslots", pool.slot[wl]), put(prefix + "tok_block", tok_block),
                            put(prefix + "prev_fill", prev_fill), max_rank)
@@ -194,7 +239,7 @@ class ModelRunner:
             kvalid[b, :c] = True
             qp[b] = qpos[b] if qpos is not None else kp[c - 1]
         rows = (np.asarray(first_rows, dtype=np.int64)[:, None] + np.arange(q_len)[None, :]).reshape(-1)
-        put = self.inputs.put
+        put = self._put
         kpos_t = put(name + ".kpos", kpos)
         # Key positions for the backends only when some row's differ from their indices (after a context shift,
         # seq_add, seq_div): else None, and a backend may skip blocks wholly after the queries or before a window.

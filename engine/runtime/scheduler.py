@@ -148,11 +148,8 @@ class Scheduler:
         the rest would be re-laid into fresh blocks while still held (by this or another sequence)."""
         if not fresh:
             return [], []
-        lids, hashes = self.kv.find_prefix(seq)
-        if len(seq.tokens) > self.context_limit:
-            keep = self.options.n_keep // self.kv.config.block_size
-            lids, hashes = lids[:keep], hashes[:keep]
-        return lids, hashes
+        limit = self.options.n_keep // self.kv.config.block_size if len(seq.tokens) > self.context_limit else None
+        return self.kv.find_prefix(seq, limit)
 
     def keep_promise(self, now: float) -> None:
         """Restore `promised() <= free` where something admission did not weigh broke it (a fork of a running

@@ -47,7 +47,7 @@ class SequenceOps:
         """RequestError unless a sequence of prompt_len tokens generating max_new can ever be held."""
         bs = self.kv.config.block_size
         peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
-        need = blocks_for(peak, bs)
+        need = self.kv.blocks_at_peak(peak)  # per KV-cache group with several (engine/kv/grouped.py)
         dev, host = self.kv.capacity(Tier.DEVICE), self.kv.capacity(Tier.HOST)
         if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
             raise RequestError(
@@ -229,19 +229,10 @@ class SequenceOps:
         if not self.kv.room_to_relay(seq, b0, need):
             raise RequestError(f"sequence {seq.id}: no room to re-lay {need} blocks (both tiers full of owned "
                                "blocks); nothing was changed")
-        k_tail = v_tail = None
-        if seq.num_cached and len(cached_keep) > b0 * bs:
-            k, v = self.kv.tokens_kv(seq)  # [L, n, Hkv, D]
-            idx = torch.as_tensor(cached_keep[b0 * bs:], device=self.device)
-            k_tail, v_tail = k[:, idx], v[:, idx]
-            delta = torch.as_tensor([new_pos[j] - old_pos[i] for j, i in enumerate(keep)
-                                     if i < seq.num_cached][b0 * bs:], device=self.device)
-            if bool((delta != 0).any()):
-                for layer in range(k_tail.shape[0]):
-                    k_tail[layer] = self.model.shift_keys(k_tail[layer], delta, layer)
-        # Commit the token-level change, then the blocks.
+        # Commit the token-level change, then the blocks: kept cached keys re-laid from block b0 on, those whose
+        # position changed re-rotated (K-shift) with their layer's RoPE.
         seq.tokens = [seq.tokens[i] for i in keep]
         seq.pos = new_pos
         seq.repositioned = any(q != i for i, q in enumerate(new_pos))
         seq.canonical = min(seq.canonical, first)
-        self.kv.relay_tail(seq, b0, k_tail, v_tail, len(cached_keep), now)
+        self.kv.relay(seq, keep, old_pos, new_pos, first, self.model.shift_keys, now)

@@ -19,8 +19,10 @@ class StepKV:
     """The model's view of the cache for one step: where new K/V go, and the tiers to read."""
 
     def __init__(self, pool: BlockPool, appends: Appends, host: tuple[torch.Tensor, Appends] | None = None,
-                 probe: StepProbe | None = None):
+                 probe: StepProbe | None = None, layer_ids: tuple[int, ...] | None = None):
         self.pool = pool
+        # The model layer of each of the pool's layers (a KV-cache group's, engine/kv/groups.py); None: the same.
+        self.layer_ids = layer_ids
         self.stream: StepStream | None = None  # host blocks read through staging (set by ModelRunner.build)
         self.probe = probe  # measures what the step writes (engine/fidelity/block_error.py); None: nothing measured
         self.dev = pool.tiers[Tier.DEVICE]
@@ -36,7 +38,7 @@ class StepKV:
         if self.stream is not None:
             self.stream.at_layer(layer)  # the next layer's host blocks start copying while this one computes
         if probe is not None:
-            probe.keys(layer, k)
+            probe.keys(layer if self.layer_ids is None else self.layer_ids[layer], k)
         if self.host is None:
             app, k, v = self._placed(layer, self.appends, k, v)
             kc.append(self.dev.k, layer, app, k)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy
+from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy, windowed_shifted_greedy
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.tiers import Tier
 from engine.model.loader import ModelLoadError, load_model
@@ -157,7 +157,7 @@ def test_kshift_rotates_rope_layers_only(smollm3):
     model, ref = smollm3
     assert model.spec.nope_layers == {1}
     p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8))
+    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
     sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
     eng.step()
     seq = eng.seqs[sid]
@@ -313,7 +313,7 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
 
     model, ref = gemma3
     p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8))
+    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
     sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
     eng.step()
     seq = eng.seqs[sid]
@@ -344,14 +344,35 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_gemma3_context_shift_tokens_equal_transformers(gemma3, block_size):
     """context_limit 32, n_keep 4, 60 new tokens: several shifts, each layer's keys re-rotated with its own base,
-    replayed on transformers' cache."""
+    replayed on transformers' cache. One pool for every layer (kv_groups off): every key is kept, so the kept
+    first tokens come back into the sliding layers' window after a shift."""
     model, ref = gemma3
     ps = prompts(33, [20, 9])
     layer_inv = hf_layer_inv_freq(ref.model)
     assert not torch.equal(layer_inv[0], layer_inv[2])
     assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
     want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_gemma3_grouped_context_shift_equals_the_window_cache_replay(gemma3, block_size):
+    """With KV-cache groups the sliding layers' pool drops keys as they leave the window and never brings them back:
+    after a shift the kept first tokens stay out of the sliding layers' sight, as transformers' sliding-window cache
+    and llama.cpp's iSWA cache have it (replayed with masks per layer type: windowed_shifted_greedy). The same
+    tokens at every block size; different from the every-key replay (the first tokens do come back there)."""
+    model, ref = gemma3
+    ps = prompts(33, [20, 9])
+    layer_inv = hf_layer_inv_freq(ref.model)
+    windows = list(model.spec.sliding_window)
+    # The replay with masks equals transformers' own generate where no shift happens.
+    assert windowed_shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows) == ref.greedy(ps[0], N)
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    assert eng.grouped
+    want = [windowed_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows) for p in ps]
+    assert want != [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]  # the two semantics differ
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
