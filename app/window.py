@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -46,7 +47,12 @@ def run_window(args: argparse.Namespace) -> int:
         except RequestError as e:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
-    from PySide6 import QtCore, QtWidgets
+    # A signal inside PySide6's first import aborts the process (shiboken's bootstrap: exit 134, no cleanup, as
+    # kvscope attach found): held until the import is done, then acted on as it would have been.
+    with held_signals() as held:
+        from PySide6 import QtCore, QtWidgets
+    for signum, handler in held:
+        _deliver(signum, handler)
 
     from engine.telemetry import snapshot_io
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope"])
@@ -74,12 +80,59 @@ def run_window(args: argparse.Namespace) -> int:
         return _show(app, win, args, runner=None)
 
     runner = start_runner(args) if args.headless else load_with_progress(args)
-    settings = None if args.headless else QtCore.QSettings("kvscope", "kvscope")
-    win = MainWindow(runner, settings=settings, confirm_lossy=(lambda dtype: True) if args.headless else None)
+    rc = 1
     try:
-        return _show(app, win, args, runner)
+        settings = None if args.headless else QtCore.QSettings("kvscope", "kvscope")
+        win = MainWindow(runner, settings=settings, confirm_lossy=(lambda dtype: True) if args.headless else None)
+        rc = _show(app, win, args, runner)
+        return rc
     finally:
-        runner.stop()
+        stop_engine_thread(runner, rc)
+
+
+def stop_engine_thread(runner, rc: int, timeout_s: float = 60.0) -> None:
+    """Stop the engine thread and wait for it: the process must not exit while it runs. A daemon thread still
+    inside torch when the interpreter shuts down ends the process with "terminate called without an active
+    exception" (exit 134): seen when an error in the window's start skipped runner.stop(), and possible when a
+    step outlasts stop's own timeout on a loaded machine. A step that never ends (a hung device) exits the
+    process without running the C++ destructors, with the status it had."""
+    runner.stop()
+    thread = getattr(runner, "_thread", None)
+    if thread is None or not thread.is_alive():
+        return
+    thread.join(timeout_s)
+    if thread.is_alive():
+        print(f"kvscope: the engine thread did not stop within {timeout_s:g} s; exiting without it",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(rc if rc else 1)
+
+
+@contextlib.contextmanager
+def held_signals():
+    """SIGINT and SIGTERM received inside are kept (with the handler they would have gone to) rather than acted
+    on; the caller delivers them after. The main thread only (elsewhere signals cannot be set)."""
+    held: list[tuple[int, object]] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield held
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    for s in old:
+        signal.signal(s, lambda signum, _frame: held.append((signum, old[signum])))
+    try:
+        yield held
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _deliver(signum: int, handler) -> None:
+    """Act on a held signal as its handler would have."""
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def load_with_progress(args: argparse.Namespace):

@@ -1,0 +1,80 @@
+"""`kvscope --headless` must exit 0, never 134 ("terminate called without an active exception"): the process
+must not end while the engine thread runs (a daemon thread inside torch at interpreter shutdown aborts it), and
+a signal inside PySide6's first import must not reach shiboken's bootstrap (issue 22 item 4)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("PySide6")
+
+
+class _Runner:
+    """An engine thread that takes `lag_s` to finish the step it is in after stop() (a loaded machine), and a
+    stop() that, like EngineRunner's, waits for it only `timeout` seconds."""
+
+    def __init__(self, lag_s: float = 0.0):
+        self._stop = threading.Event()
+        self.lag_s = lag_s
+        self.stops = 0
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        self._stop.wait()
+        time.sleep(self.lag_s)
+
+    def stop(self, timeout: float = 0.05) -> None:
+        self.stops += 1
+        self._stop.set()
+        self._thread.join(timeout)
+
+
+def _args(**kw) -> argparse.Namespace:
+    base = dict(headless=True, screenshot=None, run_for=0.1, open_snapshot=None, replay=None, no_workload=True)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_an_error_while_the_window_starts_still_stops_the_engine_thread(qapp, monkeypatch):
+    """MainWindow raising in its constructor skipped runner.stop(): the engine thread ran on into the
+    interpreter's shutdown (seen: exit 134 after a TypeError in the window's first refresh)."""
+    import app.window as w
+    import ui.main_window
+
+    runner = _Runner()
+    monkeypatch.setattr(w, "start_runner", lambda args: runner)
+
+    def broken(*a, **k):
+        raise TypeError("the window could not start")
+
+    monkeypatch.setattr(ui.main_window, "MainWindow", broken)
+    with pytest.raises(TypeError):
+        w.run_window(_args())
+    assert runner.stops == 1 and not runner._thread.is_alive()
+
+
+def test_the_process_waits_for_a_step_that_outlasts_stops_timeout():
+    from app.window import stop_engine_thread
+
+    runner = _Runner(lag_s=0.5)
+    stop_engine_thread(runner, 0)
+    assert not runner._thread.is_alive()
+
+
+def test_a_signal_inside_the_held_section_waits_until_it_ends():
+    from app.window import _deliver, held_signals
+
+    with held_signals() as held:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.05)  # Python runs the handler between bytecodes: here, held
+    assert [s for s, _ in held] == [signal.SIGINT]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    with pytest.raises(KeyboardInterrupt):
+        for signum, handler in held:
+            _deliver(signum, handler)
