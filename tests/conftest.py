@@ -519,3 +519,33 @@ def tiny_gemma3(tmp_path_factory, tokenizer_files) -> str:
                       rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
                       pad_token_id=0)
     return _perturb_norms(path, 11)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory, tokenizer_files) -> str:
+    """GPT-OSS: layers S F S (layer_types alternating, sliding window 24), attention sinks, q/k/v and o_proj biases,
+    YaRN RoPE (factor 8 over an original 64 positions, truncate off, as gpt-oss-20b's), and a mixture of 4 experts,
+    top 2, each a clamped SwiGLU with biases. Untied. transformers saves the experts as plain fp32 tensors
+    (mlp.experts.gate_up_proj [E, hidden, 2I], no mxfp4). The sinks, biases and experts are initialized to 0 or
+    near it: given random values here, so a wrong sink, bias or expert shows in the tokens."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-gpt-oss"), GptOssConfig, GptOssForCausalLM, tokenizer_files, 12,
+                      num_hidden_layers=3, head_dim=16, intermediate_size=64, num_local_experts=4,
+                      num_experts_per_tok=2, sliding_window=24, tie_word_embeddings=False, pad_token_id=0,
+                      rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "truncate": False, "original_max_position_embeddings": 64,
+                                       "rope_theta": 150000.0})
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    g = torch.Generator().manual_seed(12)
+    for name, t in weights.items():
+        if name.endswith("sinks"):
+            weights[name] = 2.0 + 2.0 * torch.randn(t.shape, generator=g)
+        elif name.endswith("bias"):
+            weights[name] = 0.5 * torch.randn(t.shape, generator=g)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights[name] = 0.3 * torch.randn(t.shape, generator=g)
+    save_file(weights, file, metadata={"format": "pt"})
+    return path

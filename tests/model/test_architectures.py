@@ -21,7 +21,7 @@ N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
 PROMPTS = prompts(30, [7, 30, 75])  # past the sliding window (24) of tiny_qwen3_sliding
 FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3", "tiny_gemma2",
-            "tiny_gemma3")
+            "tiny_gemma3", "tiny_gpt_oss")
 SOFTCAP_REFUSED = "attention soft-capping \\(Gemma 2\\) runs on the reference backend only"
 
 
