@@ -191,7 +191,7 @@ TRITON = {
     "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
     "test_host_compute.py": ["test_triton_partial_merges_with_the_host_part"],
     "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
-                                "test_triton_kernel_compiles_for_the_gpu"],
+                                "test_triton_decode_with_sinks_matches_reference", "test_triton_kernel_compiles_for_the_gpu"],
 }
 SUBPROCESS = {
     "test_architecture.py": ["test_import_contracts_hold"],
@@ -207,7 +207,8 @@ SUBPROCESS = {
                               "test_ui_bench_runs_every_part_and_reports_frames"],
     "test_host_compute.py": ["test_cli_host_reads_compute_end_to_end", "test_triton_partial_merges_with_the_host_part"],
     "test_loader.py": ["test_warm_load_never_imports_transformers", "test_orphaned_build_dirs_are_removed"],
-    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
+                                "test_triton_decode_with_sinks_matches_reference"],
     "test_platform_check.py": ["test_a_display_with_no_server_exits_2_with_advice",
                                "test_attach_checks_the_display_the_same_way",
                                "test_a_plugin_whose_libraries_are_missing_is_named_with_the_packages"],
@@ -243,8 +244,9 @@ SLOW = {
                           "test_device_tier_smaller_than_one_sequence_keeps_tokens_exact[8-1-reference-stream]"],
     "test_kv_cost_window.py": ["test_the_shadow_chart_beside_the_hit_rate"],
     "test_layer_placement.py": ["test_tokens_are_exact_with_layers_on_the_host[reference]"],
-    "test_paged_attention.py": ["test_triton_decode_matches_reference",  # with the next: one 100 s interpreted run
-                                "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference",  # with the next two: one 100 s interpreted run
+                                "test_triton_prefill_falls_back_to_the_cpu_path",
+                                "test_triton_decode_with_sinks_matches_reference"],
     "test_storm.py": ["test_a_short_storm_breaks_nothing", "test_the_storm_counts_what_it_claims"],
     "test_sweep.py": ["test_two_by_two_sweep_table_csv_json_and_plot_agree",
                       "test_example_trace_replays_in_real_time_with_forks_and_demotion",

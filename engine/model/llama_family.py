@@ -1,9 +1,10 @@
-"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3) whose
-attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py): q/k
-norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
+"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3, GPT-OSS)
+whose attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py):
+q/k norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
 (1 + w) norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers, the layers
-without RoPE (nope_layers) and Gemma 3's own RoPE on the sliding layers (local_rope); the layer below takes each
-as a small branch.
+without RoPE (nope_layers), Gemma 3's own RoPE on the sliding layers (local_rope), and GPT-OSS's o_proj bias
+(o_proj_bias), attention sinks (attn_sinks: a logit per head that every attention backend joins to the softmax)
+and mixture-of-experts MLP (moe: engine/model/moe.py); the layer below takes each as a small branch.
 
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
@@ -44,7 +45,8 @@ def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtyp
     transformers in that dtype bit for bit (SDPA in the half type over exactly the valid keys), and the in-place
     path attends in fp32 instead (closer to fp32, but greedy tokens drift from transformers' half-precision ones).
     soft_capped (the model soft-caps its attention scores, spec.attn_softcap: Gemma 2): only the reference path
-    computes that, so auto picks it and any other name is refused.
+    computes that, so auto picks it and any other name is refused. Attention sinks (GPT-OSS) need nothing here:
+    every backend takes them (decode / prefill's `sinks`, and tier_split.add_sinks after a host split).
     """
     if name not in EngineOptions.ATTENTION:
         raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
@@ -372,7 +374,8 @@ class LlamaFamily:
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
         """K-shift: re-rotate layer `layer`'s cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes
         additively), with the layer's own RoPE (Gemma 3: its sliding layers' base). A NoPE layer's keys carry no
-        position: k itself."""
+        position: k itself. The rotation is pure, without the RoPE's attention scaling (YaRN's): cached keys carry
+        that factor once already, and a rotation keeps it."""
         rope = self.layer_rope[layer]
         if rope is None:
             return k
