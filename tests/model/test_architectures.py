@@ -501,6 +501,28 @@ def test_gpt_oss_context_shift_tokens_equal_transformers(gpt_oss, block_size):
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
+def test_gpt_oss_config_defaults_are_transformers(tmp_path, tiny_gpt_oss):
+    """A config.json without rope_parameters, layer_types, sliding_window or attention_bias: GptOssConfig's values
+    (YaRN x32 over 4096 positions, base 150k, truncate off; sliding layers 0, 2, window 128; biases on)."""
+    import json
+    import shutil
+
+    from transformers import GptOssConfig
+
+    path = tmp_path / "defaults"
+    shutil.copytree(tiny_gpt_oss, path)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "sliding_window", "attention_bias"):
+        config.pop(key)
+    (path / "config.json").write_text(json.dumps(config))
+    s = load_model(str(path)).spec
+    hf = GptOssConfig.from_pretrained(str(path))
+    assert s.sliding_window == (128, None, 128) and hf.layer_types[::2] == ["sliding_attention"] * 2
+    assert s.attention_bias and s.o_proj_bias and hf.attention_bias
+    assert s.rope_theta == hf.rope_parameters["rope_theta"] == 150000.0
+    assert {k: s.rope_scaling[k] for k in hf.rope_parameters} == hf.rope_parameters
+
+
 def test_quantized_checkpoints_are_refused(tmp_path, tiny_gpt_oss):
     """gpt-oss as published stores its experts in mxfp4 (quantization_config): refused in one line, by name."""
     import json
