@@ -188,6 +188,7 @@ def bm(qtbot):
 # its parameters) or by node id with parameters; every subprocess test is slow too. slow is also set in the test files (test_default_model.py,
 # test_loader.py, test_weights.py). Timings: --durations on 2 shared CPUs (load 3-6), 2026-12-01.
 TRITON = {
+    "test_architectures.py": ["test_gpt_oss_triton_backend_tokens_equal_transformers"],
     "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
     "test_host_compute.py": ["test_triton_partial_merges_with_the_host_part"],
     "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
@@ -195,6 +196,7 @@ TRITON = {
 }
 SUBPROCESS = {
     "test_architecture.py": ["test_import_contracts_hold"],
+    "test_architectures.py": ["test_gpt_oss_triton_backend_tokens_equal_transformers"],
     "test_attach_state.py": ["test_a_block_lands_in_the_same_cell_in_every_process"],
     "test_attach_torchfree.py": ["test_every_attach_module_imports_without_torch", "test_kvscope_attach_runs_without_torch",
                                  "test_bad_endpoints_are_one_line_errors"],

@@ -2,10 +2,13 @@
 Gemma 3 (text) and GPT-OSS, each a tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy
 `generate` on the same directory, at several block sizes, through a device tier smaller than one request, and under
 live reconfiguration; for SmolLM3 (NoPE layers), Gemma 3 (a RoPE base per layer type) and GPT-OSS (YaRN) also
-K-shifts, against transformers with the shift replayed on its cache. Gemma 2's attention soft-capping runs on the reference backend
+K-shifts, against transformers with the shift replayed on its cache; GPT-OSS's attention sinks also through the
+Triton backend, under the interpreter (this file as a script is that worker). Gemma 2's attention soft-capping runs on the reference backend
 only: any other is refused. Any other architecture is refused by name."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -451,6 +454,44 @@ def test_gpt_oss_host_compute_equals_transformers(gpt_oss, attention, monkeypatc
     assert splits and all(s is not None for s in splits)
 
 
+def test_gpt_oss_triton_backend_tokens_equal_transformers(gpt_oss, tiny_gpt_oss, tmp_path):
+    """The paged-decode kernel with the sinks joined after it (prefill: the cpu path), in an engine, under the
+    interpreter (this file as a script is the worker)."""
+    import json
+    import os
+    import subprocess
+
+    from conftest import ROOT, interpreter_env
+
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton is not installed ({e})")
+    _, ref = gpt_oss
+    out = tmp_path / "tokens.json"
+    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_gpt_oss], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert json.loads(out.read_text()) == [ref.greedy(p, 8) for p in TRITON_PROMPTS]
+
+
+TRITON_PROMPTS = prompts(34, [7, 30])  # past the window (24) once decoding
+
+
+def _triton_worker(out: str, path: str) -> None:
+    import json
+
+    from engine.attention.triton_paged import INTERPRET
+
+    assert INTERPRET, "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    eng = Engine(load_model(path), CacheConfig(block_size=5), EngineOptions(attention="triton", max_batched_tokens=16))
+    assert eng.model.backend.name == "triton"
+    with open(out, "w") as f:
+        json.dump(eng.generate(TRITON_PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)), f)
+
+
 def test_gpt_oss_kshift_is_a_pure_rotation_with_yarns_frequencies(gpt_oss):
     """Cached keys carry YaRN's attention scaling once (cos and sin x it); a K-shift rotates them by the position
     change with YaRN's inv_freq and without the scaling (a second factor would scale them twice): after a shift by
@@ -560,3 +601,7 @@ def test_architecture_and_model_type_must_name_the_same_family(tmp_path, tiny_qw
     (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
     with pytest.raises(ModelLoadError, match="architecture 'Qwen3ForCausalLM' with model_type 'qwen2'"):
         load_model(str(path))
+
+
+if __name__ == "__main__":
+    _triton_worker(sys.argv[1], sys.argv[2])
