@@ -188,13 +188,15 @@ def bm(qtbot):
 # its parameters) or by node id with parameters; every subprocess test is slow too. slow is also set in the test files (test_default_model.py,
 # test_loader.py, test_weights.py). Timings: --durations on 2 shared CPUs (load 3-6), 2026-12-01.
 TRITON = {
+    "test_architectures.py": ["test_gpt_oss_triton_backend_tokens_equal_transformers"],
     "test_attention_wiring.py": ["test_triton_backend_tokens_equal_transformers"],
     "test_host_compute.py": ["test_triton_partial_merges_with_the_host_part"],
     "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
-                                "test_triton_kernel_compiles_for_the_gpu"],
+                                "test_triton_decode_with_sinks_matches_reference", "test_triton_kernel_compiles_for_the_gpu"],
 }
 SUBPROCESS = {
     "test_architecture.py": ["test_import_contracts_hold"],
+    "test_architectures.py": ["test_gpt_oss_triton_backend_tokens_equal_transformers"],
     "test_attach_state.py": ["test_a_block_lands_in_the_same_cell_in_every_process"],
     "test_attach_torchfree.py": ["test_every_attach_module_imports_without_torch", "test_kvscope_attach_runs_without_torch",
                                  "test_bad_endpoints_are_one_line_errors"],
@@ -207,7 +209,8 @@ SUBPROCESS = {
                               "test_ui_bench_runs_every_part_and_reports_frames"],
     "test_host_compute.py": ["test_cli_host_reads_compute_end_to_end", "test_triton_partial_merges_with_the_host_part"],
     "test_loader.py": ["test_warm_load_never_imports_transformers", "test_orphaned_build_dirs_are_removed"],
-    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",
+                                "test_triton_decode_with_sinks_matches_reference"],
     "test_platform_check.py": ["test_a_display_with_no_server_exits_2_with_advice",
                                "test_attach_checks_the_display_the_same_way",
                                "test_a_plugin_whose_libraries_are_missing_is_named_with_the_packages"],
@@ -243,8 +246,9 @@ SLOW = {
                           "test_device_tier_smaller_than_one_sequence_keeps_tokens_exact[8-1-reference-stream]"],
     "test_kv_cost_window.py": ["test_the_shadow_chart_beside_the_hit_rate"],
     "test_layer_placement.py": ["test_tokens_are_exact_with_layers_on_the_host[reference]"],
-    "test_paged_attention.py": ["test_triton_decode_matches_reference",  # with the next: one 100 s interpreted run
-                                "test_triton_prefill_falls_back_to_the_cpu_path"],
+    "test_paged_attention.py": ["test_triton_decode_matches_reference",  # with the next two: one 100 s interpreted run
+                                "test_triton_prefill_falls_back_to_the_cpu_path",
+                                "test_triton_decode_with_sinks_matches_reference"],
     "test_storm.py": ["test_a_short_storm_breaks_nothing", "test_the_storm_counts_what_it_claims"],
     "test_sweep.py": ["test_two_by_two_sweep_table_csv_json_and_plot_agree",
                       "test_example_trace_replays_in_real_time_with_forks_and_demotion",
@@ -573,3 +577,33 @@ def tiny_gemma3(tmp_path_factory, tokenizer_files) -> str:
                       rope_local_base_freq=10_000.0, rope_scaling={"rope_type": "linear", "factor": 8.0},
                       pad_token_id=0)
     return _perturb_norms(path, 11)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss(tmp_path_factory, tokenizer_files) -> str:
+    """GPT-OSS: layers S F S (layer_types alternating, sliding window 24), attention sinks, q/k/v and o_proj biases,
+    YaRN RoPE (factor 8 over an original 64 positions, truncate off, as gpt-oss-20b's), and a mixture of 4 experts,
+    top 2, each a clamped SwiGLU with biases. Untied. transformers saves the experts as plain fp32 tensors
+    (mlp.experts.gate_up_proj [E, hidden, 2I], no mxfp4). The sinks, biases and experts are initialized to 0 or
+    near it: given random values here, so a wrong sink, bias or expert shows in the tokens."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-gpt-oss"), GptOssConfig, GptOssForCausalLM, tokenizer_files, 12,
+                      num_hidden_layers=3, head_dim=16, intermediate_size=64, num_local_experts=4,
+                      num_experts_per_tok=2, sliding_window=24, tie_word_embeddings=False, pad_token_id=0,
+                      rope_parameters={"rope_type": "yarn", "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                       "truncate": False, "original_max_position_embeddings": 64,
+                                       "rope_theta": 150000.0})
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    g = torch.Generator().manual_seed(12)
+    for name, t in weights.items():
+        if name.endswith("sinks"):
+            weights[name] = 2.0 + 2.0 * torch.randn(t.shape, generator=g)
+        elif name.endswith("bias"):
+            weights[name] = 0.5 * torch.randn(t.shape, generator=g)
+        elif name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            weights[name] = 0.3 * torch.randn(t.shape, generator=g)
+    save_file(weights, file, metadata={"format": "pt"})
+    return path

@@ -23,6 +23,10 @@ Visibility (the model's `_mask`): key i of row b is visible to a query at positi
 i < context_lens[b], key_pos[b, i] <= p and, with a window, key_pos[b, i] > p - window. Every query must
 see at least one key (a row with none is undefined: NaN in the reference).
 
+Attention sinks (GPT-OSS): decode and prefill take `sinks` [H], a logit per head that joins each softmax's
+denominator as a key whose value is 0 (the rows' weights then sum to less than 1). Every backend honours them;
+a partial never includes them: they join once, after the merge (tier_split.add_sinks).
+
 Blocks on the host tier (PagedBatch.on_host) are read in one of two ways (the host_reads knob): streamed
 (copied as stored to a staging buffer on the compute device one layer ahead, host_stream.py, and read there by
 `read_blocks`), or

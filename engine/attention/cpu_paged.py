@@ -66,7 +66,9 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         self.dense_prefill = dense_prefill
 
     def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype. With attention sinks [H] the chunk loop runs (SDPA has no
+        term for them) and each head's exp(sink) joins the softmax's sum, scaled by the running max as the keys."""
         B, Q, H, D = q.shape
         Hkv, bs = paged.kv_heads, paged.block_size
         G = H // Hkv
@@ -82,7 +84,7 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             last = min(NB, int(qpos.max()) // bs + 1)  # blocks wholly after every query: never visible
             if window is not None:
                 first = max(0, int(qpos.min()) - window + 1) // bs  # blocks wholly before every window
-        if Q > 1 and self.dense_prefill and not q.is_cuda:
+        if Q > 1 and self.dense_prefill and not q.is_cuda and sinks is None:
             n = (last - first) * bs
             cols = slice(first, last)
             k = read_blocks(paged, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
@@ -91,7 +93,10 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]
             return o.transpose(1, 2).to(q.dtype)
-        acc, l, _ = self._online(qg, layer, paged, batch, (kfmt, vfmt), hidden, first, last)
+        acc, l, m = self._online(qg, layer, paged, batch, (kfmt, vfmt), hidden, first, last)
+        if sinks is not None:  # rows (g, q) of each kv head, as qg's: [1, Hkv, G*Q, 1]
+            sink = sinks.float().to(q.device).view(1, Hkv, G, 1).repeat_interleave(Q, dim=2)
+            l = l + torch.exp(sink - m)
         out = (acc / l).view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
         return out.to(q.dtype)
 

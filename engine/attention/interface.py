@@ -88,22 +88,24 @@ class AttentionBackend(Protocol):
     name: str
 
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-               window: int | None = None) -> torch.Tensor:
-        """q [B, H, D] (one query per row) -> [B, H, D] in q's dtype (computed in fp32)."""
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] (one query per row) -> [B, H, D] in q's dtype (computed in fp32). sinks [H]: a logit per head
+        that joins the softmax's denominator (a key with value 0: GPT-OSS's attention sinks); None: none."""
 
     def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position)."""
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype; batch.q_pos [B, Q] (causal by position); sinks as decode's."""
 
     def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, Q, H, D] -> (out [B, Q, H, D], lse [B, Q, H]) in fp32 over the batch's visible keys (no host blocks:
-        on_host None); a query with none gets out 0 and lse -inf. Merged with tier_split.merge_partials."""
+        on_host None); a query with none gets out 0 and lse -inf. Merged with tier_split.merge_partials; attention
+        sinks are never in a partial: they join once, after the merge (tier_split.add_sinks)."""
 
 
 class DecodeAsPrefill:
     """For backends whose decode is their prefill with one query per row."""
 
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-               window: int | None = None) -> torch.Tensor:
-        return self.prefill(q[:, None], layer, paged, batch, scale=scale, window=window)[:, 0]  # [B, H, D]
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self.prefill(q[:, None], layer, paged, batch, scale=scale, window=window, sinks=sinks)[:, 0]  # [B, H, D]

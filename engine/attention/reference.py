@@ -26,7 +26,8 @@ def head_major(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: torch.Tensor, *, scale: float,
-                    dtype: torch.dtype = torch.float32, softcap: float | None = None) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA of q over dense K/V blocks under a bool visibility mask, computed in `dtype`.
 
     q [B, Q, H, D]; kb, vb [B, NB, Hkv, bs, D] (any float dtype: a decoded table, or a KVStore's gather), on q's
@@ -37,6 +38,9 @@ def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: t
 
     softcap (Gemma 2's attn_logit_softcapping): scores -> tanh(scores / softcap) * softcap before the mask and
     the softmax, as transformers' eager attention computes it (matmul in `dtype`, softmax in fp32, rounded back).
+    sinks [H] (GPT-OSS's attention sinks): each head's logit is one more column of the scores, the softmax runs
+    over scores and sink (max subtracted, in `dtype`, as transformers' eager GPT-OSS attention) and the sink's
+    column is dropped: the rows' weights sum to less than 1.
     """
     H = q.shape[2]
     n = mask.shape[-1]
@@ -48,13 +52,19 @@ def dense_attention(q: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, mask: t
         # On CUDA, grouped-query SDPA with a mask runs on the slow "math" path (a dozen kernels);
         # with K/V heads expanded it takes the memory-efficient kernel, mask and fp32 included.
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B, H, n, D]
-    if softcap is not None:
+    if softcap is not None or sinks is not None:  # the eager formula, as transformers writes it
         if k.shape[1] != H:  # (not yet expanded above)
             k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B, H, n, D]
-        s = torch.tanh(torch.matmul(qh, k.transpose(-1, -2)) * scale / softcap) * softcap  # [B, H, Q, n]
+        s = torch.matmul(qh, k.transpose(-1, -2)) * scale  # [B, H, Q, n]
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~mask, torch.finfo(s.dtype).min)  # no visible key (a padding row): finite, as transformers'
-        o = torch.matmul(torch.softmax(s, dim=-1, dtype=torch.float32).to(dtype), v)  # [B, H, Q, D]
-        return o.transpose(1, 2)  # [B, Q, H, D]
+        if sinks is None:
+            p = torch.softmax(s, dim=-1, dtype=torch.float32).to(dtype)
+        else:
+            s = torch.cat((s, sinks.to(s)[None, :, None, None].expand(*s.shape[:-1], 1)), dim=-1)  # [B, H, Q, n + 1]
+            p = torch.softmax(s - s.amax(dim=-1, keepdim=True), dim=-1)[..., :-1]  # the sink's weight dropped
+        return torch.matmul(p, v).transpose(1, 2)  # [B, Q, H, D]
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=H != k.shape[1])
     return o.transpose(1, 2)  # [B, Q, H, D]
 
@@ -72,12 +82,13 @@ class ReferenceBackend(DecodeAsPrefill):
     name = "reference"
 
     def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-                window: int | None = None) -> torch.Tensor:
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: dense_attention in fp32 over the decoded table."""
         kb, vb = decoded_table(paged, layer, batch)  # [B, NB, Hkv, bs, D] fp32
         S = kb.shape[1] * kb.shape[3]
         mask = visibility(batch, q.shape[1], S, window)[:, None]  # [B, 1, Q, S]
-        return dense_attention(q, kb, vb, mask, scale=scale).to(q.dtype)  # [B, Q, H, D]
+        sinks = None if sinks is None else sinks.float()
+        return dense_attention(q, kb, vb, mask, scale=scale, sinks=sinks).to(q.dtype)  # [B, Q, H, D]
 
     def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                 window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

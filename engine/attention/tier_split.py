@@ -6,7 +6,8 @@ A group whose table has blocks on the host tier (PagedBatch.on_host) is attended
 - the device part: the backend over the device tier's blocks, the host ones hidden;
 - the host part: the CPU path over only the table's host columns, read from the host tier's parts, on the host.
 
-`merge_partials` combines them as flash-decoding's split-K does. On CUDA nothing of a host block crosses PCIe:
+`merge_partials` combines them as flash-decoding's split-K does; a model's attention sinks (GPT-OSS) join after
+that, as one more term of the log-sum-exp (`add_sinks`). On CUDA nothing of a host block crosses PCIe:
 q goes to the host (its copy queued before the device part, so the GPU computes while the CPU does), and the
 host part's output and lse come back, [B, Q, H, D + 1] floats. Streaming (host_reads="stream") is the other way:
 `read_blocks` copies every host block of every layer to the device.
@@ -75,10 +76,17 @@ def merge_partials(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
     return o, m + torch.log(total)
 
 
+def add_sinks(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A partial (o [..., H, D], lse [..., H]) with each head's attention sink (sinks [H], a logit) joined: the sink
+    is one more term of the log-sum-exp, a key whose value is 0, so o scales by exp(lse) / (exp(lse) + exp(sink))."""
+    sink_lse = sinks.to(device=lse.device, dtype=torch.float32).expand_as(lse)
+    return merge_partials(o, lse, torch.zeros_like(o), sink_lse)
+
+
 def attend_split(device_side, host_side, q: torch.Tensor, layer: int, paged: PagedKV, split: TierSplit, *,
-                 scale: float, window: int | None) -> torch.Tensor:
+                 scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: device_side.partial over split.device, host_side.partial over
-    split.host on the CPU (paged.host's parts), merged."""
+    split.host on the CPU (paged.host's parts), merged; then the attention sinks [H], if any (add_sinks)."""
     cuda = q.is_cuda
     if cuda:  # q to the host first (queued), then the device part: the GPU computes while the CPU does
         q_host = torch.empty(q.shape, dtype=q.dtype, pin_memory=True)
@@ -97,11 +105,13 @@ def attend_split(device_side, host_side, q: torch.Tensor, layer: int, paged: Pag
         o, lse = o.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True)
     if dev is not None:
         o, lse = merge_partials(dev[0], dev[1], o, lse)
+    if sinks is not None:
+        o, lse = add_sinks(o, lse, sinks)
     return o.to(q.dtype)
 
 
 def attend_on_host(host_side, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, q_len: int, *,
-                   scale: float, window: int | None) -> torch.Tensor:
+                   scale: float, window: int | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """A layer the device tier keeps in host memory (per-layer placement, `device_layers`): the whole layer
     attended on the host CPU, where its K/V are (both tiers' blocks), and the output sent back, as llama.cpp does
     for layers whose KV is not offloaded. q [B*Q, H, D] -> the same shape on q's device."""
@@ -109,11 +119,13 @@ def attend_on_host(host_side, q: torch.Tensor, layer: int, paged: PagedKV, batch
     pb = PagedBatch(**{f: (getattr(batch, f).to(cpu) if getattr(batch, f) is not None else None)
                        for f in ("block_table", "context_lens", "q_pos", "key_pos", "on_host", "host_table")})
     qh = q.to(cpu)
+    sinks = None if sinks is None else sinks.to(cpu)
     if q_len == 1:
-        o = host_side.decode(qh, layer, paged, pb, scale=scale, window=window)
+        o = host_side.decode(qh, layer, paged, pb, scale=scale, window=window, sinks=sinks)
     else:
         B = pb.block_table.shape[0]
-        o = host_side.prefill(qh.view(B, q_len, *qh.shape[1:]), layer, paged, pb, scale=scale, window=window)
+        o = host_side.prefill(qh.view(B, q_len, *qh.shape[1:]), layer, paged, pb, scale=scale, window=window,
+                              sinks=sinks)
     return o.reshape(q.shape).to(q.device, non_blocking=True)
 
 

@@ -19,7 +19,9 @@ the torch path of cpu_paged.py.
 
 `partial` (host_reads="compute": the device tier's part of a split, engine/attention/tier_split.py) runs the
 kernel in split mode however many splits there are, and merges its running max, sum and output into the output
-and its log-sum-exp: the kernel itself is unchanged. A prefill's partial is the torch path's.
+and its log-sum-exp: the kernel itself is unchanged. A prefill's partial is the torch path's. Attention sinks
+(GPT-OSS) are decoded the same way: the kernel's output and lse, the sink joined after as one more log-sum-exp
+term (tier_split.add_sinks).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import torch
 
 from engine.attention.interface import KVFormat, PagedBatch, PagedKV, kv_formats
 from engine.attention.cpu_paged import ChunkedPagedBackend
-from engine.attention.tier_split import lse_of
+from engine.attention.tier_split import add_sinks, lse_of
 
 INTERPRET = bool(triton.knobs.runtime.interpret)  # TRITON_INTERPRET=1 when triton was imported
 
@@ -192,9 +194,12 @@ class TritonPagedBackend:
         return max(1, min(_next_pow2(bs), _prev_pow2(max(1, self.tile_elems // per_token))))
 
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-               window: int | None = None) -> torch.Tensor:
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         if batch.on_host is not None:  # blocks on the host tier: streamed per layer by the torch path
-            return self._prefill.decode(q, layer, paged, batch, scale=scale, window=window)
+            return self._prefill.decode(q, layer, paged, batch, scale=scale, window=window, sinks=sinks)
+        if sinks is not None:  # attention sinks: the kernel's output and lse, the sink joined after (add_sinks)
+            o, lse = self._run(q, layer, paged, batch, scale, window, with_lse=True)
+            return add_sinks(o, lse, sinks)[0].to(q.dtype)
         return self._run(q, layer, paged, batch, scale, window, with_lse=False)
 
     def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
@@ -258,8 +263,8 @@ class TritonPagedBackend:
         return out
 
     def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
-                window: int | None = None) -> torch.Tensor:
-        return self._prefill.prefill(q, layer, paged, batch, scale=scale, window=window)
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return self._prefill.prefill(q, layer, paged, batch, scale=scale, window=window, sinks=sinks)
 
 
 def _merge_splits(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, with_lse: bool = False):

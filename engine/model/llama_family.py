@@ -1,9 +1,10 @@
-"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3) whose
-attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py): q/k
-norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
+"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3, GPT-OSS)
+whose attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py):
+q/k norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
 (1 + w) norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers, the layers
-without RoPE (nope_layers) and Gemma 3's own RoPE on the sliding layers (local_rope); the layer below takes each
-as a small branch.
+without RoPE (nope_layers), Gemma 3's own RoPE on the sliding layers (local_rope), and GPT-OSS's o_proj bias
+(o_proj_bias), attention sinks (attn_sinks: a logit per head that every attention backend joins to the softmax)
+and mixture-of-experts MLP (moe: engine/model/moe.py); the layer below takes each as a small branch.
 
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
@@ -31,6 +32,7 @@ from engine.attention.tier_split import TierSplit, attend_on_host, attend_split,
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype
+from engine.model.moe import MoeMLP
 from engine.model.spec import LAYER_NORMS
 
 
@@ -43,7 +45,8 @@ def resolve_attention(name: str, device: "torch.device | str", dtype: torch.dtyp
     transformers in that dtype bit for bit (SDPA in the half type over exactly the valid keys), and the in-place
     path attends in fp32 instead (closer to fp32, but greedy tokens drift from transformers' half-precision ones).
     soft_capped (the model soft-caps its attention scores, spec.attn_softcap: Gemma 2): only the reference path
-    computes that, so auto picks it and any other name is refused.
+    computes that, so auto picks it and any other name is refused. Attention sinks (GPT-OSS) need nothing here:
+    every backend takes them (decode / prefill's `sinks`, and tier_split.add_sinks after a host split).
     """
     if name not in EngineOptions.ATTENTION:
         raise ConfigError(f"attention: {name!r} is not one of {', '.join(EngineOptions.ATTENTION)}")
@@ -157,7 +160,45 @@ def rope_inv_freq(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, f
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn_inv_freq(base, d, params, spec.max_position_embeddings)
     raise ValueError(f"RoPE type {kind!r} is not supported")
+
+
+def _yarn_inv_freq(base: float, d: int, params: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """YaRN (transformers' _compute_yarn_parameters, step for step): inv_freq blends the interpolated (/ factor)
+    and the original frequencies by a linear ramp over the dims between the beta_fast and beta_slow rotation
+    counts at original_max_position_embeddings; the attention scaling (cos and sin x it, so q.k x its square) is
+    attention_factor, else 0.1 ln(factor) + 1 (DeepSeek's mscale / mscale_all_dim ratio when both are given)."""
+    import math
+
+    old_ctx = float(params["original_max_position_embeddings"])
+    factor = params.get("factor")
+    factor = max_positions / old_ctx if factor is None else float(factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = float(mscale(factor, m) / mscale(factor, m_all)) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:  # the dim that turns `rotations` times over old_ctx
+        return (d * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001  # as transformers: no singular ramp
+    pos_freqs = base ** (torch.arange(0, d, 2).float() / d)
+    ramp = torch.clamp((torch.arange(d // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: the original frequency (fast dims), 0: interpolated (slow dims)
+    inv = 1.0 / (factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+    return inv, float(attention)
 
 
 SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
@@ -214,6 +255,9 @@ class LlamaFamily:
         # per layer: the norms (attention input, attention output, MLP input, MLP output), None where none sits
         self.norms: list[tuple[torch.Tensor | None, ...]] = []
         self.qk_norms: list[tuple[torch.Tensor, torch.Tensor] | None] = []  # per layer: q_norm, k_norm weights
+        self.o_bias: list[torch.Tensor | None] = []  # per layer: o_proj's bias (spec.o_proj_bias), else None
+        self.sinks: list[torch.Tensor | None] = []  # per layer: attention sinks [H] (spec.attn_sinks), else None
+        self.moe: list[MoeMLP | None] = []  # per layer: the mixture-of-experts MLP (spec.moe), else None
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
@@ -222,16 +266,22 @@ class LlamaFamily:
             qkv_b = self._fused(w, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if spec.attention_bias else None
             self.qk_norms.append((norm(w[a + "q_norm.weight"]), norm(w[a + "k_norm.weight"]))
                                  if spec.qk_norm != "none" else None)
-            gate_up = self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"])
+            gate_up = (self._fused(w, [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if spec.moe is None
+                       else None)
             norms = tuple(None if n is None else norm(w[p + n + ".weight"]) for n in names)
             self.norms.append(norms)
             attn_in, attn_out, mlp_in, mlp_out = norms
             # (attention's norm, qkv, qkv bias, o_proj, MLP's norm, gate_up, down_proj): each branch's input norm,
-            # else its output norm (OLMo 2); Gemma's output norms are in self.norms only.
+            # else its output norm (OLMo 2); Gemma's output norms are in self.norms only. A mixture-of-experts
+            # MLP (spec.moe) has no gate_up / down_proj here (None): its experts are in self.moe.
             self.layers.append(
                 (attn_in if attn_in is not None else attn_out, qkv, qkv_b, own(w[a + "o_proj.weight"]),
-                 mlp_in if mlp_in is not None else mlp_out, gate_up, own(w[p + "mlp.down_proj.weight"]))
+                 mlp_in if mlp_in is not None else mlp_out, gate_up,
+                 None if gate_up is None else own(w[p + "mlp.down_proj.weight"]))
             )
+            self.o_bias.append(own(w[a + "o_proj.bias"]) if spec.o_proj_bias else None)
+            self.sinks.append(own(w[a + "sinks"]) if spec.attn_sinks else None)
+            self.moe.append(self._moe(w, p + "mlp.") if spec.moe is not None else None)
         # RoPE variants, (inv_freq [D/2], attention scaling): 0 the model's, 1 Gemma 3's for its sliding layers. Per
         # layer the index of its own, None for a NoPE layer. Each variant's cos/sin are computed once a step.
         local = spec.local_rope is not None
@@ -241,6 +291,13 @@ class LlamaFamily:
             None if i in spec.nope_layers else int(local and spec.sliding_window[i] is not None)
             for i in range(spec.num_layers)]
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
+
+    def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
+        own, m = self._own, self.spec.moe
+        return MoeMLP(router=own(w[p + "router.weight"]), router_bias=own(w[p + "router.bias"]),
+                      gate_up=own(w[p + "experts.gate_up_proj"]), gate_up_bias=own(w[p + "experts.gate_up_proj_bias"]),
+                      down=own(w[p + "experts.down_proj"]), down_bias=own(w[p + "experts.down_proj_bias"]),
+                      top_k=m.top_k, alpha=m.swiglu_alpha, limit=m.swiglu_limit)
 
     def use_attention(self, name: str) -> None:
         """Pick the attention backend (EngineOptions.attention); `reference` is the inline gather + SDPA path."""
@@ -328,7 +385,8 @@ class LlamaFamily:
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
         """K-shift: re-rotate layer `layer`'s cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes
         additively), with the layer's own RoPE (Gemma 3: its sliding layers' base). A NoPE layer's keys carry no
-        position: k itself."""
+        position: k itself. The rotation is pure, without the RoPE's attention scaling (YaRN's): cached keys carry
+        that factor once already, and a rotation keeps it."""
         rope = self.layer_rope[layer]
         if rope is None:
             return k
@@ -354,8 +412,8 @@ class LlamaFamily:
         attends = []
         for part in parts:
             b = batch if part.groups is batch.groups else dataclasses.replace(batch, groups=part.groups)
-            attends.append(self._reference_attention(b, part.store, x) if self.backend is None
-                           else self._paged_attention(b, part.store, x))
+            attends.append(self._reference_attention(b, part.store, x, part.layers) if self.backend is None
+                           else self._paged_attention(b, part.store, x, part.layers))
         where = [(0, 0)] * s.num_layers
         for pi, part in enumerate(parts):
             for local, li in enumerate(part.layers):
@@ -376,8 +434,15 @@ class LlamaFamily:
             pi, local = where[li]
             parts[pi].store.write(local, k, v)
             attn = attends[pi](local, q, s.sliding_window[li])  # [T, H, D] in the weights dtype
-            x = self._residual(x, linear(attn.reshape(T, H * D), o_w), attn_out)
-            gate, up = linear(x if mlp_in is None else self._rms(x, mlp_in), gu_w).chunk(2, dim=-1)
+            o = linear(attn.reshape(T, H * D), o_w)
+            if self.o_bias[li] is not None:
+                o = o + self.o_bias[li]
+            x = self._residual(x, o, attn_out)
+            h = x if mlp_in is None else self._rms(x, mlp_in)
+            if self.moe[li] is not None:
+                x = self._residual(x, self.moe[li](h), mlp_out)
+                continue
+            gate, up = linear(h, gu_w).chunk(2, dim=-1)
             x = self._residual(x, linear(act(gate) * up, down_w), mlp_out)
         x = self._rms(x[batch.logit_rows], self.norm)
         logits = linear(x, self.lm_head)
@@ -396,7 +461,8 @@ class LlamaFamily:
             out = out * self.spec.residual_multiplier
         return x + out
 
-    def _reference_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
+    def _reference_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor,
+                             layers: tuple[int, ...] | None = None):
         """attend(layer, q [T, H, D], window) -> [T, H, D]: every block of each table gathered into a dense fp32
         copy (store.gather), then engine.attention.reference.dense_attention, the SDPA-under-a-mask that
         ReferenceBackend runs too, here in the weights dtype over the keys up to each group's span (and the one
@@ -418,6 +484,7 @@ class LlamaFamily:
         splits = [g.split(paged.block_size) if paged is not None else None for g in batch.groups]
 
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
+            sinks = self.sinks[li if layers is None else layers[li]]  # li: the store's layer; sinks by model layer
             if window not in masks:
                 masks[window] = [self._mask(g, window)[..., :n] for g, n in zip(batch.groups, spans)]
             attn = torch.empty((T, H, D), dtype=x.dtype, device=x.device)  # [T, H, D]
@@ -425,19 +492,22 @@ class LlamaFamily:
                 B = g.table.shape[0]
                 qg = q[g.rows].view(B, g.q_len, H, D)  # [B, Q, H, D]
                 if split is not None:
-                    o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window)
+                    o = attend_split(*self.split_sides, qg, li, paged, split, scale=self.scale, window=window,
+                                     sinks=sinks)
                     attn[g.rows] = o.reshape(B * g.q_len, H, D)
                     continue
                 kb, vb = store.gather(li, g)  # [B, NB, Hkv, bs, D], fp32 (a layer kept in host memory: streamed here)
                 kb, vb = kb.to(q.device), vb.to(q.device)
                 # Attention in the weights dtype, as transformers computes it (a no-op cast for fp32).
-                o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype, softcap=softcap)  # [B, Q, H, D]
+                o = dense_attention(qg, kb, vb, mask, scale=self.scale, dtype=q.dtype, softcap=softcap,
+                                    sinks=sinks)  # [B, Q, H, D]
                 attn[g.rows] = o.reshape(B * g.q_len, H, D)
             return attn
 
         return attend
 
-    def _paged_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor):
+    def _paged_attention(self, batch: ForwardBatch, store: KVStore, x: torch.Tensor,
+                         layers: tuple[int, ...] | None = None):
         """attend(layer, q [T, H, D], window) -> [T, H, D] through `self.backend`, reading the device tier's
         blocks where they lie: decode(...) for the decode group, prefill(...) for each prompt chunk.
 
@@ -454,15 +524,18 @@ class LlamaFamily:
 
         def run(li: int, q: torch.Tensor, g: AttnGroup, pb: PagedBatch, split: TierSplit | None,
                 window: int | None) -> torch.Tensor:
+            sinks = self.sinks[li if layers is None else layers[li]]  # li: the store's layer; sinks by model layer
             if paged.k["data"][li].device != q.device:  # device_layers: this layer's K/V are in host memory
-                return attend_on_host(sides[1], q, li, paged, pb, g.q_len, scale=scale, window=window)
+                return attend_on_host(sides[1], q, li, paged, pb, g.q_len, scale=scale, window=window, sinks=sinks)
             if split is not None:  # host_reads="compute": device part here, host part on the host, merged
                 qg = q.view(g.table.shape[0], g.q_len, *q.shape[1:])
-                return attend_split(*sides, qg, li, paged, split, scale=scale, window=window).view(q.shape)
+                return attend_split(*sides, qg, li, paged, split, scale=scale, window=window,
+                                    sinks=sinks).view(q.shape)
             if g.q_len == 1:
-                return backend.decode(q, li, paged, pb, scale=scale, window=window)  # [B, H, D]
+                return backend.decode(q, li, paged, pb, scale=scale, window=window, sinks=sinks)  # [B, H, D]
             B, Q, (_, H, D) = g.table.shape[0], g.q_len, q.shape
-            return backend.prefill(q.view(B, Q, H, D), li, paged, pb, scale=scale, window=window).view(B * Q, H, D)
+            return backend.prefill(q.view(B, Q, H, D), li, paged, pb, scale=scale, window=window,
+                                   sinks=sinks).view(B * Q, H, D)
 
         def attend(li: int, q: torch.Tensor, window: int | None) -> torch.Tensor:
             if whole:

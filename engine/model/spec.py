@@ -19,7 +19,7 @@ class ModelLoadError(Exception):
 
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
-    "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
 })
 
 # Values transformers' config classes use when a key is absent from config.json (rms_norm_eps: 1e-6 unless listed).
@@ -38,12 +38,19 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                     "tie_word_embeddings": True, "query_pre_attn_scalar": 256, "attn_logit_softcapping": None,
                     "final_logit_softcapping": None, "sliding_window_pattern": 6, "rope_theta": 1_000_000.0,
                     "rope_local_base_freq": 10_000.0},
+    "gpt_oss": {"max_position_embeddings": 131072, "sliding_window": 128, "head_dim": 64, "rms_norm_eps": 1e-5,
+                "attention_bias": True, "rope_theta": 150000.0, "sliding_window_pattern": 2,
+                "num_local_experts": 128, "num_experts_per_tok": 4, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+                # GptOssConfig's RoPE when config.json has none
+                "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                    "truncate": False, "original_max_position_embeddings": 4096}},
 }
 _GEMMA = ("gemma2", "gemma3_text")
 # The families whose layer differs from Llama's: architecture and model_type must name the same one (the forward
 # pass follows model_type, transformers the architecture).
 _OWN_MODEL_TYPE = {"Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
-                   "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text"}
+                   "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
+                   "GptOssForCausalLM": "gpt_oss"}
 
 # Each layer's norms by spec.norm_placement: (attention input, attention output, MLP input, MLP output), the
 # checkpoint's names; None: no norm there. An output norm is applied to the branch's output before its residual add.
@@ -53,6 +60,18 @@ LAYER_NORMS: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",  # Gemma 2 / 3
                  "post_feedforward_layernorm"),
 }
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """A top-k mixture-of-experts MLP (GPT-OSS): a router linear (+ bias) picks top_k of num_experts per token and
+    softmaxes their logits; each expert is gate_up (+ bias, gate and up interleaved by column) -> the clamped
+    SwiGLU (up + 1) * gate * sigmoid(alpha * gate), gate <= limit, |up| <= limit -> down (+ bias)."""
+
+    num_experts: int
+    top_k: int
+    swiglu_alpha: float
+    swiglu_limit: float
 
 
 @dataclass(frozen=True)
@@ -98,6 +117,10 @@ class ModelSpec:
     #                                            None: head_dim ** -0.5
     logits_scaling: float = 1.0  # logits / it (Granite)
     nope_layers: frozenset[int] = frozenset()  # layers whose q and k are not rotated (SmolLM3's NoPE layers)
+    o_proj_bias: bool = False  # o_proj carries a bias (GPT-OSS)
+    attn_sinks: bool = False  # a learned logit per head (self_attn.sinks [H]) joins each softmax's denominator and
+    #                           is dropped from its output (GPT-OSS)
+    moe: MoeSpec | None = None  # the MLP is a top-k mixture of experts (GPT-OSS); None: one dense gated MLP
 
 
 def unsupported(architecture: str, path: str) -> ModelLoadError:
@@ -150,7 +173,11 @@ def _layer_ropes(config: dict[str, Any], model_type: str
     Gemma 3 in transformers 5 writes rope_parameters keyed by layer type ({"full_attention": {...},
     "sliding_attention": {...}}); v4 configs have rope_theta and rope_scaling (the full layers') and
     rope_local_base_freq (the sliding layers', plain RoPE)."""
+    if model_type == "gpt_oss" and not (config.get("rope_scaling") or config.get("rope_parameters")):
+        config = {**config, "rope_parameters": _DEFAULTS["gpt_oss"]["rope_parameters"]}  # GptOssConfig's YaRN
     if model_type != "gemma3_text":
+        if model_type in _DEFAULTS and "rope_theta" in _DEFAULTS[model_type]:
+            config = {"rope_theta": _DEFAULTS[model_type]["rope_theta"], **config}  # the family's default base
         return _rope(config), None
     params = config.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
@@ -186,7 +213,7 @@ def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int,
     if model_type == "mistral":
         # MistralModel applies config.sliding_window to every layer and ignores layer_types.
         return (window,) * num_layers
-    if model_type in _GEMMA:
+    if model_type in _GEMMA or model_type == "gpt_oss":
         # Always sliding layers: layer_types, or every layer but each sliding_window_pattern-th (Gemma 2: 2).
         pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
                       or _DEFAULTS[model_type]["sliding_window_pattern"])
@@ -238,6 +265,10 @@ def spec_from_config(
             raise ModelLoadError(f"use_bidirectional_attention in {directory} is not supported (causal only)")
     elif config.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"hidden_act '{config['hidden_act']}' in {directory}; KV Scope's forward uses SiLU")
+    if config.get("quantization_config"):
+        method = (config["quantization_config"] or {}).get("quant_method", "?")
+        raise ModelLoadError(f"quantized checkpoint ({method}) in {directory} is not supported; KV Scope reads "
+                             "float weights (dequantize it first, e.g. from_pretrained then save_pretrained)")
     if config.get("mlp_bias"):
         raise ModelLoadError(f"mlp_bias in {directory} is not supported")
     try:
@@ -250,6 +281,8 @@ def spec_from_config(
     bos = config.get("bos_token_id")
     nope = _nope_layers(config, model_type, num_layers)
     granite = model_type == "granite"
+    gpt_oss = model_type == "gpt_oss"
+    attention_bias = model_type == "qwen2" or bool(_get(config, defaults, "attention_bias"))
     return ModelSpec(
         architecture=architecture,
         model_type=model_type,
@@ -268,7 +301,7 @@ def spec_from_config(
         ),
         # Qwen2 always has q/k/v bias and no attention_bias key; Llama's key would also bias o_proj,
         # which check_weights then rejects as an unexpected tensor.
-        attention_bias=model_type == "qwen2" or bool(config.get("attention_bias", False)),
+        attention_bias=attention_bias,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
         sliding_window=_sliding_windows(config, model_type, num_layers, nope),
         bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
@@ -276,7 +309,7 @@ def spec_from_config(
         name=name,
         qk_norm={"qwen3": "head", "olmo2": "proj", "gemma3_text": "head"}.get(model_type, "none"),
         norm_placement="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
-        rms_scale_fp32=model_type == "olmo2" or gemma,
+        rms_scale_fp32=model_type == "olmo2" or gemma or gpt_oss,
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
         attention_multiplier=float(config.get("attention_multiplier", 1.0)) if granite else (
@@ -289,7 +322,18 @@ def spec_from_config(
         attn_softcap=_softcap(_get(config, defaults, "attn_logit_softcapping")) if gemma else None,
         final_softcap=_softcap(_get(config, defaults, "final_logit_softcapping")) if gemma else None,
         local_rope=local_rope,
+        o_proj_bias=gpt_oss and attention_bias,
+        attn_sinks=gpt_oss,
+        moe=_moe(config, defaults) if gpt_oss else None,
     )
+
+
+def _moe(config: dict[str, Any], defaults: dict[str, Any]) -> MoeSpec:
+    experts, top_k = int(_get(config, defaults, "num_local_experts")), int(_get(config, defaults, "num_experts_per_tok"))
+    if not 0 < top_k <= experts:
+        raise ModelLoadError(f"num_experts_per_tok {top_k} with {experts} experts")
+    return MoeSpec(num_experts=experts, top_k=top_k, swiglu_alpha=float(_get(config, defaults, "swiglu_alpha")),
+                   swiglu_limit=float(_get(config, defaults, "swiglu_limit")))
 
 
 def _get(config: dict[str, Any], defaults: dict[str, Any], key: str) -> Any:
@@ -322,16 +366,25 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             p + "self_attn.k_proj.weight": (kv_width, h),
             p + "self_attn.v_proj.weight": (kv_width, h),
             p + "self_attn.o_proj.weight": (h, q),
-            p + "mlp.gate_proj.weight": (i, h),
-            p + "mlp.up_proj.weight": (i, h),
-            p + "mlp.down_proj.weight": (h, i),
         }
+        if spec.moe is None:
+            shapes |= {p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h),
+                       p + "mlp.down_proj.weight": (h, i)}
+        else:  # transformers' GptOssMLP: experts stored [E, in, out] (x @ w), gate and up interleaved by column
+            e = spec.moe.num_experts
+            shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
+                       p + "mlp.experts.gate_up_proj": (e, h, 2 * i), p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
+                       p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h)}
         if spec.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),
                 p + "self_attn.k_proj.bias": (kv_width,),
                 p + "self_attn.v_proj.bias": (kv_width,),
             }
+        if spec.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if spec.attn_sinks:
+            shapes[p + "self_attn.sinks"] = (spec.num_heads,)
     return shapes
 
 

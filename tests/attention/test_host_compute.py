@@ -27,7 +27,7 @@ from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from engine.kv.tiers import Tier
-from test_paged_attention import DTYPES, Case, build
+from test_paged_attention import DTYPES, Case, build, sinks_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 16
@@ -144,6 +144,38 @@ def test_split_attention_equals_the_unsplit_reference(case):
             got = attend_split(be, be, q, 1, kv, split, scale=scale, window=window)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{case.id} {name} Q={q_len}: {m}")
+
+
+@pytest.mark.parametrize("case", [c for c in SPLIT_CASES if c.dtype in (KVDtype.FP32, KVDtype.INT8_KIVI)],
+                         ids=lambda c: c.id)
+def test_split_attention_with_sinks_equals_the_unsplit_reference(case):
+    """GPT-OSS's attention sinks: never in a partial, joined once after the device and host parts are merged (one more
+    log-sum-exp term): equal to the reference's softmax over all the keys and the sink; decode and a prefill chunk."""
+    ref = make_backend("reference")
+    sinks = sinks_for(case)
+    for q_len in (1, 3):
+        q, kv, pb, whole_kv, whole, window, scale = split_case(case, q_len)
+        split = split_by_tier(pb, case.bs)
+        want = ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window, sinks=sinks)
+        assert (want - ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window)).abs().max() > 1e-3
+        for name in ("cpu", "reference"):
+            be = make_backend(name, **({"chunk_elems": 1} if name == "cpu" else {}))
+            got = attend_split(be, be, q, 1, kv, split, scale=scale, window=window, sinks=sinks)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"{case.id} {name} Q={q_len}: {m}")
+
+
+def test_add_sinks_is_one_more_term_of_the_softmax():
+    g = torch.Generator().manual_seed(5)
+    s, v = torch.randn(6, 10, generator=g) * 3, torch.randn(6, 10, 4, generator=g)
+    seen = torch.ones(6, 10, dtype=torch.bool)
+    seen[5] = False  # nothing visible: the sink takes all the weight, the output is 0
+    sinks = torch.randn(6, generator=g) * 2
+    o, lse = tier_split.add_sinks(*_partial(s, v, seen), sinks)
+    w = torch.softmax(torch.cat((s.masked_fill(~seen, float("-inf")), sinks[:, None]), dim=1), dim=1)[:, :10]
+    torch.testing.assert_close(o, torch.einsum("rs,rsd->rd", w, v), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logaddexp(_partial(s, v, seen)[1], sinks))
+    assert (o[5] == 0).all() and lse[5] == sinks[5]
 
 
 def test_partials_of_rows_with_no_visible_key_are_zero_and_minus_infinity():

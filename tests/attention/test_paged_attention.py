@@ -154,8 +154,9 @@ def build(case: Case):
     return q, PagedKV(k, v, case.dtype), PagedBatch(table, ctx, q_pos[:, None], key_pos), window, D**-0.5
 
 
-def naive(q, kv: PagedKV, batch: PagedBatch, window, scale, layer=1):
-    """Row by row, key by key rule, no shared helper: out [B, Q, H, D] (q [B, Q, H, D], q_pos [B, Q])."""
+def naive(q, kv: PagedKV, batch: PagedBatch, window, scale, layer=1, sinks=None):
+    """Row by row, key by key rule, no shared helper: out [B, Q, H, D] (q [B, Q, H, D], q_pos [B, Q]). sinks [H]:
+    each head's logit is one more softmax term, whose weight is then dropped (GPT-OSS's attention sinks)."""
     kc, vc = codecs_for(kv.dtype)
     B, Q, H, _ = q.shape
     Hkv, bs = kv.kv_heads, kv.block_size
@@ -173,7 +174,10 @@ def naive(q, kv: PagedKV, batch: PagedBatch, window, scale, layer=1):
             seen = [j for j in range(c) if pos[j] <= p and (window is None or pos[j] > p - window)]
             for h in range(H):
                 kh = h // (H // Hkv)
-                w = torch.softmax((keys[kh, seen] @ q[b, i, h]) * scale, dim=0)
+                logits = (keys[kh, seen] @ q[b, i, h]) * scale
+                if sinks is not None:
+                    logits = torch.cat((logits, sinks[h : h + 1]))
+                w = torch.softmax(logits, dim=0)[: len(seen)]
                 out[b, i, h] = w @ vals[kh, seen]
     return out
 
@@ -273,6 +277,67 @@ def test_cpu_keeps_the_query_dtype():
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
 
 
+# -- attention sinks (GPT-OSS): a logit per head in every softmax's denominator ---------------------------------
+
+SINK_CASES = [c for c in CASES if c.bs in (1, 7, 16, 100) and c.dtype in (KVDtype.FP32, KVDtype.INT8_KIVI)]
+TRITON_SINK_CASES = [Case(KVDtype.FP32, 7, "causal", *_options("causal", 7)),
+                     Case(KVDtype.FP32, 16, "window", *_options("window", 16)),
+                     Case(KVDtype.INT8_DELTA, 7, "key_pos", *_options("key_pos", 7)),
+                     Case(KVDtype.FP16, 16, "mha", *_options("mha", 16))]
+
+
+def sinks_for(case: Case) -> torch.Tensor:
+    """[H] sink logits about as large as the rows' scores (some heads' sinks take most of the weight)."""
+    H, _ = case.heads
+    return 1.0 + 2.0 * torch.randn(H, generator=torch.Generator().manual_seed(zlib.crc32(case.id.encode()) + 1))
+
+
+@pytest.mark.parametrize("case", [c for c in SINK_CASES if c.bs in (1, 7)], ids=lambda c: c.id)
+def test_reference_with_sinks_is_the_rule(case):
+    q, kv, batch, window, scale = build(case)
+    sinks = sinks_for(case)
+    ref = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
+    assert_close(ref, naive(q[:, None], kv, batch, window, scale, sinks=sinks)[:, 0], case.id)
+
+
+def test_sinks_move_every_row():
+    q, kv, batch, window, scale = build(Case(KVDtype.FP32, 16, "window"))
+    ref = make_backend("reference")
+    plain = ref.decode(q, 1, kv, batch, scale=scale, window=window)
+    sunk = ref.decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks_for(Case(KVDtype.FP32, 16, "window")))
+    assert ((plain - sunk).abs().amax(dim=(1, 2)) > 100 * ATOL).all()
+    # A sink far below every score weighs nothing: the plain softmax.
+    assert_close(ref.decode(q, 1, kv, batch, scale=scale, window=window, sinks=torch.full((9,), -1e4)), plain)
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: c.id)
+def test_cpu_decode_with_sinks_matches_reference(case):
+    q, kv, batch, window, scale = build(case)
+    sinks = sinks_for(case)
+    want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
+    got = make_backend("cpu", **case.cpu).decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
+    assert_close(got, want, case.id)
+
+
+@pytest.mark.parametrize("case", [c for c in SINK_CASES if c.bs in (1, 7, 100) and c.variant != "mha"],
+                         ids=lambda c: c.id)
+def test_cpu_prefill_with_sinks_matches_reference(case):
+    """Q = 3 queries per row (a prefill chunk): the cpu backend's chunk loop (its SDPA path has no sink term)."""
+    _, kv, batch, window, scale = build(case)
+    H, _ = case.heads
+    B = len(case.lens)
+    q = torch.randn(B, 3, H, D, generator=torch.Generator().manual_seed(8))
+    idx = (batch.context_lens.long()[:, None] - 3 + torch.arange(3)[None, :]).clamp_min(0)  # [B, Q]
+    q_pos = idx if batch.key_pos is None else batch.key_pos.gather(1, idx)
+    pre = PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos)
+    sinks = sinks_for(case)
+    want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
+    got = make_backend("cpu", **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
+    assert_close(got, want, case.id)
+    if case.bs == 7:
+        assert_close(want, naive(q, kv, pre, window, scale, sinks=sinks), "reference prefill vs the rule")
+
+
 # -- the Triton kernel, under the interpreter ----------------------------------------------------------
 
 def _triton_missing() -> str | None:
@@ -309,6 +374,13 @@ def test_triton_decode_matches_reference(case, triton_outputs):
     assert_close(triton_outputs[case.id], want, case.id)
 
 
+@pytest.mark.parametrize("case", TRITON_SINK_CASES, ids=lambda c: c.id)
+def test_triton_decode_with_sinks_matches_reference(case, triton_outputs):
+    q, kv, batch, window, scale = build(case)
+    want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks_for(case))
+    assert_close(triton_outputs["sinks", case.id], want, case.id)
+
+
 def test_triton_prefill_falls_back_to_the_cpu_path(triton_outputs):
     case = Case(KVDtype.INT8_KIVI, 7, "window")
     _, kv, batch, window, scale = build(case)
@@ -327,6 +399,10 @@ def _worker(path: str) -> None:
     for case in CASES:
         q, kv, batch, window, scale = build(case)
         outs[case.id] = make_backend("triton", **case.triton).decode(q, 1, kv, batch, scale=scale, window=window)
+    for case in TRITON_SINK_CASES:
+        q, kv, batch, window, scale = build(case)
+        outs["sinks", case.id] = make_backend("triton", **case.triton).decode(q, 1, kv, batch, scale=scale,
+                                                                             window=window, sinks=sinks_for(case))
     case = Case(KVDtype.INT8_KIVI, 7, "window")
     _, kv, batch, window, scale = build(case)
     q = torch.randn(len(case.lens), 2, 9, D, generator=torch.Generator().manual_seed(3))

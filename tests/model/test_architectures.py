@@ -1,11 +1,14 @@
-"""The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2 and
-Gemma 3 (text), each a tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy
+"""The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2,
+Gemma 3 (text) and GPT-OSS, each a tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy
 `generate` on the same directory, at several block sizes, through a device tier smaller than one request, and under
-live reconfiguration; for SmolLM3 (NoPE layers) and Gemma 3 (a RoPE base per layer type) also K-shifts, against
-transformers with the shift replayed on its cache. Gemma 2's attention soft-capping runs on the reference backend
+live reconfiguration; for SmolLM3 (NoPE layers), Gemma 3 (a RoPE base per layer type) and GPT-OSS (YaRN) also
+K-shifts, against transformers with the shift replayed on its cache; GPT-OSS's attention sinks also through the
+Triton backend, under the interpreter (this file as a script is that worker). Gemma 2's attention soft-capping runs on the reference backend
 only: any other is refused. Any other architecture is refused by name."""
 
 from __future__ import annotations
+
+import sys
 
 import pytest
 import torch
@@ -21,7 +24,7 @@ N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
 PROMPTS = prompts(30, [7, 30, 75])  # past the sliding window (24) of tiny_qwen3_sliding
 FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3", "tiny_gemma2",
-            "tiny_gemma3")
+            "tiny_gemma3", "tiny_gpt_oss")
 SOFTCAP_REFUSED = "attention soft-capping \\(Gemma 2\\) runs on the reference backend only"
 
 
@@ -377,6 +380,240 @@ def test_gemma3_grouped_context_shift_equals_the_window_cache_replay(gemma3, blo
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
+# -- GPT-OSS ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_gpt_oss):
+    return load_model(tiny_gpt_oss), Reference(tiny_gpt_oss)
+
+
+def test_gpt_oss_spec(gpt_oss):
+    from engine.model.spec import MoeSpec
+
+    model, ref = gpt_oss
+    s = model.spec
+    assert (s.architecture, s.model_type, s.norm_placement, s.rms_scale_fp32, s.qk_norm) == (
+        "GptOssForCausalLM", "gpt_oss", "pre", True, "none")
+    assert s.attention_bias and s.o_proj_bias and s.attn_sinks and not s.tie_word_embeddings
+    assert s.moe == MoeSpec(num_experts=4, top_k=2, swiglu_alpha=1.702, swiglu_limit=7.0)
+    assert s.sliding_window == (24, None, 24) and s.attention_multiplier is None
+    assert (s.rope_theta, s.rope_scaling["rope_type"], s.rope_scaling["factor"], s.rope_scaling["truncate"]) == (
+        150000.0, "yarn", 8.0, False)
+    assert model.weights["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 128)  # plain fp32, no mxfp4
+    assert model.weights["model.layers.0.self_attn.sinks"].shape == (4,)
+    # YaRN: the same inv_freq and attention scaling as transformers', bit for bit
+    from engine.model.llama_family import rope_inv_freq
+
+    inv, scaling = rope_inv_freq(s)
+    assert torch.equal(inv, ref.model.model.rotary_emb.inv_freq) and scaling == ref.model.model.rotary_emb.attention_scaling
+
+
+@pytest.mark.parametrize("params", [
+    {"factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+    {"factor": 4.0, "original_max_position_embeddings": 128},  # truncate (default True), default betas
+    {"factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096},  # DeepSeek's
+    {"factor": 2.0, "attention_factor": 1.5, "beta_fast": 8.0, "original_max_position_embeddings": 256},
+])
+def test_yarn_equals_transformers(params):
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from engine.model.llama_family import _yarn_inv_freq
+
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, **params}
+    config = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, max_position_embeddings=131072,
+                         rope_parameters=dict(rope))
+    want_inv, want_scaling = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    inv, scaling = _yarn_inv_freq(150000.0, 64, rope, 131072)
+    assert torch.equal(inv, want_inv) and scaling == pytest.approx(want_scaling, rel=1e-12)
+
+
+@pytest.mark.parametrize("change", ["no sinks", "zero sinks", "plain rope", "no yarn scaling", "top 1", "top 3",
+                                    "no o_proj bias", "no swiglu limit", "swiglu alpha 1", "no window"])
+def test_each_gpt_oss_difference_shows_in_the_logits(gpt_oss, change):
+    """Every GPT-OSS datum moves the logits far from transformers' when left out (the sinks, dropped or zeroed: a
+    zero sink still weighs exp(0); YaRN's frequencies and its attention scaling; the router's top-k; o_proj's
+    bias; the clamped SwiGLU's limit and alpha; the sliding window, which the 75-token prompt passes)."""
+    import dataclasses
+
+    from engine.fidelity.shadow import dense_logits
+    from engine.model.llama_family import LlamaFamily
+
+    model, ref = gpt_oss
+    s, p = model.spec, PROMPTS[2]
+    with torch.inference_mode():
+        want = ref.model(torch.tensor([p])).logits[0, -1]
+    weights = dict(model.weights)
+    moe = dataclasses.replace
+    changes = {
+        "no sinks": dict(attn_sinks=False), "plain rope": dict(rope_scaling=None),
+        "no yarn scaling": dict(rope_scaling={**s.rope_scaling, "attention_factor": 1.0}),
+        "top 1": dict(moe=moe(s.moe, top_k=1)), "top 3": dict(moe=moe(s.moe, top_k=3)),
+        "no o_proj bias": dict(o_proj_bias=False), "no swiglu limit": dict(moe=moe(s.moe, swiglu_limit=1e9)),
+        "swiglu alpha 1": dict(moe=moe(s.moe, swiglu_alpha=1.0)), "no window": dict(sliding_window=(None,) * 3),
+    }
+    if change == "zero sinks":
+        weights = {k: torch.zeros_like(v) if k.endswith("sinks") else v for k, v in weights.items()}
+    wrong = LlamaFamily(dataclasses.replace(s, **changes.get(change, {})), weights, torch.device("cpu"), "fp32")
+    assert (dense_logits(wrong, p) - want).abs().max() > 5e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("attention", ["cpu", "reference"])
+def test_gpt_oss_host_compute_equals_transformers(gpt_oss, attention, monkeypatch):
+    """host_reads="compute": the host blocks attended on the host, the sinks joined once, after the device and host
+    parts are merged. auto picks `cpu` (it honours sinks), as for every model without soft-capping."""
+    import engine.model.llama_family as llama_family
+
+    model, ref = gpt_oss
+    assert Engine(model, CacheConfig(block_size=16)).model.attention == "cpu"
+    splits = []
+    real = llama_family.attend_split
+    monkeypatch.setattr(llama_family, "attend_split", lambda *a, **kw: splits.append(kw["sinks"]) or real(*a, **kw))
+    eng = _engine(model, 8, 2, "compute", attention)
+    assert run(eng, PROMPTS) == [ref.greedy(p, N) for p in PROMPTS]
+    assert splits and all(s is not None for s in splits)
+
+
+def test_gpt_oss_triton_backend_tokens_equal_transformers(gpt_oss, tiny_gpt_oss, tmp_path):
+    """The paged-decode kernel with the sinks joined after it (prefill: the cpu path), in an engine, under the
+    interpreter (this file as a script is the worker)."""
+    import json
+    import os
+    import subprocess
+
+    from conftest import ROOT, interpreter_env
+
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        pytest.skip(f"triton is not installed ({e})")
+    _, ref = gpt_oss
+    out = tmp_path / "tokens.json"
+    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_gpt_oss], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+    assert json.loads(out.read_text()) == [ref.greedy(p, 8) for p in TRITON_PROMPTS]
+
+
+TRITON_PROMPTS = prompts(34, [7, 30])  # past the window (24) once decoding
+
+
+def _triton_worker(out: str, path: str) -> None:
+    import json
+
+    from engine.attention.triton_paged import INTERPRET
+
+    assert INTERPRET, "run with TRITON_INTERPRET=1"
+    torch.set_num_threads(1)
+    eng = Engine(load_model(path), CacheConfig(block_size=5), EngineOptions(attention="triton", max_batched_tokens=16))
+    assert eng.model.backend.name == "triton"
+    with open(out, "w") as f:
+        json.dump(eng.generate(TRITON_PROMPTS, SamplingParams(max_new_tokens=8, ignore_eos=True)), f)
+
+
+def test_gpt_oss_kshift_is_a_pure_rotation_with_yarns_frequencies(gpt_oss):
+    """Cached keys carry YaRN's attention scaling once (cos and sin x it); a K-shift rotates them by the position
+    change with YaRN's inv_freq and without the scaling (a second factor would scale them twice): after a shift by
+    hand each layer's keys are the old ones so rotated, and layer 0's equal a fresh prefill's (transformers keeps a
+    sliding layer's last window - 1 keys: those are compared)."""
+    from engine.model.llama_family import rotate_half
+
+    model, ref = gpt_oss
+    p = prompts(31, [40])[0]
+    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    seq = eng.seqs[sid]
+    k_before, _ = eng.kv.tokens_kv(seq)
+    eng.seq_rm(sid, 4, 14)
+    eng.seq_add(sid, 14, None, -10)
+    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
+    delta = torch.tensor([0] * 4 + [-10] * 26)
+    inv = hf_layer_inv_freq(ref.model)[0]
+    scaling = ref.model.model.rotary_emb.attention_scaling
+    assert scaling > 1.2
+
+    def rotated(k, factor=1.0):
+        freqs = delta.float()[:, None] * inv[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return k * (emb.cos() * factor)[:, None] + rotate_half(k) * (emb.sin() * factor)[:, None]
+
+    for li in range(model.spec.num_layers):
+        want = rotated(k_before[li][keep_idx])
+        assert (k_engine[li] - want).norm() / want.norm() <= 1e-5, li
+        assert (k_engine[li] - rotated(k_before[li][keep_idx], scaling)).norm() / want.norm() > 1e-1, li
+    fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D]
+    assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gpt_oss_context_shift_tokens_equal_transformers(gpt_oss, block_size):
+    """context_limit 32, n_keep 4, 60 new tokens: several shifts (YaRN keys re-rotated, sinks and window on),
+    replayed on transformers' cache."""
+    model, ref = gpt_oss
+    ps = prompts(33, [20, 9])
+    layer_inv = hf_layer_inv_freq(ref.model)
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_gpt_oss_grouped_context_shift_equals_the_window_cache_replay(gpt_oss, block_size):
+    """KV-cache groups on (the default): the sliding layers' dropped keys stay dropped across shifts, as
+    windowed_shifted_greedy replays it on transformers (masks per layer type); sinks, YaRN and MoE on."""
+    model, ref = gpt_oss
+    ps = prompts(33, [20, 9])
+    layer_inv = hf_layer_inv_freq(ref.model)
+    windows = list(model.spec.sliding_window)
+    assert windowed_shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows) == ref.greedy(ps[0], N)
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    assert eng.grouped
+    want = [windowed_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows) for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+def test_gpt_oss_config_defaults_are_transformers(tmp_path, tiny_gpt_oss):
+    """A config.json without rope_parameters, layer_types, sliding_window or attention_bias: GptOssConfig's values
+    (YaRN x32 over 4096 positions, base 150k, truncate off; sliding layers 0, 2, window 128; biases on)."""
+    import json
+    import shutil
+
+    from transformers import GptOssConfig
+
+    path = tmp_path / "defaults"
+    shutil.copytree(tiny_gpt_oss, path)
+    config = json.loads((path / "config.json").read_text())
+    for key in ("rope_parameters", "layer_types", "sliding_window", "attention_bias"):
+        config.pop(key)
+    (path / "config.json").write_text(json.dumps(config))
+    s = load_model(str(path)).spec
+    hf = GptOssConfig.from_pretrained(str(path))
+    assert s.sliding_window == (128, None, 128) and hf.layer_types[::2] == ["sliding_attention"] * 2
+    assert s.attention_bias and s.o_proj_bias and hf.attention_bias
+    assert s.rope_theta == hf.rope_parameters["rope_theta"] == 150000.0
+    assert {k: s.rope_scaling[k] for k in hf.rope_parameters} == hf.rope_parameters
+
+
+def test_quantized_checkpoints_are_refused(tmp_path, tiny_gpt_oss):
+    """gpt-oss as published stores its experts in mxfp4 (quantization_config): refused in one line, by name."""
+    import json
+    import shutil
+
+    path = tmp_path / "mxfp4"
+    shutil.copytree(tiny_gpt_oss, path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ModelLoadError, match=r"quantized checkpoint \(mxfp4\) in .* is not supported"):
+        load_model(str(path))
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 
@@ -401,3 +638,7 @@ def test_architecture_and_model_type_must_name_the_same_family(tmp_path, tiny_qw
     (path / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
     with pytest.raises(ModelLoadError, match="architecture 'Qwen3ForCausalLM' with model_type 'qwen2'"):
         load_model(str(path))
+
+
+if __name__ == "__main__":
+    _triton_worker(sys.argv[1], sys.argv[2])
