@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from conftest import run_cli
-from engine.config import CacheConfig
+from engine.config import CacheConfig, EngineOptions
 from engine.model import gguf_cache, loader
 from engine.model.loader import KNOWN_MODELS, KnownModel, ModelLoadError, load_model
 from engine.runtime.engine import Engine
@@ -226,13 +226,19 @@ def test_the_file_lands_in_the_cache_and_converts_to_what_transformers_builds(ge
     assert s.attn_softcap is None and s.final_softcap is None and s.tie_word_embeddings
 
 
+# The budgets are split between the KV-cache groups (3 full layers, 15 sliding) by what a sequence holds in each at
+# the context limit: at the model's 32,768 the full group would take ~80 % of them, at 1,024 a sixth.
+LIMIT = EngineOptions(context_limit=1024)
+
+
 @pytest.mark.slow
 @needs_gemma
-@pytest.mark.parametrize("block_size", [16, 100])
-def test_greedy_tokens_equal_generate_past_the_window(gemma, references, block_size) -> None:
+@pytest.mark.parametrize("block_size,groups", [(16, "auto"), (100, "auto"), (16, "off")])
+def test_greedy_tokens_equal_generate_past_the_window(gemma, references, block_size, groups) -> None:
     long, chat = references["long"], references["chat"]
     assert len(long[0]) == 630 > 512  # the sliding layers drop the prompt's first 118 tokens and more
-    eng = Engine(gemma, CacheConfig(block_size=block_size, device_budget_mb=64, host_budget_mb=16))
+    eng = Engine(gemma, CacheConfig(block_size=block_size, device_budget_mb=64, host_budget_mb=16),
+                 EngineOptions(context_limit=1024, kv_groups=groups))
     assert eng.generate([long[0], chat[0]], SamplingParams(max_new_tokens=N, ignore_eos=True)) == [long[1], chat[1]]
     eng.check_invariants()
 
@@ -242,7 +248,7 @@ def test_greedy_tokens_equal_generate_past_the_window(gemma, references, block_s
 def test_a_device_tier_smaller_than_the_request_stays_exact(gemma, references) -> None:
     prompt, want = references["long"]
     # The request's K/V: 638 tokens x 36 KiB (18 layers x 1 kv head x 256 x K and V in fp32) = 22.4 MiB.
-    eng = Engine(gemma, CacheConfig(block_size=16, device_budget_mb=6, host_budget_mb=64, host_reads="stream"))
+    eng = Engine(gemma, CacheConfig(block_size=16, device_budget_mb=6, host_budget_mb=64, host_reads="stream"), LIMIT)
     assert eng.generate([prompt], SamplingParams(max_new_tokens=N, ignore_eos=True)) == [want]
     eng.check_invariants()
     assert eng.counters.read_tokens_streamed > 0 and eng.counters.preemptions == 0
