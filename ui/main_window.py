@@ -194,7 +194,9 @@ class MainWindow(QtWidgets.QMainWindow):
                 if self._on_screen(panel):
                     panel.update_snapshot(snap)
         if every_panel or slot == 0:
-            self.seqs.update_snapshot(snap)
+            paused = not self.controller.read_only and self.controller.engine_paused
+            self.seqs.update_snapshot(snap, engine_paused=paused)
+            self.prompt.update_snapshot(snap.seqs, engine_paused=paused)
         if not self.controller.read_only:
             self.events.add(self.controller.take_events())
             ev = snap.counters["evictions"]
@@ -232,7 +234,7 @@ class MainWindow(QtWidgets.QMainWindow):
         pre = c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else math.nan
         self.status.setText(
             f"{snap.model['name']} on {snap.model['device']} | bs={cfg['block_size']} {cfg['kv_dtype']} "
-            f"dev {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB {cfg['policy']} "
+            f"dev {cfg['device_budget_mb']:g} MiB host {cfg['host_budget_mb']:g} MiB {cfg['policy']} "
             f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {_num(tps, '.1f')} tok/s | "
             f"device hit {_num(dev, '.3f')} prefix hit {_num(pre, '.3f')} | UI {self.fps:.0f} fps | {state}")
 
@@ -247,7 +249,7 @@ class MainWindow(QtWidgets.QMainWindow):
         when = "capture time not saved" if self.controller.read_only else \
             (when or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M:%S")
         return (f"KV Scope — {snap.model['name']} on {snap.model['device']} — bs={cfg['block_size']} "
-                f"{cfg['kv_dtype']} device {cfg['device_budget_mb']:g} MB host {cfg['host_budget_mb']:g} MB "
+                f"{cfg['kv_dtype']} device {cfg['device_budget_mb']:g} MiB host {cfg['host_budget_mb']:g} MiB "
                 f"policy {cfg['policy']} decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s prefetch "
                 f"{cfg['prefetch_depth']} batch {cfg['evict_batch']} — {when}")
 

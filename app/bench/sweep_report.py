@@ -110,15 +110,15 @@ TABLE = (  # header (units in it), cell
     ("TTFT p50/p95 ms", lambda r: f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p95_ms'])}"),
     ("ITL p50/p95 ms", lambda r: f"{_ms(r['itl_p50_ms'])} / {_ms(r['itl_p95_ms'])}"),
     ("dev hit %", lambda r: _pc(r["device_hit_rate"])),
-    ("streamed %, MB/tok", lambda r: f"{_pc(r['streamed_share'])}, {_f3(r['streamed_mb_per_token'])}"),
+    ("streamed %, MiB/tok", lambda r: f"{_pc(r['streamed_share'])}, {_f3(r['streamed_mb_per_token'])}"),
     ("prefix hit %", lambda r: _pc(r["prefix_hit_rate"])),
     ("evict", lambda r: str(r["evictions"])),
-    ("promote n/MB", lambda r: f"{r['promotions']} / {_mb(r['promoted_bytes'])}"),
-    ("demote n/MB", lambda r: f"{r['demotions']} / {_mb(r['demoted_bytes'])}"),
-    ("peak dev/host MB", lambda r: f"{_mb(r['peak_device_bytes'])} / {_mb(r['peak_host_bytes'])}"),
+    ("promote n/MiB", lambda r: f"{r['promotions']} / {_mb(r['promoted_bytes'])}"),
+    ("demote n/MiB", lambda r: f"{r['demotions']} / {_mb(r['demoted_bytes'])}"),
+    ("peak dev/host MiB", lambda r: f"{_mb(r['peak_device_bytes'])} / {_mb(r['peak_host_bytes'])}"),
     ("preempt", lambda r: str(r["preemptions"])),
     ("stall s", lambda r: f"{r['promote_stall_s']:.2f}"),
-    ("MB/tok in/out", lambda r: f"{_f3(r['promoted_mb_per_token'])} / {_f3(r['demoted_mb_per_token'])}"),
+    ("MiB/tok in/out", lambda r: f"{_f3(r['promoted_mb_per_token'])} / {_f3(r['demoted_mb_per_token'])}"),
 )
 
 

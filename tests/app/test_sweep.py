@@ -116,7 +116,7 @@ def test_two_by_two_sweep_table_csv_json_and_plot_agree(tiny_llama, tmp_path, ca
     assert run_sweep(bench_args(*argv[:-4])) == 0
     lines = capsys.readouterr().out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("config"))
-    assert "tok/s" in lines[header] and "TTFT p50/p95 ms" in lines[header] and "peak dev/host MB" in lines[header]
+    assert "tok/s" in lines[header] and "TTFT p50/p95 ms" in lines[header] and "peak dev/host MiB" in lines[header]
     body = lines[header + 2:header + 6]
     assert [line.split("  ")[0].strip() for line in body] == labels
     assert len({len(line) for line in lines[header:header + 6]}) <= 2  # aligned columns

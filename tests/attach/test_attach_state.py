@@ -4,6 +4,7 @@ clears, groups per rank / medium / KV-cache group, and the code snapshots the wi
 from __future__ import annotations
 
 import msgspec
+import pytest
 import numpy as np
 
 from engine.attach import codes
@@ -175,3 +176,27 @@ def test_a_block_lands_in_the_same_cell_in_every_process():
                            env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")]
     cells = [json.loads(out) for out in outs]
     assert cells[0] == cells[1] and len(set(cells[0])) == 300
+
+
+@pytest.mark.parametrize("cpu", [0, 500])
+def test_the_fake_server_never_holds_more_than_its_capacity_event_by_event(cpu):
+    """The fake cache (the demo's publishers) stored a request's blocks, then removed the ones over capacity:
+    an attach frame between the two showed '2,504 blocks of 2,500'. vLLM's BlockPool drops a reused block's hash
+    before the new store, so after every event the resident blocks are at most the capacity, each tier."""
+    from engine.attach.fake.workload import FakeCache
+
+    c = FakeCache(capacity=300, cpu_capacity=cpu, seed=1, flavor="vllm")
+    res = {"GPU": set(), "CPU": set()}
+    peak = dict.fromkeys(res, 0)
+    removed = 0
+    for i in range(3000):
+        for e in c.request(0.01 * i):
+            tier = res["GPU" if e.medium == "GPU" else "CPU"]
+            if isinstance(e, BlockStored):
+                tier.update(e.block_hashes)
+            elif isinstance(e, BlockRemoved):
+                tier.difference_update(e.block_hashes)
+                removed += 1
+            peak["GPU"], peak["CPU"] = max(peak["GPU"], len(res["GPU"])), max(peak["CPU"], len(res["CPU"]))
+    assert removed and peak["GPU"] == 300 and peak["CPU"] == cpu
+    assert res["GPU"] == set(c.gpu) and res["CPU"] == set(c.cpu)

@@ -117,3 +117,20 @@ def test_a_title_with_the_servers_capacity_says_it_once(qtbot):
     shown = m._labels[0].textItem.toPlainText()
     assert shown.endswith("2,000 blocks of 2,500 (num_gpu_blocks, /metrics)"), shown
     assert shown.count("2,500") == 1 and m.label_texts()[0] == shown
+
+
+def test_more_blocks_than_the_server_holds_says_why(qtbot):
+    """'2,504 blocks of 2,500' was shown unexplained. The fake publisher (the demo) stored a request's blocks
+    before it removed the ones they replaced, so a frame between the two counted more than the capacity; it now
+    makes room first, as vLLM's BlockPool does (tests/attach/test_attach_state.py). A real server never holds
+    more than num_gpu_blocks: a count past it is removals this session did not see, and the title says so."""
+    c = _cluster(1)
+    m = AttachMap()
+    qtbot.addWidget(m)
+    m.capacity_fn = lambda key: 1990 if key[2] == "GPU" and key[3] == 0 else None
+    m.show()
+    _shown(m, qtbot, 1600, 900)
+    m.set_snapshot(c.snapshot("age"))
+    qtbot.wait(50)
+    shown = m._labels[0].textItem.toPlainText()
+    assert shown.endswith("2,000 blocks of 1,990 (num_gpu_blocks, /metrics, 10 over: removals not seen)"), shown

@@ -283,3 +283,13 @@ def test_code_image_draws_rgb32_with_the_lut_colours(qtbot):
         for c in range(6):
             want = lut[codes[r, c]]
             assert QColor(q.pixel(c, r)).getRgb()[:3] == tuple(int(v) for v in want)
+
+
+@pytest.mark.parametrize("bs, want", [(1, "fill 0 1 token"), (2, "fill 0 2 tokens"), (16, "fill 0 8 16 tokens")])
+def test_the_fill_legend_counts_tokens_in_the_singular_too(bm, bs, want):
+    """At block size 1 the legend read "fill 0 0 1 tokens" (the middle tick is bs // 2)."""
+    import dataclasses
+
+    bm.set_snapshot(dataclasses.replace(snapshot(), config={"block_size": bs}))
+    bm.set_mode("fill")
+    assert bm.legend.text().startswith(want + " |"), bm.legend.text()

@@ -268,3 +268,89 @@ def test_a_zero_that_means_something_says_so(qtbot, app_style, name, zero, other
     assert c.spin.text() == zero
     c.show_value(4 if name == "device_layers" else 2.0)
     assert c.spin.text() == other
+
+
+@pytest.mark.parametrize("unit", ["MB", "MiB"])
+def test_a_budget_says_what_it_counts_mib_whether_the_knob_says_mb_or_mib(qtbot, app_style, unit):
+    """A "48 MB" budget held 50.1 million bytes: it counts MiB, and the box, the tooltip and the status line say
+    so (engine.config's unit for it goes from "MB" to "MiB"; either is shown as MiB, on the same log scale)."""
+    import dataclasses
+
+    from ui.panels.controls import KnobControl, slider_stops
+
+    knob = dataclasses.replace(KNOBS["device_budget_mb"], unit=unit)
+    c = KnobControl(knob)
+    qtbot.addWidget(c)
+    c.show_value(48.0)
+    assert c.spin.suffix() == " MiB" and c.spin.text().endswith(" MiB")
+    assert "MiB" in c.slider.toolTip() and " MB" not in c.slider.toolTip()
+    assert slider_stops(knob)[:3] == (0.0, 1.0, 2.0) and slider_stops(knob)[-1] == 2.0**17
+
+
+def _row_of(table, sid: int) -> int:
+    return table._ids.index(sid)
+
+
+def _click_row(table, row: int) -> None:
+    y = table.rowViewportPosition(row) + table.verticalHeader().defaultSectionSize() // 2
+    QTest.mouseClick(table.viewport(), QtCore.Qt.LeftButton, QtCore.Qt.NoModifier, QtCore.QPoint(60, y))
+
+
+def _enter(table, inside: bool) -> None:
+    vp = table.viewport()
+    if inside:
+        pos = QtCore.QPointF(60, 10)
+        QtWidgets.QApplication.sendEvent(vp, QtGui.QEnterEvent(pos, pos, QtCore.QPointF(vp.mapToGlobal(pos.toPoint()))))
+    else:
+        QtWidgets.QApplication.sendEvent(vp, QtCore.QEvent(QtCore.QEvent.Leave))
+
+
+def test_rows_under_the_pointer_stay_put_when_a_new_sequence_arrives(seq_table):
+    """A click aimed at chat-17 selected chat-18: the newest sequence, inserted on top between the aim and the
+    click, had moved every row down. Under the pointer the rows keep their places (new ones join at the bottom);
+    once it leaves, newest first again."""
+    ids = list(range(10, 20))
+    seq_table.update_snapshot(_seqs(ids))
+    row = _row_of(seq_table, 17)  # where the user aims
+    _enter(seq_table, True)
+    seq_table.update_snapshot(_seqs(ids + [20]))  # chat-20 arrives before the click
+    _click_row(seq_table, row)
+    assert seq_table.selected_id == 17
+    assert seq_table._ids[-1] == 20 and seq_table._rows[row][1] == "chat-17"
+    _enter(seq_table, False)
+    seq_table.update_snapshot(_seqs(ids + [20]))
+    assert seq_table._ids[0] == 20  # newest first once the pointer has left
+    assert seq_table._ids[seq_table.selectionModel().selectedRows()[0].row()] == 17  # the selection follows the id
+
+
+def test_while_the_engine_is_paused_no_sequence_shows_running_or_a_rate(seq_table):
+    seq_table.update_snapshot(_seqs([1, 2, 3, 4], states=[1, 0, 2, 4]))
+    states = {int(r[0]): (r[2], r[7]) for r in seq_table._rows}
+    assert states[1] == ("running", "9.5")
+    seq_table.update_snapshot(_seqs([1, 2, 3, 4], states=[1, 0, 2, 4]), engine_paused=True)
+    states = {int(r[0]): (r[2], r[7]) for r in seq_table._rows}
+    assert states[1] == ("paused", "0.0") and states[2] == ("waiting", "0.0") and states[3] == ("paused", "0.0")
+    assert states[4] == ("finished", "9.5")  # a finished one keeps the rate it had
+    seq_table.update_snapshot(_seqs([1, 2, 3, 4], states=[1, 0, 2, 4]))
+    assert {int(r[0]): r[2] for r in seq_table._rows}[1] == "running"
+
+
+def test_a_typed_prompt_says_it_is_queued_until_its_first_token(qtbot, app_style):
+    """A prompt waiting 25 s for its first token gave no sign it was queued."""
+    from ui.panels.prompt import PromptPanel
+
+    p = PromptPanel()
+    qtbot.addWidget(p)
+    p.show()
+    table = lambda ids, states: SimpleNamespace(id=np.asarray(ids, np.int32), state=np.asarray(states, np.int8))  # noqa: E731
+    p.started(12, "hello")
+    p.update_snapshot(table([9, 10, 11, 12, 13], [1, 3, 0, 0, 0]))  # 10 preempted, 11 ahead of us, 13 behind
+    assert p.queue.isVisible() and p.queue.text() == "queued (position 3 of 4 waiting)"
+    p.update_snapshot(table([9, 10, 11, 12, 13], [1, 3, 0, 0, 0]), engine_paused=True)
+    assert p.queue.text().endswith("the engine is paused")
+    p.update_snapshot(table([9, 10, 11, 12, 13], [1, 1, 1, 1, 0]))
+    assert p.queue.text() == "prefill…"
+    p.stream([(12, "Hi")])
+    assert not p.queue.isVisible()
+    p.update_snapshot(table([12], [1]))
+    assert not p.queue.isVisible()  # answered: nothing more to say

@@ -46,6 +46,8 @@ def test_window_builds_with_every_panel(window):
                                  "Residency", "Cost"}
     window.refresh()
     assert "tiny" in window.status.text() or "on cpu" in window.status.text()
+    # budgets count MiB, and say so (a "48 MB" budget held 50.1 million bytes)
+    assert "dev 0.3 MiB host 1 MiB" in window.status.text() and " MB " not in window.caption()
 
 
 CHANGES = {"block_size": 8, "kv_dtype": "int8", "device_budget_mb": 0.5, "host_budget_mb": 2.0, "policy": "lru",
@@ -311,10 +313,10 @@ def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama
     panel.update_snapshot(eng.snapshot())
     hit, streamed = panel.values[0], panel.values[1]
     assert hit[0].text().endswith("%") and float(hit[0].text()[:-2]) < 100
-    share, mb = streamed[0].text().split(" · ")  # "70.6 % · 1.40 MB/tok": keys, then bytes copied to staging
+    share, mb = streamed[0].text().split(" · ")  # "70.6 % · 1.40 MiB/tok": keys, then bytes copied to staging
     c = eng.counters
     assert float(share[:-2]) > 0 and hit[1].text() == hit[0].text()
-    assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.2f} MB/tok" and c.streamed_bytes > 0
+    assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.2f} MiB/tok" and c.streamed_bytes > 0
     assert "staging a layer ahead" in streamed[0].toolTip()
     from ui.panels.charts import MemoryPanel
 

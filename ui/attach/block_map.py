@@ -273,14 +273,16 @@ class AttachMap(QWidget):
             cap = self.capacity_fn(g.key) if self.capacity_fn else None
             n = g.resident
             count = f"{n:,} block{'' if n == 1 else 's'}"
-            of = f" of {cap:,} (num_gpu_blocks, /metrics)" if cap else " (capacity: not in the events)"
-            text = f"{g.label}   {count}{of}"
+            # More resident than the server holds: removals this session did not see (lost events, stores
+            # counted twice across a restart); the server itself never holds more than num_gpu_blocks.
+            over = f", {n - cap:,} over: removals not seen" if cap and n > cap else ""
+            note = f" (num_gpu_blocks, /metrics{over})" if cap else " (capacity: not in the events)"
+            text = f"{g.label}   {count}{f' of {cap:,}' if cap else ''}{note}"
             self._labels_text[i] = text
             room = int(right - self.vb.mapViewToScene(QPointF(0, 0)).x() - 10)  # the text item's margins
             if self._labels_shown[i][:2] == (text, room):
                 continue
-            shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""),
-                                 " (num_gpu_blocks, /metrics)" if cap else of, room)
+            shown = title_fitted(fm, g.label, count + (f" of {cap:,}" if cap else ""), note, room)
             self._labels_shown[i] = (text, room, shown)
             self._labels[i].setText(shown)  # its colour is set once, in frame_tiers
 

@@ -200,7 +200,7 @@ class BlockMap(QWidget):
                  f"state: {pal.STATE_NAMES[st] if st < 3 else st}",
                  f"owner: {owner_s}",
                  f"ref: {int(t.ref[slot])}",
-                 f"fill: {int(t.fill[slot])}/{bs} tokens",
+                 f"fill: {int(t.fill[slot])}/{bs} token{'' if bs == 1 else 's'}",
                  f"heat: {float(t.heat[slot]):.3g}",
                  f"age: {_fmt_age(float(t.age[slot])) if st else '—'}",
                  f"hashed: {'yes' if bool(t.hashed[slot]) else 'no'}"]
@@ -305,7 +305,8 @@ class BlockMap(QWidget):
             items = [("ramp", pal.ramp(mode), _log_ticks(lo, hi, fmt), title), ("swatch", pal.FREE, "free")]
         elif mode == "fill":
             bs = self._block_size or 16
-            ticks = [(0.0, "0"), (0.5, f"{bs // 2}"), (1.0, f"{bs} tokens")]
+            ticks = [(0.0, "0")] + ([(0.5, f"{bs // 2}")] if bs >= 4 else []) + [
+                (1.0, f"{bs} token{'' if bs == 1 else 's'}")]
             items = [("ramp", pal.ramp("fill"), ticks, "fill"), ("swatch", pal.FREE, "free")]
         elif mode == "kv error":
             items = error_legend(dtype)

@@ -17,7 +17,7 @@ from engine.errors import RequestError
 from engine.user_file import UserFileError, read_bytes
 
 # The values a slider snaps to (a typed value may lie between two). Knobs not named here take powers of two
-# (sizes and counts) or, for budgets in MB, powers of two from 1 MB to 128 GB (a log scale); each list is
+# (sizes and counts) or, for budgets in MiB, powers of two from 1 MiB to 128 GiB (a log scale); each list is
 # cut to the knob's range (engine.config.KNOBS).
 STOPS = {
     "decay": (0.01, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 1.0),
@@ -30,7 +30,7 @@ STOPS = {
 LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", "demote_after_s": "demote after",
           "kv_dtype": "KV dtype", "shadow_every_s": "shadow every", "device_layers": "device layers"}
 ZERO_TEXT = {"device_layers": "all layers", "shadow_every_s": "off"}  # what a 0 in the value box means
-SPIN_TEXT = "131072.00 MB"  # the widest value a box shows for a slider stop
+SPIN_TEXT = "131072.00 MiB"  # the widest value a box shows for a slider stop
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
 # Disabled controls (a saved snapshot's) drawn as disabled: the app's style gives a slider's handle its bright
 # colour whatever its state, and the boxes their normal text.
@@ -40,11 +40,21 @@ DISABLED_STYLE = ("QSlider::handle:horizontal:disabled { background: #4a5059; }"
                   " background: #1b1e23; border: 1px solid #2a2f37; }")
 
 
+# A budget counts mebibytes (2**20 bytes): a "48 MB" budget held 50.1 million bytes. engine.config has said "MB"
+# for it; the controls say what is counted whichever it says.
+BYTE_UNITS = {"MB": "MiB", "MiB": "MiB"}
+
+
+def unit_text(knob: Knob) -> str:
+    """The unit a control shows for the knob (a budget's: MiB)."""
+    return BYTE_UNITS.get(knob.unit, knob.unit)
+
+
 def slider_stops(knob: Knob) -> tuple[float, ...]:
     """The values the knob's slider snaps to, in order, within the knob's range."""
     if knob.name in STOPS:
         stops = STOPS[knob.name]
-    elif knob.unit == "MB":
+    elif knob.unit in BYTE_UNITS:
         stops = (0.0,) + tuple(2.0**e for e in range(0, 18))
     else:
         stops = (0,) + tuple(2**e for e in range(0, 31))
@@ -96,7 +106,7 @@ class KnobControl(QtWidgets.QWidget):
             self.slider.setPageStep(2)
             self.slider.setFocusPolicy(QtCore.Qt.StrongFocus)
             self.slider.setToolTip(f"{knob.help}; snaps to {_label(self.stops[0])} … {_label(self.stops[-1])} "
-                                   f"{knob.unit} (arrow keys: one step); type any value in the box")
+                                   f"{unit_text(knob)} (arrow keys: one step); type any value in the box")
             self.spin = QtWidgets.QDoubleSpinBox() if knob.kind is float else QtWidgets.QSpinBox()
             if knob.kind is float:
                 self.spin.setDecimals(2)
@@ -106,7 +116,7 @@ class KnobControl(QtWidgets.QWidget):
             # One width for every knob, room for the largest slider stop of any (sized by the largest value in
             # its range, the box would leave the slider a few pixels per stop); a larger typed value scrolls.
             self.spin.setFixedWidth(self.spin.fontMetrics().horizontalAdvance(SPIN_TEXT) + 26)
-            self.spin.setSuffix(f" {knob.unit}" if knob.unit else "")
+            self.spin.setSuffix(f" {unit_text(knob)}" if knob.unit else "")
             if knob.name in ZERO_TEXT:  # 0 means something other than "none of the unit"
                 self.spin.setSpecialValueText(ZERO_TEXT[knob.name])
             self._settle = QtCore.QTimer(self, singleShot=True, interval=SETTLE_MS)

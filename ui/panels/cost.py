@@ -23,11 +23,11 @@ ROWS = (
                           "step began, or written there), as a share of all keys read; a block promoted for the "
                           "step, or read or written on the host tier, is a miss for each of its keys"),
     ("streamed from host", "keys attention read from the host tier where they are (not promoted first), as a share "
-                           "of all keys read; then the MB of host blocks copied, as stored, to the compute device's "
+                           "of all keys read; then the MiB (2**20 bytes) of host blocks copied, as stored, to the compute device's "
                            "staging a layer ahead to be read there, per generated token (none with host_reads = "
                            "compute: those keys are attended on the host)"),
-    ("promoted MB / token", "MB copied host -> device per generated token"),
-    ("demoted MB / token", "MB copied device -> host per generated token"),
+    ("promoted MiB / token", "MiB (2**20 bytes) copied host -> device per generated token"),
+    ("demoted MiB / token", "MiB (2**20 bytes) copied device -> host per generated token"),
     ("promotion stall", "seconds steps spent copying their blocks to the device tier before running (on CUDA: "
                         "issuing the copies), per step"),
     ("preempted", "preempt events (each one line in Events): a running sequence stopped to make room (its blocks "
@@ -61,7 +61,7 @@ def cells(c: dict) -> list[str]:
     return [
         _pct(1 - _ratio(c["read_tokens_missed"], c["read_tokens"])) if c["read_tokens"] else "—",
         _pct(_ratio(c["read_tokens_streamed"], c["read_tokens"])) + (
-            f" · {_ratio(c['streamed_bytes'] / 2**20, c['generated']):.2f} MB/tok"
+            f" · {_ratio(c['streamed_bytes'] / 2**20, c['generated']):.2f} MiB/tok"
             if c.get("streamed_bytes") and c["generated"] else ""),
         _f(_ratio(c["promoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["demoted_bytes"] / 2**20, c["generated"]), ".3f"),

@@ -35,7 +35,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
 
     COLS = ("id", "label", "state", "tokens", "gen", "dev", "host", "tok/s", "TTFT", "reused")
     TIPS = ("sequence id (the swatch is its colour in the block map's owner mode)", "workload label",
-            "running, paused, preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
+            "running, paused (or the engine is), preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
             "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
             "time to first token, ms", "prompt tokens reused from the prefix cache")
     # The widest text each column must show whole (besides its header): 5-digit ids and counts, a
@@ -75,6 +75,8 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self._rows: list[tuple[str, ...]] = []  # texts on screen, per row
         self._updating = False
         self.selected_id = -1
+        self.hovered = False  # the pointer is over the rows: they keep their places (see _order)
+        self.viewport().installEventFilter(self)
 
     def header_widths(self) -> list[int]:
         """The width each header needs (its text, the section's padding of 4 a side, a border)."""
@@ -111,12 +113,31 @@ class SequencesPanel(QtWidgets.QTableWidget):
         if event.type() in (QtCore.QEvent.FontChange, QtCore.QEvent.StyleChange):
             self.fit_columns()
 
-    def update_snapshot(self, snap: Snapshot) -> None:
-        s = snap.seqs
-        # Live sequences first (newest first), then the most recent finished ones.
+    def eventFilter(self, obj, event) -> bool:
+        if obj is self.viewport() and event.type() in (QtCore.QEvent.Enter, QtCore.QEvent.Leave):
+            self.hovered = event.type() == QtCore.QEvent.Enter
+        return super().eventFilter(obj, event)
+
+    def _order(self, s, engine_paused: bool) -> np.ndarray:
+        """Rows: live sequences first (newest first), then the most recent finished ones. Under the pointer the
+        rows stay where they are (a new sequence on top moved the row being clicked: a click aimed at chat-17
+        selected chat-18): the sequences shown keep their rows, new ones join at the bottom, until it leaves."""
         live = np.flatnonzero(s.state != 4)
         done = np.flatnonzero(s.state == 4)
         order = np.concatenate((live[np.argsort(-s.id[live])], done[np.argsort(-s.id[done])][:40]))
+        if not self.hovered or not self._ids:
+            return order
+        index = {int(sid): i for i, sid in enumerate(s.id)}
+        kept = [index[sid] for sid in self._ids if sid in index]
+        shown = set(self._ids)
+        new = [i for i in order if int(s.id[i]) not in shown]
+        return np.asarray(kept + new, dtype=np.int64)
+
+    def update_snapshot(self, snap: Snapshot, engine_paused: bool = False) -> None:
+        """engine_paused: the engine is paused, so no sequence runs (its state says "running": admitted) and
+        none generates; they show "paused" and 0.0 tok/s."""
+        s = snap.seqs
+        order = self._order(s, engine_paused)
         self._updating = True
         if self.rowCount() != len(order):
             self.setRowCount(len(order))
@@ -124,9 +145,12 @@ class SequencesPanel(QtWidgets.QTableWidget):
         self._ids = [int(s.id[i]) for i in order]
         for r, i in enumerate(order):
             ttft = s.ttft[i]
-            vals = (str(int(s.id[i])), s.labels[i], STATE_NAMES.get(int(s.state[i]), "?"), str(int(s.tokens[i])),
-                    str(int(s.generated[i])), str(int(s.blocks_device[i])), str(int(s.blocks_host[i])),
-                    f"{s.tokens_per_s[i]:.1f}", "" if math.isnan(ttft) else f"{ttft * 1e3:.0f}",
+            state = STATE_NAMES.get(int(s.state[i]), "?")
+            stopped = engine_paused and state != "finished"
+            vals = (str(int(s.id[i])), s.labels[i], "paused" if stopped and state == "running" else state,
+                    str(int(s.tokens[i])), str(int(s.generated[i])), str(int(s.blocks_device[i])),
+                    str(int(s.blocks_host[i])), "0.0" if stopped else f"{s.tokens_per_s[i]:.1f}",
+                    "" if math.isnan(ttft) else f"{ttft * 1e3:.0f}",
                     str(int(s.prefix_reused[i])))
             old = self._rows[r] if r < len(self._rows) else None
             if old == vals:
