@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -495,3 +496,32 @@ def test_after_a_pause_the_rates_lines_end_at_now_beside_their_marks(qtbot, wind
     mark = [ago for ago, kind, _ in chart.marks if kind == "config"][-1]
     # The windowed rate's samples step at the refresh rate through the change's moment, not 3 s away from it.
     assert np.min(np.abs(x - mark)) < 0.5
+
+
+def test_a_slow_reconfigure_leaves_the_window_responsive_and_busy(qtbot, window, runner, monkeypatch):
+    """A block-size change to 1 froze the window ~3 s with the confirmation dialog still drawn: the engine's
+    re-layout ran on the window's thread. It runs on a worker now; the window keeps painting (its refresh timer
+    fires), the controls are disabled and a busy bar shows until the change is in."""
+    from PySide6 import QtCore
+
+    real = runner.reconfigure
+
+    def slow(**changes):
+        time.sleep(1.5)  # a re-layout of a full pool on a loaded CPU
+        return real(**changes)
+
+    monkeypatch.setattr(runner, "reconfigure", slow)
+    ticks, seen = [], []
+    timer = QtCore.QTimer(interval=50)
+    timer.timeout.connect(lambda: (ticks.append(1), seen.append((window.controls.controls["block_size"].isEnabled(),
+                                                                  window.controls.progress.isVisible(),
+                                                                  window.controls.message.text()))))
+    timer.start()
+    frames = window.frames
+    assert window.controls.apply("block_size", 8)
+    timer.stop()
+    assert len(ticks) >= 15 and window.frames - frames >= 10  # the event loop ran: timers, the window's refresh
+    assert any(not enabled and bar and msg.startswith("applying block_size=8") for enabled, bar, msg in seen), seen[:3]
+    assert runner.config().block_size == 8
+    assert window.controls.controls["block_size"].isEnabled() and not window.controls.progress.isVisible()
+    assert window.controls.message.text().startswith("applied block_size=8")

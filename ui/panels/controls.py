@@ -7,6 +7,8 @@ precision asks first, since it is lossy.
 
 from __future__ import annotations
 
+import threading
+import time
 import tomllib
 
 import numpy as np
@@ -31,6 +33,7 @@ LABELS = {"device_budget_mb": "device budget", "host_budget_mb": "host budget", 
           "kv_dtype": "KV dtype", "shadow_every_s": "shadow every", "device_layers": "device layers"}
 ZERO_TEXT = {"device_layers": "all layers", "shadow_every_s": "off"}  # what a 0 in the value box means
 SPIN_TEXT = "131072.00 MiB"  # the widest value a box shows for a slider stop
+BUSY_AFTER_S = 0.15  # a change that takes longer shows the busy state (see ControlsPanel._off_ui_thread)
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
 # Disabled controls (a saved snapshot's) drawn as disabled: the app's style gives a slider's handle its bright
 # colour whatever its state, and the boxes their normal text.
@@ -173,6 +176,7 @@ class ControlsPanel(QtWidgets.QWidget):
     # (kind, text) of a refusal the engine never saw (a preset file that cannot be read), for the event feed;
     # the engine reports its own refusals there itself.
     refused = QtCore.Signal(str, str)
+    _work_done = QtCore.Signal()  # a reconfigure's worker thread has finished (see _off_ui_thread)
 
     def __init__(self, controller, confirm_lossy=None):
         super().__init__()
@@ -198,6 +202,14 @@ class ControlsPanel(QtWidgets.QWidget):
         self.message.setFixedHeight(2 * self.message.fontMetrics().lineSpacing() + 4)
         self.message.setAlignment(QtCore.Qt.AlignTop | QtCore.Qt.AlignLeft)
         lay.addWidget(self.message)
+        # A change the engine takes seconds to apply (a re-layout of the pool): a busy bar on the message's second
+        # line (the busy message takes one), so showing it moves nothing and the panel is no taller.
+        self.progress = QtWidgets.QProgressBar(self.message)
+        self.progress.setRange(0, 0)
+        self.progress.setTextVisible(False)
+        self.progress.setToolTip("the engine is applying the change between two of its steps")
+        self.progress.hide()
+        self.busy = False
         row = QtWidgets.QHBoxLayout()
         self.reset = QtWidgets.QPushButton("Reset defaults")
         self.save = QtWidgets.QPushButton("Save preset…")
@@ -273,6 +285,9 @@ class ControlsPanel(QtWidgets.QWidget):
 
     def apply_many(self, changes: dict) -> bool:
         text = ", ".join(f"{k}={_label(v)}" for k, v in changes.items())
+        if self.busy:  # a change still being applied (its controls are disabled; a timer may still fire)
+            self.show_note(f"not applied: {text} (the previous change is still being applied)")
+            return False
         lossy = self.controller.is_lossy(changes)
         if lossy:
             if not self.confirm_lossy(text):
@@ -280,7 +295,7 @@ class ControlsPanel(QtWidgets.QWidget):
                 self.sync()
                 return False
         try:
-            new = self.controller.reconfigure(**changes)
+            new = self._off_ui_thread(lambda: self.controller.reconfigure(**changes), f"applying {text}")
         except ConfigError as e:
             self.show_error(f"{text}: {e}")  # what was refused, then the engine's reason
             self.sync()
@@ -291,6 +306,59 @@ class ControlsPanel(QtWidgets.QWidget):
             if name in self.controls:
                 self.controls[name].show_value(getattr(new, name))
         return True
+
+    def _off_ui_thread(self, fn, what: str):
+        """fn() on a worker thread, the window's events running meanwhile, and its result (or its exception).
+        A re-layout (block size 1 on a full pool: seconds) froze the window, the confirmation dialog still drawn
+        over it; now the window repaints, the controls are disabled and a busy bar and the seconds so far show
+        until the engine has applied the change (between two of its steps, as before)."""
+        out: dict = {}
+
+        def work() -> None:
+            try:
+                out["value"] = fn()
+            except BaseException as e:  # raised on the window's thread
+                out["error"] = e
+            finally:
+                self._work_done.emit()
+
+        loop = QtCore.QEventLoop()
+        self._work_done.connect(loop.quit)
+        worker = threading.Thread(target=work, name="kvscope-reconfigure", daemon=True)
+        worker.start()
+        worker.join(BUSY_AFTER_S)  # a quick change shows no busy state
+        if worker.is_alive():
+            self._set_busy(what, True)
+            t0 = time.monotonic()
+            tick = QtCore.QTimer(self, interval=250)
+            tick.timeout.connect(lambda: self._say(f"{what}… {time.monotonic() - t0:.1f} s", "#ffcc80"))
+            tick.start()
+            try:
+                while worker.is_alive():
+                    loop.exec()  # quits at the worker's signal (queued: sent before exec, it still ends it)
+                    worker.join(0.01)
+            finally:
+                tick.stop()
+                tick.deleteLater()
+                self._set_busy(what, False)
+        worker.join()
+        self._work_done.disconnect(loop.quit)
+        if "error" in out:
+            raise out["error"]
+        return out["value"]
+
+    def _set_busy(self, what: str, busy: bool) -> None:
+        self.busy = busy
+        for w in [*self.controls.values(), self.reset, self.load]:
+            w.setEnabled(not busy)
+        line = self.message.fontMetrics().lineSpacing()
+        self.progress.setGeometry(0, line + 4, max(self.message.width() - 4, 40), min(8, line - 4))
+        self.progress.setVisible(busy)
+        if busy:
+            self._say(f"{what}…", "#ffcc80")
+            QtWidgets.QApplication.setOverrideCursor(QtCore.Qt.BusyCursor)
+        else:
+            QtWidgets.QApplication.restoreOverrideCursor()
 
     def show_error(self, text: str) -> None:
         self._say(f"refused: {text}", "#ff8a80")
