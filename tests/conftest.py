@@ -570,3 +570,14 @@ def tiny_cohere(tmp_path_factory, tokenizer_files) -> str:
                       pad_token_id=0)
     return _perturb_norms(path, 14)
 
+
+@pytest.fixture(scope="session")
+def tiny_cohere2(tmp_path_factory, tokenizer_files) -> str:
+    """Cohere 2 (Command R7B-like): Cohere's layer without q/k norms, layers S F S (sliding_window_pattern 2, window
+    24), RoPE (interleaved) on the sliding layers only, the full-attention layer NoPE. Randomized norm weights."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-cohere2"), Cohere2Config, Cohere2ForCausalLM, tokenizer_files,
+                      15, num_hidden_layers=3, sliding_window=24, sliding_window_pattern=2, logit_scale=0.25,
+                      rope_theta=10_000.0, pad_token_id=0)
+    return _perturb_norms(path, 15)

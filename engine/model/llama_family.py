@@ -1,9 +1,9 @@
 """A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3, Phi-3,
-Cohere) whose attention reads the paged KV cache. The families differ only by data on the ModelSpec
+Cohere, Cohere 2) whose attention reads the paged KV cache. The families differ only by data on the ModelSpec
 (engine/model/spec.py): q/k norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post,
 Gemma's sandwich, Cohere's parallel block), the norm (norm_kind: RMSNorm, Cohere's LayerNorm), Gemma's (1 + w)
 norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers and Cohere's logit
-scale, the layers without RoPE (nope_layers: SmolLM3's), Gemma 3's own RoPE on the
+scale, the layers without RoPE (nope_layers: SmolLM3's, Cohere 2's full-attention ones), Gemma 3's own RoPE on the
 sliding layers (local_rope), and how RoPE rotates (rotary_dim: Phi-4-mini's partial rotation; rope_interleaved:
 Cohere's pairs; LongRoPE's factors in rope_scaling); the layer below takes each as a small branch.
 
@@ -272,7 +272,7 @@ class LlamaFamily:
         return t if self._fits(t) else t.to(device=self._dev, dtype=self.dtype).contiguous()
 
     def _norm_weight(self, t: torch.Tensor) -> torch.Tensor:
-        """An RMSNorm's scale: the weight (own), or with spec.norm_offset (Gemma) offset + weight in fp32, the
+        """A norm's scale: the weight (own), or with spec.norm_offset (Gemma) offset + weight in fp32, the
         dtype transformers' Gemma norms scale in (rms_scale_fp32)."""
         if self.spec.norm_offset == 0.0:
             return self._own(t)

@@ -21,7 +21,7 @@ class ModelLoadError(Exception):
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
     "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-    "CohereForCausalLM",
+    "CohereForCausalLM", "Cohere2ForCausalLM",
 })
 
 # Values transformers' config classes use when a key is absent from config.json (rms_norm_eps: 1e-6 unless listed).
@@ -44,14 +44,16 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
              "rms_norm_eps": 1e-5},
     "cohere": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
                "logit_scale": 0.0625},  # rms_norm_eps: Cohere's layer_norm_eps
+    "cohere2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                "logit_scale": 0.0625, "sliding_window": 4096, "sliding_window_pattern": 4},
 }
 _GEMMA = ("gemma2", "gemma3_text")
-_COHERE = ("cohere",)
+_COHERE = ("cohere", "cohere2")
 # The families whose layer differs from Llama's: architecture and model_type must name the same one (the forward
 # pass follows model_type, transformers the architecture).
 _OWN_MODEL_TYPE = {"Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
                    "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                   "Phi3ForCausalLM": "phi3", "CohereForCausalLM": "cohere"}
+                   "Phi3ForCausalLM": "phi3", "CohereForCausalLM": "cohere", "Cohere2ForCausalLM": "cohere2"}
 
 # Each layer's norms by spec.norm_placement: (attention input, attention output, MLP input, MLP output), the
 # checkpoint's names; None: no norm there. An output norm is applied to the branch's output before its residual add.
@@ -239,7 +241,7 @@ def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int,
     if model_type in ("mistral", "phi3"):
         # MistralModel and Phi3Model apply config.sliding_window to every layer (and ignore layer_types).
         return (window,) * num_layers
-    if model_type in _GEMMA:
+    if model_type in (*_GEMMA, "cohere2"):
         # Always sliding layers: layer_types, or every layer but each sliding_window_pattern-th (Gemma 2: 2).
         pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
                       or _DEFAULTS[model_type]["sliding_window_pattern"])
@@ -307,6 +309,8 @@ def spec_from_config(
     bos = config.get("bos_token_id")
     nope = _nope_layers(config, model_type, num_layers)
     sliding = _sliding_windows(config, model_type, num_layers, nope)
+    if model_type == "cohere2":  # RoPE on the sliding layers only: the full-attention ones are NoPE
+        nope = frozenset(i for i, window in enumerate(sliding) if window is None)
     granite = model_type == "granite"
     return ModelSpec(
         architecture=architecture,

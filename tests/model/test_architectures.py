@@ -1,10 +1,11 @@
 """The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2,
-Gemma 3 (text), Phi-3 (a mini-128k-like and a Phi-4-mini-like checkpoint) and Cohere, each a tiny random-weight
-checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy `generate` on the same directory, at several
-block sizes, through a device tier smaller than one request, and under live reconfiguration; for SmolLM3 (NoPE
-layers), Gemma 3 (a RoPE base per layer type), Phi-3 (LongRoPE, partial rotation) and Cohere (interleaved RoPE)
-also K-shifts, against transformers with the shift replayed on its cache. Gemma 2's attention soft-capping runs on
-the reference backend only: any other is refused. Any other architecture is refused by name."""
+Gemma 3 (text), Phi-3 (a mini-128k-like and a Phi-4-mini-like checkpoint), Cohere and Cohere 2, each a tiny
+random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy `generate` on the same
+directory, at several block sizes, through a device tier smaller than one request, and under live
+reconfiguration; for SmolLM3 (NoPE layers), Gemma 3 (a RoPE base per layer type), Phi-3 (LongRoPE, partial
+rotation), Cohere (interleaved RoPE) and Cohere 2 (RoPE on its sliding layers only) also K-shifts, against
+transformers with the shift replayed on its cache. Gemma 2's attention soft-capping runs on the reference backend
+only: any other is refused. Any other architecture is refused by name."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
 PROMPTS = prompts(30, [7, 30, 75])  # past the sliding window (24) of tiny_qwen3_sliding
 FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3", "tiny_gemma2",
-            "tiny_gemma3", "tiny_phi3", "tiny_phi4", "tiny_cohere")
+            "tiny_gemma3", "tiny_phi3", "tiny_phi4", "tiny_cohere", "tiny_cohere2")
 SOFTCAP_REFUSED = "attention soft-capping \\(Gemma 2\\) runs on the reference backend only"
 
 
@@ -377,8 +378,13 @@ def cohere(tiny_cohere):
     return load_model(tiny_cohere), Reference(tiny_cohere)
 
 
-def test_phi_and_cohere_specs(phi3, phi4, cohere):
-    p3, p4, co = phi3[0].spec, phi4[0].spec, cohere[0].spec
+@pytest.fixture(scope="module")
+def cohere2(tiny_cohere2):
+    return load_model(tiny_cohere2), Reference(tiny_cohere2)
+
+
+def test_phi_and_cohere_specs(phi3, phi4, cohere, cohere2):
+    p3, p4, co, co2 = phi3[0].spec, phi4[0].spec, cohere[0].spec, cohere2[0].spec
     assert (p3.architecture, p3.model_type, p3.fused_checkpoint, p3.rotary_dim, p3.tie_word_embeddings) == (
         "Phi3ForCausalLM", "phi3", True, None, False)
     assert p3.sliding_window == (24, 24, 24) and p3.norm_kind == "rms" and p3.rms_norm_eps == 1e-5
@@ -389,6 +395,10 @@ def test_phi_and_cohere_specs(phi3, phi4, cohere):
     assert (co.architecture, co.model_type, co.norm_kind, co.norm_placement, co.qk_norm) == (
         "CohereForCausalLM", "cohere", "layer", "parallel", "each_head")
     assert (co.logit_scale, co.rope_interleaved, co.tie_word_embeddings, co.rotary_dim) == (0.0625, True, True, None)
+    assert (co2.architecture, co2.model_type, co2.norm_kind, co2.norm_placement, co2.qk_norm) == (
+        "Cohere2ForCausalLM", "cohere2", "layer", "parallel", "none")
+    assert (co2.sliding_window, co2.nope_layers, co2.logit_scale, co2.rope_interleaved) == (
+        (24, None, 24), {1}, 0.25, True)
     # Phi-3's fused tensors are checked as they are stored, then named by their row ranges, which LlamaFamily takes
     # as one view again: no copy.
     w = phi3[0].weights
@@ -454,6 +464,27 @@ def test_longrope_factors_follow_the_context_limit(phi3, phi4):
         phi3[1].model.model.rotary_emb.original_inv_freq)
 
 
+def test_longrope_past_the_original_length_uses_the_long_factors_from_the_first_token(phi3):
+    """The known difference from transformers (rope_inv_freq): tiny_phi3's engine (context limit 512 > original
+    length 4) rotates a 3-token prompt with the long factors from its first token on, where transformers uses the
+    short ones until the sequence passes 4 tokens and then recomputes its cache with the long ones. The engine's
+    tokens are transformers' with the long factors throughout; its first logits are not plain transformers'."""
+    from engine.fidelity.shadow import dense_logits
+
+    model, ref = phi3
+    p = prompts(34, [3])[0]
+    eng = Engine(model, CacheConfig(block_size=4))
+    got = run(eng, [p])[0]
+    long_ref = Reference(ref.model.name_or_path)
+    rotary = long_ref.model.model.rotary_emb
+    with torch.inference_mode():
+        want_first = long_ref.model(torch.tensor([p])).logits[0, -1]  # 3 tokens: the short factors
+        long_ref.model(torch.tensor([list(range(3, 9))]))  # past 4: rotary.inv_freq now holds the long factors
+        rotary.original_inv_freq.copy_(rotary.inv_freq)  # the short set replaced by the long one
+    assert got == long_ref.greedy(p, N)
+    assert (dense_logits(eng.model, p) - want_first).abs().max() > 1e-2 * want_first.abs().max()
+
+
 def _phi4_all_rotated(spec):
     import dataclasses
 
@@ -466,7 +497,8 @@ def _phi4_all_rotated(spec):
     ("phi3", "rope_scaling", None), ("phi3", "attention_factor", 1.0), ("phi3", "context_limit", 4),
     ("phi3", "sliding_window", (None,) * 3), ("phi4", "rotary_dim", None), ("phi4", "context_limit", 129),
     ("cohere", "logit_scale", 1.0), ("cohere", "rope_interleaved", False), ("cohere", "norm_kind", "rms"),
-    ("cohere", "qk_norm", "none"), ("cohere", "norm_placement", "pre")])
+    ("cohere", "qk_norm", "none"), ("cohere", "norm_placement", "pre"), ("cohere2", "nope_layers", frozenset()),
+    ("cohere2", "rope_interleaved", False)])
 def test_each_phi_and_cohere_difference_shows_in_the_logits(request, name, field, value):
     """With any one datum left at Llama's value (context_limit: LongRoPE's other factors; rotary_dim: every dim
     rotated) the logits move far from transformers' (so the equality tests above check each of them)."""
@@ -497,12 +529,13 @@ def test_each_phi_and_cohere_difference_shows_in_the_logits(request, name, field
     assert (dense_logits(wrong, p) - want).abs().max() > 1e-2 * want.abs().max()
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere"])
+@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere", "cohere2"])
 def test_kshift_keys_equal_a_fresh_prefills(request, name):
     """After a context shift by hand, layer 0's keys (which see no context) equal transformers' fresh prefill of
     the kept tokens at their new positions: LongRoPE's scaling kept, only the rotated dims re-rotated (Phi-4-mini),
     the interleaved pairs rotated as pairs (Cohere). transformers' cache keeps a sliding layer's last window - 1
-    keys (tiny_phi3): those are compared. Every other layer: the old keys re-rotated by the position change."""
+    keys (tiny_phi3, tiny_cohere2): those are compared. Every other layer: the old keys re-rotated by the position
+    change; a NoPE layer's (Cohere 2's full-attention layer) left as they were."""
     model, ref = request.getfixturevalue(name)
     p = prompts(31, [40])[0]
     eng = Engine(model, CacheConfig(block_size=8))
@@ -521,22 +554,26 @@ def test_kshift_keys_equal_a_fresh_prefills(request, name):
     rotary_dim = model.spec.rotary_dim or model.spec.head_dim
     for li in range(model.spec.num_layers):
         old = k_before[li][keep_idx]
+        if li in model.spec.nope_layers:
+            assert torch.equal(k_engine[li], old)
+            continue
         assert (k_engine[li] - eng.model.shift_keys(old, delta, li)).norm() / old.norm() <= 1e-6
         assert not torch.allclose(k_engine[li][4:, :, :rotary_dim], old[4:, :, :rotary_dim])
         assert torch.equal(k_engine[li][:, :, rotary_dim:], old[:, :, rotary_dim:])  # Phi-4-mini: passed through
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere"])
+@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere", "cohere2"])
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_phi_and_cohere_context_shift_tokens_equal_transformers(request, name, block_size):
     """context_limit 32, n_keep 4, 60 new tokens: several shifts, replayed on transformers' cache with its own
     inv_freq (tiny_phi3: the long factors, original length 4 < 32; tiny_phi4: the short ones, 32 <= 128), on the
-    rotated dims only (Phi-4-mini), by pairs (Cohere)."""
+    rotated dims only (Phi-4-mini), by pairs (Cohere), the NoPE layer not at all (Cohere 2)."""
     model, ref = request.getfixturevalue(name)
     ps = prompts(33, [20, 9])
     with torch.inference_mode():
         ref.model(torch.tensor([ps[0]]))  # tiny_phi3's prompts pass its original length: the long factors
-    layer_inv = [inv.clone() for inv in hf_layer_inv_freq(ref.model)]
+    layer_inv = [None if inv is None else inv.clone()
+                 for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
     interleaved = model.spec.rope_interleaved
     assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, interleaved) == ref.greedy(ps[0], N)
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
@@ -554,8 +591,8 @@ def test_other_architectures_are_refused_by_name(tmp_path, tokenizer_files):
 
     path = _save_tiny(tmp_path / "phi", PhiConfig, PhiForCausalLM, tokenizer_files, 9, pad_token_id=0)
     with pytest.raises(ModelLoadError, match=r"unsupported architecture 'PhiForCausalLM' in .*KV Scope serves: "
-                                             r"CohereForCausalLM.*Gemma2ForCausalLM.*Gemma3ForCausalLM"
-                                             r".*Olmo2ForCausalLM.*Phi3ForCausalLM.*Qwen3ForCausalLM"
+                                             r"Cohere2ForCausalLM, CohereForCausalLM.*Gemma2ForCausalLM"
+                                             r".*Gemma3ForCausalLM.*Olmo2ForCausalLM.*Phi3ForCausalLM.*Qwen3ForCausalLM"
                                              r".*SmolLM3ForCausalLM") as e:
         load_model(path)
     assert "GraniteForCausalLM" in str(e.value) and "\n" not in str(e.value)
