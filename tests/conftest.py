@@ -387,61 +387,36 @@ def hf_layer_inv_freq(hf, nope: frozenset[int] = frozenset()) -> list:
     return [None if li in nope else rotary.inv_freq.float() for li in range(hf.config.num_hidden_layers)]
 
 
-def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
+def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int,
+                   interleaved: bool = False, windows: list | None = None) -> list[int]:
     """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
     (engine/runtime/seq_ops.py): before a token whose context would pass `limit`, keep the first n_keep tokens,
     drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions —
-    each layer with its own RoPE (layer_inv: hf_layer_inv_freq), the NoPE layers not at all. The cache keeps
-    every key (no per-layer window cut), so key index = position, and the sliding layers' mask is by position."""
+    each layer with its own RoPE (layer_inv: hf_layer_inv_freq), the NoPE layers not at all; the first
+    2 * len(inv) dims only (Phi-4-mini's partial rotation), by the model module's own rotate_half, on the pairs
+    (2i, 2i + 1) where `interleaved` (Cohere). The cache keeps every key (no per-layer window cut), so key
+    index = position, and the sliding layers' mask is by position.
+
+    `windows` (spec.sliding_window, one per layer): the sliding layers keep keys as a KV-cache group of them does
+    (engine/kv/grouped.py): a key is dropped once it leaves the window of the next query and never comes back, a
+    shift moving it closer or not (as transformers' sliding-window cache and llama.cpp's iSWA cache hold them);
+    given to the model as precomputed masks per layer type (full: causal; sliding: causal, inside the window, not
+    dropped)."""
+    import sys
+
     from transformers import DynamicCache
 
-    from engine.model.llama_family import rotate_half
+    from engine.model.llama_family import rotate_half as llama_rotate_half
 
-    toks, out = list(prompt), []
-    cache = DynamicCache()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True).logits[0, -1]
-        while True:
-            out.append(int(logits.argmax()))
-            if len(out) == n:
-                return out
-            toks.append(out[-1])
-            if len(toks) > limit:
-                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
-                for li, layer in enumerate(cache.layers):
-                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
-                    tail = k[:, :, n_keep + n_discard:]
-                    if layer_inv[li] is not None:
-                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
-                        emb = torch.cat((freqs, freqs), dim=-1)
-                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
-                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
-                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
-                toks = toks[:n_keep] + toks[n_keep + n_discard:]
-            pos = len(toks) - 1
-            logits = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
-                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
-
-
-def windowed_shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int,
-                            windows: list) -> list[int]:
-    """shifted_greedy as a KV-cache group of sliding-window layers keeps keys (engine/kv/grouped.py): a sliding
-    layer drops a key once it leaves the window of the next query, and a dropped key never comes back, a context
-    shift moving it closer or not (as transformers' sliding-window cache and llama.cpp's iSWA cache hold them).
-    transformers' cache keeps every key here (index = position, re-rotated by the replayed shift); what each layer
-    sees is given as precomputed masks per layer type (full: causal; sliding: causal, inside the window, and not
-    dropped). windows: spec.sliding_window (one per layer)."""
-    from transformers import DynamicCache
-
-    from engine.model.llama_family import rotate_half
-
-    window = next(w for w in windows if w is not None)
-    assert all(w in (None, window) for w in windows)
-    toks, out = list(prompt), []
+    # The model module's own (Cohere's pairs); GPT-OSS's has none: it rotates halves, as Llama's.
+    rotate_half = getattr(sys.modules[type(hf).__module__], "rotate_half", llama_rotate_half)
+    window = None if windows is None else next(w for w in windows if w is not None)
+    assert windows is None or all(w in (None, window) for w in windows)
     dropped = 0  # leading tokens the sliding layers dropped
-    cache = DynamicCache()
 
-    def masks(q0: int, q: int) -> dict:
+    def masks(q0: int, q: int) -> dict | None:
+        if window is None:
+            return None  # transformers' own
         qi = torch.arange(q0, q0 + q)[:, None]
         kj = torch.arange(q0 + q)[None, :]
         causal = kj <= qi
@@ -449,15 +424,17 @@ def windowed_shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limi
         add = lambda m: torch.where(m, 0.0, float("-inf"))[None, None]  # noqa: E731
         return {"full_attention": add(causal), "sliding_attention": add(sliding)}
 
+    toks, out = list(prompt), []
+    cache = DynamicCache()
     with torch.inference_mode():
-        T = len(toks)
-        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True, attention_mask=masks(0, T)).logits[0, -1]
+        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True, attention_mask=masks(0, len(toks))).logits[0, -1]
         while True:
             out.append(int(logits.argmax()))
             if len(out) == n:
                 return out
             toks.append(out[-1])
-            dropped = max(dropped, len(toks) - 1 - window + 1)  # out of the window of the next query
+            if window is not None:
+                dropped = max(dropped, len(toks) - window)  # out of the window of the next query
             if len(toks) > limit:
                 n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
                 for li, layer in enumerate(cache.layers):
@@ -465,11 +442,13 @@ def windowed_shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limi
                     tail = k[:, :, n_keep + n_discard:]
                     if layer_inv[li] is not None:
                         freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
-                        emb = torch.cat((freqs, freqs), dim=-1)
-                        tail = tail * emb.cos() + rotate_half(tail) * emb.sin()
+                        emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat((freqs, freqs), dim=-1)
+                        r = emb.shape[-1]
+                        rot = tail[..., :r] * emb.cos() + rotate_half(tail[..., :r]) * emb.sin()
+                        tail = torch.cat((rot, tail[..., r:]), dim=-1)
                     layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
                     layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
-                kept = list(range(n_keep)) + list(range(n_keep + n_discard, len(toks) - 1))  # cached ones
+                kept = list(range(n_keep)) + list(range(n_keep + n_discard, len(toks) - 1))  # the cached ones
                 dropped = sum(1 for i in kept if i < dropped)
                 toks = toks[:n_keep] + toks[n_keep + n_discard:]
             pos = len(toks) - 1
@@ -538,8 +517,8 @@ def tiny_smollm3(tmp_path_factory, tokenizer_files) -> str:
 
 
 def _perturb_norms(path: str, seed: int) -> str:
-    """Gemma's RMSNorms scale by (1 + weight) and initialize the weights to 0: give them random values, so the
-    offset and every norm's placement show in the tokens."""
+    """Norm weights initialize to 0 (Gemma's (1 + weight) RMSNorms) or 1: give them random values, so the offset,
+    the kind of norm and every norm's placement show in the tokens."""
     from safetensors.torch import load_file, save_file
 
     file = os.path.join(path, "model.safetensors")
@@ -607,3 +586,58 @@ def tiny_gpt_oss(tmp_path_factory, tokenizer_files) -> str:
             weights[name] = 0.3 * torch.randn(t.shape, generator=g)
     save_file(weights, file, metadata={"format": "pt"})
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(tmp_path_factory, tokenizer_files) -> str:
+    """Phi-3 (mini-128k-like): fused qkv_proj / gate_up_proj, untied, a sliding window of 24 on every layer, and
+    LongRoPE with original_max_position_embeddings 4 of 512: every prompt is longer, so transformers uses the long
+    factors throughout, as the engine does (its context limit, 512, is past 4), and the cos/sin scaling is
+    sqrt(1 + ln 128 / ln 4). Randomized RMSNorm weights."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.02, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0],
+            "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0]}
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-phi3"), Phi3Config, Phi3ForCausalLM, tokenizer_files, 12,
+                      num_hidden_layers=3, sliding_window=24, tie_word_embeddings=False, rope_scaling=rope,
+                      original_max_position_embeddings=4, pad_token_id=0)
+    return _perturb_norms(path, 12)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi4(tmp_path_factory, tokenizer_files) -> str:
+    """Phi-4-mini-like: Phi3ForCausalLM with partial_rotary_factor 0.75 (12 of head_dim 16 rotated), tied
+    embeddings, LongRoPE whose original length is max_position_embeddings (128): the short factors, as transformers
+    uses for every sequence up to it, and factor 32 gives the scaling sqrt(1 + ln 32 / ln 128). One kv head."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": "longrope", "factor": 32.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 3.0],
+            "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]}
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-phi4"), Phi3Config, Phi3ForCausalLM, tokenizer_files, 13,
+                      num_hidden_layers=3, num_key_value_heads=1, partial_rotary_factor=0.75, rope_scaling=rope,
+                      max_position_embeddings=128, original_max_position_embeddings=128, pad_token_id=0)
+    return _perturb_norms(path, 13)
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere(tmp_path_factory, tokenizer_files) -> str:
+    """Cohere (Command R-like): LayerNorm, the parallel block, per-head q/k LayerNorms with a weight per head
+    (use_qk_norm), logit_scale 1/16, interleaved RoPE, tied embeddings. Randomized norm weights."""
+    from transformers import CohereConfig, CohereForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-cohere"), CohereConfig, CohereForCausalLM, tokenizer_files, 14,
+                      num_hidden_layers=3, use_qk_norm=True, logit_scale=0.0625, rope_theta=10_000.0,
+                      pad_token_id=0)
+    return _perturb_norms(path, 14)
+
+
+@pytest.fixture(scope="session")
+def tiny_cohere2(tmp_path_factory, tokenizer_files) -> str:
+    """Cohere 2 (Command R7B-like): Cohere's layer without q/k norms, layers S F S (sliding_window_pattern 2, window
+    24), RoPE (interleaved) on the sliding layers only, the full-attention layer NoPE. Randomized norm weights."""
+    from transformers import Cohere2Config, Cohere2ForCausalLM
+
+    path = _save_tiny(tmp_path_factory.mktemp("tiny-cohere2"), Cohere2Config, Cohere2ForCausalLM, tokenizer_files,
+                      15, num_hidden_layers=3, sliding_window=24, sliding_window_pattern=2, logit_scale=0.25,
+                      rope_theta=10_000.0, pad_token_id=0)
+    return _perturb_norms(path, 15)

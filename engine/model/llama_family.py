@@ -1,10 +1,13 @@
-"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3, GPT-OSS)
-whose attention reads the paged KV cache. The families differ only by data on the ModelSpec (engine/model/spec.py):
-q/k norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post, Gemma's sandwich), Gemma's
-(1 + w) norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers, the layers
-without RoPE (nope_layers), Gemma 3's own RoPE on the sliding layers (local_rope), and GPT-OSS's o_proj bias
-(o_proj_bias), attention sinks (attn_sinks: a logit per head that every attention backend joins to the softmax)
-and mixture-of-experts MLP (moe: engine/model/moe.py); the layer below takes each as a small branch.
+"""A Llama-family forward pass (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2, Gemma 3, GPT-OSS,
+Phi-3, Cohere, Cohere 2) whose attention reads the paged KV cache. The families differ only by data on the ModelSpec
+(engine/model/spec.py): q/k norms before RoPE (qk_norm), where the layer norms sit (norm_placement: pre, post,
+Gemma's sandwich, Cohere's parallel block), the norm (norm_kind: RMSNorm, Cohere's LayerNorm), Gemma's (1 + w)
+norms (norm_offset), GeGLU (mlp_act), scaled embeddings and soft-capping, Granite's multipliers and Cohere's logit
+scale, the layers without RoPE (nope_layers: SmolLM3's, Cohere 2's full-attention ones), Gemma 3's own RoPE on the
+sliding layers (local_rope), how RoPE rotates (rotary_dim: Phi-4-mini's partial rotation; rope_interleaved:
+Cohere's pairs; LongRoPE's and YaRN's factors in rope_scaling), and GPT-OSS's o_proj bias (o_proj_bias), attention
+sinks (attn_sinks: a logit per head that every attention backend joins to the softmax) and mixture-of-experts MLP
+(moe: engine/model/moe.py); the layer below takes each as a small branch.
 
 The model never holds K/V itself: each layer writes its new keys/values through the step's `KVStore` into the
 device tier's blocks, then attends over each sequence's blocks in that same tier through an attention backend
@@ -136,15 +139,29 @@ class KVStore(Protocol):
         """The tier's K/V parts as they lie, for the in-place backends."""
 
 
-def rope_inv_freq(spec: ModelSpec, local: bool = False) -> tuple[torch.Tensor, float]:
-    """inv_freq [D/2] and the attention scaling for the model's RoPE variant (local: Gemma 3's sliding layers')."""
-    d = spec.head_dim
+def rope_inv_freq(spec: ModelSpec, local: bool = False, longest: int | None = None) -> tuple[torch.Tensor, float]:
+    """inv_freq [R/2] (R = spec.rotary_dim or head_dim) and the attention scaling for the model's RoPE variant
+    (local: Gemma 3's sliding layers').
+
+    LongRoPE (Phi-3) divides by short_factor for sequences up to original_max_position_embeddings and by long_factor
+    past it. transformers picks by the length of the sequence in each forward, and generate recomputes the whole
+    cache with the long factors when a sequence first passes that length. A paged cache is not recomputed, so the
+    choice here is by `longest`, the longest sequence the engine holds (its context_limit; None:
+    max_position_embeddings), as llama.cpp picks by its context size: with context_limit <= original every
+    sequence equals transformers; past it, a sequence that is longer than original when it starts does too, and
+    one that grows past it gets the long factors from its first token on (transformers only from that length)."""
+    d = spec.rotary_dim or spec.head_dim
     base, scaling = spec.local_rope if local and spec.local_rope is not None else (spec.rope_theta, spec.rope_scaling)
-    inv = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+    powers = base ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d)  # [R/2]
+    inv = 1.0 / powers
     params = dict(scaling or {})
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return inv, 1.0
+    if kind == "longrope":
+        longest = spec.max_position_embeddings if longest is None else longest
+        factors = params["long_factor" if longest > params["original_max_position_embeddings"] else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * powers), params["attention_factor"]
     if kind == "linear":
         return inv / float(params["factor"]), 1.0
     if kind == "llama3":
@@ -225,6 +242,11 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """rotate_half for interleaved RoPE (Cohere): each pair (x[2i], x[2i+1]) -> (-x[2i+1], x[2i])."""
+    return torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+
+
 class LlamaFamily:
     """The forward pass, in the weights dtype (`dtype`: fp32, bf16, fp16 or auto = bf16 on CUDA, fp32 on CPU).
 
@@ -235,7 +257,7 @@ class LlamaFamily:
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: "str | torch.dtype" = "auto", attention: str = "auto"):
+                 dtype: "str | torch.dtype" = "auto", attention: str = "auto", context_limit: int | None = None):
         self.spec = spec
         self.device = device
         self.dtype = resolve_weights_dtype(dtype, device)
@@ -282,11 +304,12 @@ class LlamaFamily:
             self.o_bias.append(own(w[a + "o_proj.bias"]) if spec.o_proj_bias else None)
             self.sinks.append(own(w[a + "sinks"]) if spec.attn_sinks else None)
             self.moe.append(self._moe(w, p + "mlp.") if spec.moe is not None else None)
-        # RoPE variants, (inv_freq [D/2], attention scaling): 0 the model's, 1 Gemma 3's for its sliding layers. Per
+        # RoPE variants, (inv_freq [R/2], attention scaling): 0 the model's, 1 Gemma 3's for its sliding layers. Per
         # layer the index of its own, None for a NoPE layer. Each variant's cos/sin are computed once a step.
+        # context_limit: the longest sequence the engine holds, which picks LongRoPE's factors (rope_inv_freq).
         local = spec.local_rope is not None
-        self.ropes = [(inv.to(device), scaling) for inv, scaling in
-                      [rope_inv_freq(spec)] + ([rope_inv_freq(spec, local=True)] if local else [])]
+        variants = [rope_inv_freq(spec, longest=context_limit)] + ([rope_inv_freq(spec, local=True)] if local else [])
+        self.ropes = [(inv.to(device), scaling) for inv, scaling in variants]
         self.layer_rope: list[int | None] = [
             None if i in spec.nope_layers else int(local and spec.sliding_window[i] is not None)
             for i in range(spec.num_layers)]
@@ -318,7 +341,7 @@ class LlamaFamily:
         return t if self._fits(t) else t.to(device=self._dev, dtype=self.dtype).contiguous()
 
     def _norm_weight(self, t: torch.Tensor) -> torch.Tensor:
-        """An RMSNorm's scale: the weight (own), or with spec.norm_offset (Gemma) offset + weight in fp32, the
+        """A norm's scale: the weight (own), or with spec.norm_offset (Gemma) offset + weight in fp32, the
         dtype transformers' Gemma norms scale in (rms_scale_fp32)."""
         if self.spec.norm_offset == 0.0:
             return self._own(t)
@@ -349,9 +372,23 @@ class LlamaFamily:
         return fused
 
     # -- pieces -------------------------------------------------------------------------------
+    def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The model's norm (spec.norm_kind) of x [..., n] with weight w (broadcast over x's last dims)."""
+        return self._layer_norm(x, w) if self.spec.norm_kind == "layer" else self._rms(x, w)
+
+    def _layer_norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Cohere's LayerNorm (no bias), as transformers' CohereLayerNorm: in fp32, then rounded to x's dtype."""
+        h = x.float()
+        h = h - h.mean(-1, keepdim=True)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.spec.rms_norm_eps)
+        return (w.float() * h).to(x.dtype)
+
     def _rms(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32.
+            # One fused kernel; same result bit for bit as w * x * rsqrt(mean(x^2) + eps) in fp32. (A weight per
+            # head, [H, D], scales after it.)
+            if w.dim() > 1:
+                return F.rms_norm(x, (x.shape[-1],), None, self.spec.rms_norm_eps) * w
             return F.rms_norm(x, (x.shape[-1],), w, self.spec.rms_norm_eps)
         # As transformers' LlamaRMSNorm for half types: normalize in fp32, round to the dtype, then scale in it
         # (OLMo 2's: scale in fp32, then round).
@@ -360,38 +397,48 @@ class LlamaFamily:
         return (w * h).to(x.dtype) if self.spec.rms_scale_fp32 else w * h.to(x.dtype)
 
     def _qk_norm(self, qk: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor) -> torch.Tensor:
-        """q and k [T, (H + Hkv) D] normed (spec.qk_norm): per head over D ("head"), or over each whole
-        projection, H*D and Hkv*D ("proj")."""
+        """q and k [T, (H + Hkv) D] normed (spec.qk_norm): per head over D ("head": weights [D]; "each_head":
+        weights [H, D] and [Hkv, D]), or over each whole projection, H*D and Hkv*D ("proj")."""
         s = self.spec
         T, q_width = qk.shape[0], s.num_heads * s.head_dim
         q, k = qk[:, :q_width], qk[:, q_width:]
-        if s.qk_norm == "head":
+        if s.qk_norm in ("head", "each_head"):
             q, k = q.view(T, s.num_heads, s.head_dim), k.view(T, s.num_kv_heads, s.head_dim)
-        return torch.cat((self._rms(q, q_w).reshape(T, -1), self._rms(k, k_w).reshape(T, -1)), dim=1)
+        return torch.cat((self._norm(q, q_w).reshape(T, -1), self._norm(k, k_w).reshape(T, -1)), dim=1)
+
+    def _angles(self, positions: torch.Tensor, rope: int) -> torch.Tensor:
+        """[T, R] each rotated dim's angle: pairs (i, i + R/2) share one, or (2i, 2i + 1) (spec.rope_interleaved)."""
+        freqs = positions.float()[:, None] * self.ropes[rope][0][None, :]  # [T, R/2]
+        return freqs.repeat_interleave(2, dim=-1) if self.spec.rope_interleaved else torch.cat((freqs, freqs), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32,
                 rope: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE variant `rope`'s (self.ropes) cos/sin [T, D]: computed in fp32, then rounded to `dtype` (as
-        transformers' rotary embedding does)."""
-        inv_freq, scaling = self.ropes[rope]
-        freqs = positions.float()[:, None] * inv_freq[None, :]  # [T, D/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        """RoPE variant `rope`'s (self.ropes) cos/sin [T, R], times its attention scaling (LongRoPE): computed in
+        fp32, then rounded to `dtype` (as transformers' rotary embedding does)."""
+        emb, scaling = self._angles(positions, rope), self.ropes[rope][1]
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, D] rotated by per-token cos/sin [T, D]."""
+        """x [T, heads, D] rotated by per-token cos/sin [T, R]: the first R dims (R < D: Phi-4-mini's partial
+        rotation; the rest pass through), interleaved pairs rotated in fp32 and rounded back (Cohere)."""
+        R = cos.shape[-1]
+        if R < x.shape[-1]:
+            return torch.cat((self.rotate(x[..., :R], cos, sin), x[..., R:]), dim=-1)
+        if self.spec.rope_interleaved:
+            h = x.float()
+            return (h * cos[:, None, :] + rotate_pairs(h) * sin[:, None, :]).to(x.dtype)
         return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
 
     def shift_keys(self, k: torch.Tensor, delta: torch.Tensor, layer: int) -> torch.Tensor:
         """K-shift: re-rotate layer `layer`'s cached keys k [N, Hkv, D] by position deltas [N] (RoPE composes
-        additively), with the layer's own RoPE (Gemma 3: its sliding layers' base). A NoPE layer's keys carry no
-        position: k itself. The rotation is pure, without the RoPE's attention scaling (YaRN's): cached keys carry
-        that factor once already, and a rotation keeps it."""
+        additively), with the layer's own RoPE (Gemma 3: its sliding layers' base), its rotated dims and pairing;
+        a pure rotation, without the RoPE's attention scaling (YaRN's, LongRoPE's): cached keys carry that factor once
+        already, and a rotation keeps it (LongRoPE's factors are fixed per engine: rope_inv_freq). A NoPE layer's keys
+        carry no position: k itself."""
         rope = self.layer_rope[layer]
         if rope is None:
             return k
-        freqs = delta.float()[:, None] * self.ropes[rope][0][None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
+        emb = self._angles(delta, rope)
         return self.rotate(k, emb.cos(), emb.sin())
 
     # -- forward ------------------------------------------------------------------------------
@@ -418,9 +465,11 @@ class LlamaFamily:
         for pi, part in enumerate(parts):
             for local, li in enumerate(part.layers):
                 where[li] = (pi, local)
+        parallel = s.norm_placement == "parallel"
         for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
-            qkv = linear(x if attn_in is None else self._rms(x, attn_in), qkv_w)  # [T, (H + 2 Hkv) D]
+            h = x if attn_in is None else self._norm(x, attn_in)
+            qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
             if qkv_b is not None:
                 qkv = qkv + qkv_b
             qk = qkv[:, : (H + Hkv) * D]
@@ -437,15 +486,21 @@ class LlamaFamily:
             o = linear(attn.reshape(T, H * D), o_w)
             if self.o_bias[li] is not None:
                 o = o + self.o_bias[li]
+            if parallel:  # Cohere: the MLP reads the attention's normed input, and both outputs add to x
+                gate, up = linear(h, gu_w).chunk(2, dim=-1)
+                x = x + o + linear(act(gate) * up, down_w)
+                continue
             x = self._residual(x, o, attn_out)
-            h = x if mlp_in is None else self._rms(x, mlp_in)
+            h = x if mlp_in is None else self._norm(x, mlp_in)
             if self.moe[li] is not None:
                 x = self._residual(x, self.moe[li](h), mlp_out)
                 continue
             gate, up = linear(h, gu_w).chunk(2, dim=-1)
             x = self._residual(x, linear(act(gate) * up, down_w), mlp_out)
-        x = self._rms(x[batch.logit_rows], self.norm)
+        x = self._norm(x[batch.logit_rows], self.norm)
         logits = linear(x, self.lm_head)
+        if s.logit_scale != 1.0:
+            logits = logits * s.logit_scale
         if s.logits_scaling != 1.0:
             logits = logits / s.logits_scaling
         if s.final_softcap is not None:
@@ -456,7 +511,7 @@ class LlamaFamily:
         """x plus a branch's output, normed first where a norm sits on the branch's output (OLMo 2, Gemma) and
         scaled by spec.residual_multiplier (Granite)."""
         if post_norm is not None:
-            out = self._rms(out, post_norm)
+            out = self._norm(out, post_norm)
         if self.spec.residual_multiplier != 1.0:
             out = out * self.spec.residual_multiplier
         return x + out

@@ -4,6 +4,7 @@ the state dict, and the one error every loading failure raises."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -20,6 +21,7 @@ class ModelLoadError(Exception):
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM",
     "GraniteForCausalLM", "SmolLM3ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
+    "Phi3ForCausalLM", "CohereForCausalLM", "Cohere2ForCausalLM",
 })
 
 # Values transformers' config classes use when a key is absent from config.json (rms_norm_eps: 1e-6 unless listed).
@@ -44,13 +46,21 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
                 # GptOssConfig's RoPE when config.json has none
                 "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                     "truncate": False, "original_max_position_embeddings": 4096}},
+    "phi3": {"max_position_embeddings": 4096, "original_max_position_embeddings": 4096, "sliding_window": None,
+             "rms_norm_eps": 1e-5},
+    "cohere": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+               "logit_scale": 0.0625},  # rms_norm_eps: Cohere's layer_norm_eps
+    "cohere2": {"max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
+                "logit_scale": 0.0625, "sliding_window": 4096, "sliding_window_pattern": 4},
 }
 _GEMMA = ("gemma2", "gemma3_text")
+_COHERE = ("cohere", "cohere2")
 # The families whose layer differs from Llama's: architecture and model_type must name the same one (the forward
 # pass follows model_type, transformers the architecture).
 _OWN_MODEL_TYPE = {"Qwen3ForCausalLM": "qwen3", "Olmo2ForCausalLM": "olmo2", "GraniteForCausalLM": "granite",
                    "SmolLM3ForCausalLM": "smollm3", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3_text",
-                   "GptOssForCausalLM": "gpt_oss"}
+                   "GptOssForCausalLM": "gpt_oss", "Phi3ForCausalLM": "phi3", "CohereForCausalLM": "cohere",
+                   "Cohere2ForCausalLM": "cohere2"}
 
 # Each layer's norms by spec.norm_placement: (attention input, attention output, MLP input, MLP output), the
 # checkpoint's names; None: no norm there. An output norm is applied to the branch's output before its residual add.
@@ -59,6 +69,7 @@ LAYER_NORMS: dict[str, tuple[str | None, str | None, str | None, str | None]] = 
     "post": (None, "post_attention_layernorm", None, "post_feedforward_layernorm"),  # OLMo 2
     "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",  # Gemma 2 / 3
                  "post_feedforward_layernorm"),
+    "parallel": ("input_layernorm", None, None, None),  # Cohere: x + attn(n(x)) + mlp(n(x)), the one norm
 }
 
 
@@ -85,7 +96,7 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
+    rms_norm_eps: float  # every norm's eps (Cohere's LayerNorms: layer_norm_eps)
     rope_theta: float
     rope_scaling: dict[str, Any] | None  # normalized rope parameters (rope_type, factor, ...); None for plain RoPE
     max_position_embeddings: int
@@ -96,12 +107,16 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     name: str
     # How the families differ from Llama's layer (rms -> qkv -> RoPE -> attend -> o_proj -> rms -> SwiGLU), as data:
-    qk_norm: str = "none"  # RMSNorm on q and k before RoPE: "none"; "head" (Qwen3: over each head's D, weight [D]);
-    #                        "proj" (OLMo 2: over the whole projection, weights [H*D] and [Hkv*D])
+    qk_norm: str = "none"  # a norm (norm_kind) on q and k before RoPE: "none"; "head" (Qwen3: over each head's D,
+    #                        weight [D]); "each_head" (Cohere: over each head's D, a weight per head, [H, D] and
+    #                        [Hkv, D]); "proj" (OLMo 2: over the whole projection, weights [H*D] and [Hkv*D])
+    norm_kind: str = "rms"  # "rms": RMSNorm; "layer" (Cohere): LayerNorm, mean subtracted, weight and no bias,
+    #                         computed in fp32 and then rounded
     norm_placement: str = "pre"  # "pre": each branch's input is normed (input_layernorm, post_attention_layernorm);
     #                              "post" (OLMo 2): each branch's output is, before its residual add
     #                              (post_attention_layernorm, post_feedforward_layernorm), and no input_layernorm;
-    #                              "sandwich" (Gemma): both, four norms a layer (LAYER_NORMS)
+    #                              "sandwich" (Gemma): both, four norms a layer (LAYER_NORMS);
+    #                              "parallel" (Cohere): one input norm, both branches read it: x + attn + mlp
     rms_scale_fp32: bool = False  # half types: weight x normalized in fp32, then rounded (OLMo 2, Gemma); else
     #                               rounded first
     norm_offset: float = 0.0  # every RMSNorm scales by (offset + weight), in fp32 (Gemma: 1; checkpoints store w - 1)
@@ -121,6 +136,12 @@ class ModelSpec:
     attn_sinks: bool = False  # a learned logit per head (self_attn.sinks [H]) joins each softmax's denominator and
     #                           is dropped from its output (GPT-OSS)
     moe: MoeSpec | None = None  # the MLP is a top-k mixture of experts (GPT-OSS); None: one dense gated MLP
+    rotary_dim: int | None = None  # the leading dims of each head that RoPE rotates, the rest pass through
+    #                                (Phi-4-mini: partial_rotary_factor 0.75); None: all head_dim
+    rope_interleaved: bool = False  # RoPE rotates the pairs (2i, 2i + 1), in fp32 (Cohere); else (i, i + dims/2)
+    logit_scale: float = 1.0  # logits x it (Cohere)
+    fused_checkpoint: bool = False  # the checkpoint stores qkv_proj and gate_up_proj (Phi-3): check_weights
+    #                                 checks those and names their row ranges q/k/v_proj and gate/up_proj
 
 
 def unsupported(architecture: str, path: str) -> ModelLoadError:
@@ -191,6 +212,40 @@ def _layer_ropes(config: dict[str, Any], model_type: str
     return _rope({**rest, "rope_parameters": full}), _rope({**rest, "rope_parameters": local})
 
 
+def _phi3_rope(config: dict[str, Any], head_dim: int, rope_scaling: dict[str, Any] | None
+               ) -> tuple[dict[str, Any] | None, int | None]:
+    """Phi-3's RoPE as transformers resolves it: the scaling (LongRoPE: the old names "su" and "yarn" are it, its
+    original_max_position_embeddings the config's top-level one, which Phi3Config always has, and the cos/sin
+    scaling attention_factor, by default sqrt(1 + ln(factor) / ln(original)) with factor by default
+    max_position_embeddings / original, 1 when factor <= 1), and the rotated dims (partial_rotary_factor, in the
+    RoPE parameters or at the top level; None: all)."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
+        raise ModelLoadError(f"partial_rotary_factor {partial} leaves {rotary_dim} of {head_dim} head dims to rotate")
+    if rope_scaling is not None:
+        rope_scaling = dict(rope_scaling)
+        if rope_scaling["rope_type"] in ("su", "yarn"):
+            rope_scaling["rope_type"] = "longrope"
+        if rope_scaling["rope_type"] != "longrope":
+            raise ModelLoadError(f"Phi-3 RoPE type {rope_scaling['rope_type']!r}: transformers' Phi3Config allows "
+                                 "default or longrope only")
+        original = int(config.get("original_max_position_embeddings",
+                                  _DEFAULTS["phi3"]["original_max_position_embeddings"]))
+        factor = rope_scaling.get("factor") or (
+            config.get("max_position_embeddings", _DEFAULTS["phi3"]["max_position_embeddings"]) / original)
+        if rope_scaling.get("attention_factor") is None:
+            rope_scaling["attention_factor"] = (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        for key in ("short_factor", "long_factor"):
+            if len(rope_scaling.get(key) or ()) != rotary_dim // 2:
+                raise ModelLoadError(f"LongRoPE {key} lists {len(rope_scaling.get(key) or ())} factors; the "
+                                     f"{rotary_dim} rotated dims need {rotary_dim // 2}")
+        rope_scaling["original_max_position_embeddings"] = original
+    return rope_scaling, (None if rotary_dim == head_dim else rotary_dim)
+
+
 def _nope_layers(config: dict[str, Any], model_type: str, num_layers: int) -> frozenset[int]:
     """SmolLM3: config.no_rope_layers[i] is 1 where layer i USES RoPE; absent, every no_rope_layer_interval-th
     layer (i + 1 a multiple of it) skips RoPE. Other families rotate every layer."""
@@ -207,13 +262,13 @@ def _nope_layers(config: dict[str, Any], model_type: str, num_layers: int) -> fr
 
 def _sliding_windows(config: dict[str, Any], model_type: str, num_layers: int,
                      nope: frozenset[int]) -> tuple[int | None, ...]:
-    if model_type in ("llama", "olmo2", "granite"):
+    if model_type in ("llama", "olmo2", "granite", "cohere"):
         return (None,) * num_layers
     window = config.get("sliding_window", _DEFAULTS[model_type]["sliding_window"])
-    if model_type == "mistral":
-        # MistralModel applies config.sliding_window to every layer and ignores layer_types.
+    if model_type in ("mistral", "phi3"):
+        # MistralModel and Phi3Model apply config.sliding_window to every layer (and ignore layer_types).
         return (window,) * num_layers
-    if model_type in _GEMMA or model_type == "gpt_oss":
+    if model_type in (*_GEMMA, "cohere2", "gpt_oss"):
         # Always sliding layers: layer_types, or every layer but each sliding_window_pattern-th (Gemma 2: 2).
         pattern = int(config.get("sliding_window_pattern") or config.get("_sliding_window_pattern")
                       or _DEFAULTS[model_type]["sliding_window_pattern"])
@@ -253,7 +308,7 @@ def spec_from_config(
     if (own_type is not None or model_type in _OWN_MODEL_TYPE.values()) and own_type != model_type:
         raise ModelLoadError(f"architecture '{architecture}' with model_type '{model_type}' in {directory}: "
                              "they name different families")
-    gemma = model_type in _GEMMA
+    gemma, phi3, cohere = model_type in _GEMMA, model_type == "phi3", model_type in _COHERE
     defaults = _DEFAULTS[model_type]
     if gemma:
         # transformers' Gemma layers read hidden_activation only (old configs also carry a hidden_act).
@@ -277,9 +332,16 @@ def spec_from_config(
         vocab, intermediate = int(config["vocab_size"]), int(config["intermediate_size"])
     except (KeyError, TypeError, ValueError) as e:
         raise ModelLoadError(f"config.json in {directory} lacks a valid {e}") from None
+    head_dim = int(config.get("head_dim") or defaults.get("head_dim") or hidden // heads)
     (theta, rope_scaling), local_rope = _layer_ropes(config, model_type)
+    rotary_dim = None
+    if phi3:
+        rope_scaling, rotary_dim = _phi3_rope(config, head_dim, rope_scaling)
     bos = config.get("bos_token_id")
     nope = _nope_layers(config, model_type, num_layers)
+    sliding = _sliding_windows(config, model_type, num_layers, nope)
+    if model_type == "cohere2":  # RoPE on the sliding layers only: the full-attention ones are NoPE
+        nope = frozenset(i for i, window in enumerate(sliding) if window is None)
     granite = model_type == "granite"
     gpt_oss = model_type == "gpt_oss"
     attention_bias = model_type == "qwen2" or bool(_get(config, defaults, "attention_bias"))
@@ -292,8 +354,9 @@ def spec_from_config(
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or defaults.get("head_dim") or hidden // heads),
-        rms_norm_eps=float(config.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6))),
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("layer_norm_eps" if cohere else "rms_norm_eps",
+                                      defaults.get("rms_norm_eps", 1e-6))),
         rope_theta=theta,
         rope_scaling=rope_scaling,
         max_position_embeddings=int(
@@ -303,12 +366,14 @@ def spec_from_config(
         # which check_weights then rejects as an unexpected tensor.
         attention_bias=attention_bias,
         tie_word_embeddings=bool(config.get("tie_word_embeddings", defaults.get("tie_word_embeddings", False))),
-        sliding_window=_sliding_windows(config, model_type, num_layers, nope),
+        sliding_window=sliding,
         bos_token_id=bos if isinstance(bos, int) else tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
         name=name,
-        qk_norm={"qwen3": "head", "olmo2": "proj", "gemma3_text": "head"}.get(model_type, "none"),
-        norm_placement="post" if model_type == "olmo2" else "sandwich" if gemma else "pre",
+        qk_norm=("each_head" if cohere and config.get("use_qk_norm") else
+                 {"qwen3": "head", "olmo2": "proj", "gemma3_text": "head"}.get(model_type, "none")),
+        norm_kind="layer" if cohere else "rms",
+        norm_placement="post" if model_type == "olmo2" else "parallel" if cohere else "sandwich" if gemma else "pre",
         rms_scale_fp32=model_type == "olmo2" or gemma or gpt_oss,
         embedding_multiplier=float(config.get("embedding_multiplier", 1.0)) if granite else 1.0,
         residual_multiplier=float(config.get("residual_multiplier", 1.0)) if granite else 1.0,
@@ -325,6 +390,10 @@ def spec_from_config(
         o_proj_bias=gpt_oss and attention_bias,
         attn_sinks=gpt_oss,
         moe=_moe(config, defaults) if gpt_oss else None,
+        rotary_dim=rotary_dim,
+        rope_interleaved=cohere,
+        logit_scale=float(_get(config, defaults, "logit_scale") or 1.0) if cohere else 1.0,
+        fused_checkpoint=phi3,
     )
 
 
@@ -345,6 +414,12 @@ def _softcap(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+# A fused checkpoint's tensors (Phi-3) and the ones whose rows they hold, in order.
+_FUSED_NAMES = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                              "self_attn.v_proj.weight"),
+                "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+
+
 def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     h, i = spec.hidden_size, spec.intermediate_size
     q, kv_width = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
@@ -356,6 +431,8 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     norms = [n for n in LAYER_NORMS[spec.norm_placement] if n is not None]
     qk_norm_shapes = {"none": {}, "head": {"q_norm": (spec.head_dim,), "k_norm": (spec.head_dim,)},
+                      "each_head": {"q_norm": (spec.num_heads, spec.head_dim),
+                                    "k_norm": (spec.num_kv_heads, spec.head_dim)},
                       "proj": {"q_norm": (q,), "k_norm": (kv_width,)}}[spec.qk_norm]
     for n in range(spec.num_layers):
         p = f"model.layers.{n}."
@@ -375,6 +452,9 @@ def expected_shapes(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
             shapes |= {p + "mlp.router.weight": (e, h), p + "mlp.router.bias": (e,),
                        p + "mlp.experts.gate_up_proj": (e, h, 2 * i), p + "mlp.experts.gate_up_proj_bias": (e, 2 * i),
                        p + "mlp.experts.down_proj": (e, i, h), p + "mlp.experts.down_proj_bias": (e, h)}
+        if spec.fused_checkpoint:  # Phi-3: one tensor each, q/k/v and gate/up by rows
+            for fused, parts in _FUSED_NAMES.items():
+                shapes[p + fused] = (sum(shapes.pop(p + part)[0] for part in parts), h)
         if spec.attention_bias:
             shapes |= {
                 p + "self_attn.q_proj.bias": (q,),
@@ -409,3 +489,10 @@ def check_weights(spec: ModelSpec, weights: dict[str, torch.Tensor], directory: 
             raise ModelLoadError(f"{label} in {directory} for {spec.architecture}: {', '.join(items[:3])}{more}")
     if spec.tie_word_embeddings:
         weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    if spec.fused_checkpoint:  # the parts as row views of the fused tensor: LlamaFamily uses them without a copy
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        rows = {"self_attn.qkv_proj.weight": [q, kv, kv], "mlp.gate_up_proj.weight": [spec.intermediate_size] * 2}
+        for n in range(spec.num_layers):
+            p = f"model.layers.{n}."
+            for fused, parts in _FUSED_NAMES.items():
+                weights |= {p + part: t for part, t in zip(parts, weights.pop(p + fused).split(rows[fused]))}

@@ -69,9 +69,10 @@ class Engine:
             raise ConfigError("device cuda requested but torch sees no CUDA device")
         self.clock = PausableClock(clock)  # the engine's time: stands still while the engine is paused
         self.options.validate(self.spec.max_position_embeddings)
-        self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype)
-        self.model.use_attention(self.options.attention)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
+        self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype,
+                                 context_limit=self.context_limit)  # the limit picks LongRoPE's factors (Phi-3)
+        self.model.use_attention(self.options.attention)
         self.counters = Counters()
         self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,
                                   self.context_limit, self.counters)

@@ -1,19 +1,22 @@
 """The families beyond Llama / Mistral / Qwen2 (issue 21 item 1): Qwen3, OLMo 2, Granite, SmolLM3, Gemma 2,
-Gemma 3 (text) and GPT-OSS, each a tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy
-`generate` on the same directory, at several block sizes, through a device tier smaller than one request, and under
-live reconfiguration; for SmolLM3 (NoPE layers), Gemma 3 (a RoPE base per layer type) and GPT-OSS (YaRN) also
-K-shifts, against transformers with the shift replayed on its cache; GPT-OSS's attention sinks also through the
-Triton backend, under the interpreter (this file as a script is that worker). Gemma 2's attention soft-capping runs on the reference backend
-only: any other is refused. Any other architecture is refused by name."""
+Gemma 3 (text), GPT-OSS, Phi-3 (a mini-128k-like and a Phi-4-mini-like checkpoint), Cohere and Cohere 2, each a
+tiny random-weight checkpoint (tests/conftest.py). Ground truth is transformers' fp32 greedy `generate` on the same
+directory, at several block sizes, through a device tier smaller than one request, and under live
+reconfiguration; for SmolLM3 (NoPE layers), Gemma 3 (a RoPE base per layer type), GPT-OSS (YaRN), Phi-3 (LongRoPE,
+partial rotation), Cohere (interleaved RoPE) and Cohere 2 (RoPE on its sliding layers only) also K-shifts, against
+transformers with the shift replayed on its cache; GPT-OSS's attention sinks also through the Triton backend, under
+the interpreter (this file as a script is that worker). Gemma 2's attention soft-capping runs on the reference
+backend only: any other is refused. Any other architecture is refused by name."""
 
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
 import torch
 
-from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy, windowed_shifted_greedy
+from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.tiers import Tier
 from engine.model.loader import ModelLoadError, load_model
@@ -24,7 +27,7 @@ N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
 PROMPTS = prompts(30, [7, 30, 75])  # past the sliding window (24) of tiny_qwen3_sliding
 FAMILIES = ("tiny_qwen3", "tiny_qwen3_sliding", "tiny_olmo2", "tiny_granite", "tiny_smollm3", "tiny_gemma2",
-            "tiny_gemma3", "tiny_gpt_oss")
+            "tiny_gemma3", "tiny_gpt_oss", "tiny_phi3", "tiny_phi4", "tiny_cohere", "tiny_cohere2")
 SOFTCAP_REFUSED = "attention soft-capping \\(Gemma 2\\) runs on the reference backend only"
 
 
@@ -364,17 +367,17 @@ def test_gemma3_context_shift_tokens_equal_transformers(gemma3, block_size):
 def test_gemma3_grouped_context_shift_equals_the_window_cache_replay(gemma3, block_size):
     """With KV-cache groups the sliding layers' pool drops keys as they leave the window and never brings them back:
     after a shift the kept first tokens stay out of the sliding layers' sight, as transformers' sliding-window cache
-    and llama.cpp's iSWA cache have it (replayed with masks per layer type: windowed_shifted_greedy). The same
+    and llama.cpp's iSWA cache have it (replayed with masks per layer type: shifted_greedy's windows). The same
     tokens at every block size; different from the every-key replay (the first tokens do come back there)."""
     model, ref = gemma3
     ps = prompts(33, [20, 9])
     layer_inv = hf_layer_inv_freq(ref.model)
     windows = list(model.spec.sliding_window)
     # The replay with masks equals transformers' own generate where no shift happens.
-    assert windowed_shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows) == ref.greedy(ps[0], N)
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows=windows) == ref.greedy(ps[0], N)
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
     assert eng.grouped
-    want = [windowed_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows) for p in ps]
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows=windows) for p in ps]
     assert want != [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]  # the two semantics differ
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
@@ -566,15 +569,15 @@ def test_gpt_oss_context_shift_tokens_equal_transformers(gpt_oss, block_size):
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_gpt_oss_grouped_context_shift_equals_the_window_cache_replay(gpt_oss, block_size):
     """KV-cache groups on (the default): the sliding layers' dropped keys stay dropped across shifts, as
-    windowed_shifted_greedy replays it on transformers (masks per layer type); sinks, YaRN and MoE on."""
+    shifted_greedy(windows=...) replays it on transformers (masks per layer type); sinks, YaRN and MoE on."""
     model, ref = gpt_oss
     ps = prompts(33, [20, 9])
     layer_inv = hf_layer_inv_freq(ref.model)
     windows = list(model.spec.sliding_window)
-    assert windowed_shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows) == ref.greedy(ps[0], N)
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows=windows) == ref.greedy(ps[0], N)
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
     assert eng.grouped
-    want = [windowed_shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows) for p in ps]
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows=windows) for p in ps]
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
@@ -614,16 +617,256 @@ def test_quantized_checkpoints_are_refused(tmp_path, tiny_gpt_oss):
         load_model(str(path))
 
 
+# -- Phi-3 / Phi-4-mini and Cohere ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def phi3(tiny_phi3):
+    return load_model(tiny_phi3), Reference(tiny_phi3)
+
+
+@pytest.fixture(scope="module")
+def phi4(tiny_phi4):
+    return load_model(tiny_phi4), Reference(tiny_phi4)
+
+
+@pytest.fixture(scope="module")
+def cohere(tiny_cohere):
+    return load_model(tiny_cohere), Reference(tiny_cohere)
+
+
+@pytest.fixture(scope="module")
+def cohere2(tiny_cohere2):
+    return load_model(tiny_cohere2), Reference(tiny_cohere2)
+
+
+def test_phi_and_cohere_specs(phi3, phi4, cohere, cohere2):
+    p3, p4, co, co2 = phi3[0].spec, phi4[0].spec, cohere[0].spec, cohere2[0].spec
+    assert (p3.architecture, p3.model_type, p3.fused_checkpoint, p3.rotary_dim, p3.tie_word_embeddings) == (
+        "Phi3ForCausalLM", "phi3", True, None, False)
+    assert p3.sliding_window == (24, 24, 24) and p3.norm_kind == "rms" and p3.rms_norm_eps == 1e-5
+    assert (p3.rope_scaling["rope_type"], p3.rope_scaling["original_max_position_embeddings"]) == ("longrope", 4)
+    assert p3.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(128) / math.log(4)) ** 0.5)
+    assert (p4.rotary_dim, p4.tie_word_embeddings, p4.sliding_window, p4.num_kv_heads) == (12, True, (None,) * 3, 1)
+    assert p4.rope_scaling["attention_factor"] == pytest.approx((1 + math.log(32) / math.log(128)) ** 0.5)
+    assert (co.architecture, co.model_type, co.norm_kind, co.norm_placement, co.qk_norm) == (
+        "CohereForCausalLM", "cohere", "layer", "parallel", "each_head")
+    assert (co.logit_scale, co.rope_interleaved, co.tie_word_embeddings, co.rotary_dim) == (0.0625, True, True, None)
+    assert (co2.architecture, co2.model_type, co2.norm_kind, co2.norm_placement, co2.qk_norm) == (
+        "Cohere2ForCausalLM", "cohere2", "layer", "parallel", "none")
+    assert (co2.sliding_window, co2.nope_layers, co2.logit_scale, co2.rope_interleaved) == (
+        (24, None, 24), {1}, 0.25, True)
+    # Phi-3's fused tensors are checked as they are stored, then named by their row ranges, which LlamaFamily takes
+    # as one view again: no copy.
+    w = phi3[0].weights
+    assert "model.layers.0.self_attn.qkv_proj.weight" not in w
+    q, k, v = (w[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert (q.shape, k.shape, v.shape) == ((64, 64), (32, 64), (32, 64))
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    from engine.model.llama_family import LlamaFamily
+
+    fam = LlamaFamily(p3, w, torch.device("cpu"), "fp32")
+    assert fam.layers[0][1].data_ptr() == q.data_ptr() and fam.layers[0][5].data_ptr() == (
+        w["model.layers.0.mlp.gate_proj.weight"].data_ptr())
+
+
+def test_phi3_rope_config_forms():
+    from engine.model.spec import _phi3_rope, _rope
+
+    def resolve(config, head_dim=16):
+        return _phi3_rope(config, head_dim, _rope(config)[1])
+
+    short, long = [1.0] * 8, [2.0] * 8
+    v4 = {"rope_scaling": {"type": "su", "short_factor": short, "long_factor": long},
+          "max_position_embeddings": 131072, "original_max_position_embeddings": 4096}
+    scaling, rotary = resolve(v4)
+    assert (scaling["rope_type"], scaling["original_max_position_embeddings"], rotary) == ("longrope", 4096, None)
+    assert scaling["attention_factor"] == pytest.approx((1 + math.log(32) / math.log(4096)) ** 0.5)
+    # v5: rope_parameters with the partial factor inside; the top-level original length wins over the inner one
+    v5 = {"rope_parameters": {"rope_type": "longrope", "short_factor": short[:6], "long_factor": long[:6],
+                              "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+                              "rope_theta": 1e4},
+          "max_position_embeddings": 64, "original_max_position_embeddings": 32}
+    scaling, rotary = resolve(v5)
+    assert (scaling["original_max_position_embeddings"], rotary, scaling["attention_factor"]) == (32, 12, (
+        1 + math.log(2) / math.log(32)) ** 0.5)
+    assert resolve({"partial_rotary_factor": 0.5}) == (None, 8)
+    assert resolve({"rope_scaling": {"rope_type": "longrope", "short_factor": short, "long_factor": long,
+                                     "attention_factor": 1.5}})[0]["attention_factor"] == 1.5
+    with pytest.raises(ModelLoadError, match="short_factor lists 8 factors; the 12 rotated dims need 6"):
+        resolve({**v5, "rope_parameters": {**v5["rope_parameters"], "short_factor": short}})
+    with pytest.raises(ModelLoadError, match="default or longrope only"):
+        resolve({"rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+
+
+def test_longrope_factors_follow_the_context_limit(phi3, phi4):
+    """The engine's context limit picks LongRoPE's factors (rope_inv_freq): up to original_max_position_embeddings
+    the short ones, past it the long ones, each transformers' own, with its cos/sin scaling."""
+    from engine.model.llama_family import LlamaFamily
+
+    for (model, ref), long_limit in ((phi3, 512), (phi4, 129)):
+        rotary = ref.model.model.rotary_emb
+        orig = model.spec.rope_scaling["original_max_position_embeddings"]
+        with torch.inference_mode():
+            ref.model(torch.tensor([list(range(3, 3 + orig + 1))]))  # transformers switches to the long factors
+        hf_long, hf_short = rotary.inv_freq.clone(), rotary.original_inv_freq
+        assert not torch.equal(hf_long, hf_short)
+        for limit, want in ((orig, hf_short), (long_limit, hf_long)):
+            inv, scaling = LlamaFamily(model.spec, model.weights, torch.device("cpu"), "fp32",
+                                       context_limit=limit).ropes[0]
+            assert torch.equal(inv, want) and scaling == rotary.attention_scaling
+    assert Engine(phi3[0]).model.ropes[0][0].equal(LlamaFamily(
+        phi3[0].spec, phi3[0].weights, torch.device("cpu"), "fp32", context_limit=512).ropes[0][0])
+    assert Engine(phi3[0], options=EngineOptions(context_limit=4)).model.ropes[0][0].equal(
+        phi3[1].model.model.rotary_emb.original_inv_freq)
+
+
+def test_longrope_past_the_original_length_uses_the_long_factors_from_the_first_token(phi3):
+    """The known difference from transformers (rope_inv_freq): tiny_phi3's engine (context limit 512 > original
+    length 4) rotates a 3-token prompt with the long factors from its first token on, where transformers uses the
+    short ones until the sequence passes 4 tokens and then recomputes its cache with the long ones. The engine's
+    tokens are transformers' with the long factors throughout; its first logits are not plain transformers'."""
+    from engine.fidelity.shadow import dense_logits
+
+    model, ref = phi3
+    p = prompts(34, [3])[0]
+    eng = Engine(model, CacheConfig(block_size=4))
+    got = run(eng, [p])[0]
+    long_ref = Reference(ref.model.name_or_path)
+    rotary = long_ref.model.model.rotary_emb
+    with torch.inference_mode():
+        want_first = long_ref.model(torch.tensor([p])).logits[0, -1]  # 3 tokens: the short factors
+        long_ref.model(torch.tensor([list(range(3, 9))]))  # past 4: rotary.inv_freq now holds the long factors
+        rotary.original_inv_freq.copy_(rotary.inv_freq)  # the short set replaced by the long one
+    assert got == long_ref.greedy(p, N)
+    assert (dense_logits(eng.model, p) - want_first).abs().max() > 1e-2 * want_first.abs().max()
+
+
+def _phi4_all_rotated(spec):
+    import dataclasses
+
+    scaling = {**spec.rope_scaling, "short_factor": spec.rope_scaling["short_factor"] + [1.0, 1.0],
+               "long_factor": spec.rope_scaling["long_factor"] + [1.0, 1.0]}
+    return dataclasses.replace(spec, rotary_dim=None, rope_scaling=scaling)
+
+
+@pytest.mark.parametrize("name, field, value", [
+    ("phi3", "rope_scaling", None), ("phi3", "attention_factor", 1.0), ("phi3", "context_limit", 4),
+    ("phi3", "sliding_window", (None,) * 3), ("phi4", "rotary_dim", None), ("phi4", "context_limit", 129),
+    ("cohere", "logit_scale", 1.0), ("cohere", "rope_interleaved", False), ("cohere", "norm_kind", "rms"),
+    ("cohere", "qk_norm", "none"), ("cohere", "norm_placement", "pre"), ("cohere2", "nope_layers", frozenset()),
+    ("cohere2", "rope_interleaved", False)])
+def test_each_phi_and_cohere_difference_shows_in_the_logits(request, name, field, value):
+    """With any one datum left at Llama's value (context_limit: LongRoPE's other factors; rotary_dim: every dim
+    rotated) the logits move far from transformers' (so the equality tests above check each of them)."""
+    import dataclasses
+
+    from engine.fidelity.shadow import dense_logits
+    from engine.model.llama_family import LlamaFamily
+
+    model, ref = request.getfixturevalue(name)
+    p = PROMPTS[2]
+    with torch.inference_mode():
+        want = ref.model(torch.tensor([p])).logits[0, -1]
+    spec, weights, limit = model.spec, dict(model.weights), None
+    if field == "context_limit":
+        limit = value
+    elif field == "attention_factor":
+        spec = dataclasses.replace(spec, rope_scaling={**spec.rope_scaling, "attention_factor": value})
+    elif field == "rotary_dim":
+        spec = _phi4_all_rotated(spec)
+    else:
+        spec = dataclasses.replace(spec, **{field: value})
+    if field == "norm_placement":  # Llama's second norm: the same weights as the first
+        weights |= {k.replace("input_layernorm", "post_attention_layernorm"): v for k, v in weights.items()
+                    if "input_layernorm" in k}
+    right = LlamaFamily(model.spec, dict(model.weights), torch.device("cpu"), "fp32")
+    assert (dense_logits(right, p) - want).abs().max() <= 1e-4 * want.abs().max()
+    wrong = LlamaFamily(spec, weights, torch.device("cpu"), "fp32", context_limit=limit)
+    assert (dense_logits(wrong, p) - want).abs().max() > 1e-2 * want.abs().max()
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere", "cohere2"])
+def test_kshift_keys_equal_a_fresh_prefills(request, name):
+    """After a context shift by hand, layer 0's keys (which see no context) equal transformers' fresh prefill of
+    the kept tokens at their new positions: LongRoPE's scaling kept, only the rotated dims re-rotated (Phi-4-mini),
+    the interleaved pairs rotated as pairs (Cohere). transformers' cache keeps a sliding layer's last window - 1
+    keys (tiny_phi3, tiny_cohere2): those are compared. Every other layer: the old keys re-rotated by the position
+    change; a NoPE layer's (Cohere 2's full-attention layer) left as they were."""
+    model, ref = request.getfixturevalue(name)
+    p = prompts(31, [40])[0]
+    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
+    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    seq = eng.seqs[sid]
+    assert seq.num_cached == 40
+    k_before, _ = eng.kv.tokens_kv(seq)
+    eng.seq_rm(sid, 4, 14)  # drop positions [4, 14), move the rest back by 10
+    eng.seq_add(sid, 14, None, -10)
+    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D]
+    assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
+    keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
+    delta = torch.tensor([0] * 4 + [-10] * 26)
+    rotary_dim = model.spec.rotary_dim or model.spec.head_dim
+    for li in range(model.spec.num_layers):
+        old = k_before[li][keep_idx]
+        if li in model.spec.nope_layers:
+            assert torch.equal(k_engine[li], old)
+            continue
+        assert (k_engine[li] - eng.model.shift_keys(old, delta, li)).norm() / old.norm() <= 1e-6
+        assert not torch.allclose(k_engine[li][4:, :, :rotary_dim], old[4:, :, :rotary_dim])
+        assert torch.equal(k_engine[li][:, :, rotary_dim:], old[:, :, rotary_dim:])  # Phi-4-mini: passed through
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cohere2_grouped_context_shift_equals_the_window_cache_replay(cohere2, block_size):
+    """KV-cache groups on: Cohere 2's sliding layers (interleaved RoPE) drop keys for good, its NoPE full layer
+    keeps every key; replayed with masks per layer type."""
+    model, ref = cohere2
+    ps = prompts(33, [20, 9])
+    layer_inv = hf_layer_inv_freq(ref.model, model.spec.nope_layers)
+    windows = list(model.spec.sliding_window)
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    assert eng.grouped
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, True, windows) for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
+@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere", "cohere2"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_phi_and_cohere_context_shift_tokens_equal_transformers(request, name, block_size):
+    """context_limit 32, n_keep 4, 60 new tokens: several shifts, replayed on transformers' cache with its own
+    inv_freq (tiny_phi3: the long factors, original length 4 < 32; tiny_phi4: the short ones, 32 <= 128), on the
+    rotated dims only (Phi-4-mini), by pairs (Cohere), the NoPE layer not at all (Cohere 2)."""
+    model, ref = request.getfixturevalue(name)
+    ps = prompts(33, [20, 9])
+    with torch.inference_mode():
+        ref.model(torch.tensor([ps[0]]))  # tiny_phi3's prompts pass its original length: the long factors
+    layer_inv = [None if inv is None else inv.clone()
+                 for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
+    interleaved = model.spec.rope_interleaved
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, interleaved) == ref.greedy(ps[0], N)
+    # Every key kept (one pool): Cohere 2's kept first tokens come back into its sliding layers' window.
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
+    assert torch.equal(eng.model.ropes[0][0], layer_inv[0])
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, interleaved) for p in ps]
+    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
+    assert all(s.shifts >= 2 for s in eng.seqs.values())
+
+
 # -- refusals -------------------------------------------------------------------------------------------------
 
 
 def test_other_architectures_are_refused_by_name(tmp_path, tokenizer_files):
-    from transformers import Phi3Config, Phi3ForCausalLM
+    from transformers import PhiConfig, PhiForCausalLM
 
-    path = _save_tiny(tmp_path / "phi3", Phi3Config, Phi3ForCausalLM, tokenizer_files, 9, pad_token_id=0)
-    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'Phi3ForCausalLM' in .*KV Scope serves: "
-                                             r".*Gemma2ForCausalLM.*Gemma3ForCausalLM.*Olmo2ForCausalLM"
-                                             r".*Qwen3ForCausalLM.*SmolLM3ForCausalLM") as e:
+    path = _save_tiny(tmp_path / "phi", PhiConfig, PhiForCausalLM, tokenizer_files, 9, pad_token_id=0)
+    with pytest.raises(ModelLoadError, match=r"unsupported architecture 'PhiForCausalLM' in .*KV Scope serves: "
+                                             r"Cohere2ForCausalLM, CohereForCausalLM.*Gemma2ForCausalLM"
+                                             r".*Gemma3ForCausalLM.*Olmo2ForCausalLM.*Phi3ForCausalLM.*Qwen3ForCausalLM"
+                                             r".*SmolLM3ForCausalLM") as e:
         load_model(path)
     assert "GraniteForCausalLM" in str(e.value) and "\n" not in str(e.value)
 
