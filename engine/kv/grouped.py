@@ -63,7 +63,7 @@ class Need(tuple):
         return not self.__ge__(other)
 
     def __str__(self) -> str:
-        return " + ".join(str(int(a)) for a in self) + " (per KV-cache group)"
+        return "[" + " | ".join(str(int(a)) for a in self) + "]"  # one per KV-cache group, full attention first
 
 
 class Match(list):
@@ -98,7 +98,7 @@ class GroupedKV:
         self.context, self.chunk = context, chunk
         self._config = config
         self.mgrs = [KVManager(spec, device, c, events, counters, layers=g.layers)
-                     for g, c in zip(groups, split_config(config, groups, context, chunk))]
+                     for g, c in zip(groups, self.configs(config))]
         for m in self.mgrs:
             m.residency = GroupResidency(m.pool, counters, events, self.drop_all)
         self.residency = GroupedResidencies(self)
@@ -149,7 +149,8 @@ class GroupedKV:
         return sum(m.bytes_per_block(config) for m in self.mgrs)
 
     def configs(self, config: CacheConfig) -> list[CacheConfig]:
-        return split_config(config, self.groups, self.context, self.chunk)
+        """Each group's share of `config`'s budgets (groups.split_config)."""
+        return split_config(config, self.groups, self.context, self.chunk, self.spec.num_kv_heads, self.spec.head_dim)
 
     def take_events(self) -> list[PoolEvent]:
         out = []

@@ -67,17 +67,32 @@ def kv_groups(spec: "ModelSpec", mode: str = "auto") -> tuple[KVGroupSpec, ...]:
     return tuple(out)
 
 
-def split_config(config: CacheConfig, groups: tuple[KVGroupSpec, ...], context: int, chunk: int
-                 ) -> list[CacheConfig]:
+def split_config(config: CacheConfig, groups: tuple[KVGroupSpec, ...], context: int, chunk: int,
+                 kv_heads: int, head_dim: int) -> list[CacheConfig]:
     """Each group's config: `config` with both budgets split in proportion to the bytes one sequence holds in the
-    group at the context limit (layers x live tokens), so every group holds the same number of sequences at their
-    peak. One group: `config` itself."""
+    group at the context limit (layers x live tokens), so that every group holds the same number of sequences at
+    their peak; but a window group's device budget is at least what one sequence's window and prompt chunk take
+    (live_blocks, and the two reserved slots) as far as its layers' share of the budget allows: a request that one
+    pool for every layer holds is never refused for its window. The full-attention group keeps at least its layers'
+    share. One group: `config` itself."""
     if len(groups) == 1:
         return [config]
+    from engine.kv.block_pool import RESERVED
+
     weights = np.asarray([len(g.layers) * g.live_tokens(context, chunk) for g in groups], dtype=np.float64)
-    share = weights / weights.sum()
-    return [config.replace(device_budget_mb=config.device_budget_mb * s, host_budget_mb=config.host_budget_mb * s)
-            for s in share]
+    layers = np.asarray([len(g.layers) for g in groups], dtype=np.float64)
+    dev = config.device_budget_mb * weights / weights.sum()
+    host = config.host_budget_mb * weights / weights.sum()
+    for i, g in enumerate(groups):
+        if g.window is None:
+            continue
+        block_mb = BlockPool.bytes_per_block(config, len(g.layers), kv_heads, head_dim) / 2**20
+        one = (g.live_blocks(context, chunk, config.block_size) + RESERVED) * block_mb
+        dev[i] = max(dev[i], min(one, config.device_budget_mb * layers[i] / layers.sum()))
+    full = [i for i, g in enumerate(groups) if g.window is None]
+    dev[full] = (config.device_budget_mb - sum(d for i, d in enumerate(dev) if i not in full)) * weights[full] / \
+        weights[full].sum()
+    return [config.replace(device_budget_mb=float(d), host_budget_mb=float(h)) for d, h in zip(dev, host)]
 
 
 def bytes_per_token(config: CacheConfig, group: KVGroupSpec, kv_heads: int, head_dim: int) -> float:

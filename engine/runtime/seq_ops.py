@@ -52,10 +52,15 @@ class SequenceOps:
         if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
             raise RequestError(
                 f"request needs {need} blocks of {bs} tokens ({peak} tokens) but the device and "
-                f"host tiers hold {dev} + {host}; raise device_budget_mb or host_budget_mb, or shorten the prompt"
+                f"host tiers hold {dev} + {host}{self._groups_note()}; raise device_budget_mb or host_budget_mb, or "
+                "shorten the prompt"
             )
         if prompt_len > self.context_limit:
             raise RequestError(f"prompt of {prompt_len} tokens exceeds the context limit of {self.context_limit}")
+
+    def _groups_note(self) -> str:
+        groups = getattr(self.kv, "groups", None)
+        return f" (per KV-cache group: {', '.join(g.title for g in groups)})" if groups else ""
 
     def new_seq(self, tokens: list[int], sampling: SamplingParams, label: str) -> Sequence:
         sid = self.next_id

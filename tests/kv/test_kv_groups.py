@@ -49,18 +49,49 @@ def test_groups_follow_the_layers_attention(gemma3, tiny_qwen3_sliding, tiny_lla
 
 
 def test_budgets_split_by_what_a_sequence_holds_in_each_group(gemma3):
+    """By bytes per sequence at the context limit; a window group's device share at least one sequence's window and
+    chunk (as far as its layers' share allows); the full group at least its layers' share."""
     model, _ = gemma3
-    groups = kv_groups(model.spec)
+    s = model.spec
+    groups = kv_groups(s)
+    split = lambda cfg, context, chunk: split_config(cfg, groups, context, chunk, s.num_kv_heads, s.head_dim)  # noqa
     cfg = CacheConfig(device_budget_mb=100.0, host_budget_mb=50.0)
     for context, chunk in ((200, 1024), (10_000, 64)):
-        parts = split_config(cfg, groups, context, chunk)
+        parts = split(cfg, context, chunk)
         weights = np.array([1 * min(context, context), 4 * min(context, W - 1 + chunk)], dtype=float)
         assert sum(p.device_budget_mb for p in parts) == pytest.approx(100.0)
         assert sum(p.host_budget_mb for p in parts) == pytest.approx(50.0)
         assert [p.device_budget_mb / 100.0 for p in parts] == pytest.approx(list(weights / weights.sum()))
+        assert [p.host_budget_mb / 50.0 for p in parts] == pytest.approx(list(weights / weights.sum()))
+    # A long context limit and a small budget: the window group still gets one sequence's window and chunk.
+    small = CacheConfig(block_size=16, device_budget_mb=0.5, host_budget_mb=0.0)
+    parts = split(small, 100_000, 64)
+    window_blocks = blocks_for(W - 1 + 64, 16) + 1
+    from engine.kv.block_pool import BlockPool, RESERVED
+
+    block_mb = BlockPool.bytes_per_block(small, 4, s.num_kv_heads, s.head_dim) / 2**20
+    assert parts[1].device_budget_mb == pytest.approx((window_blocks + RESERVED) * block_mb)
+    assert parts[0].device_budget_mb >= 0.5 * 1 / 5 and sum(p.device_budget_mb for p in parts) == pytest.approx(0.5)
+    # ...never more than its layers' share.
+    tiny = small.replace(device_budget_mb=0.05)
+    assert split(tiny, 100_000, 64)[1].device_budget_mb == pytest.approx(0.05 * 4 / 5)
     eng = Engine(model, cfg, EngineOptions(context_limit=400, max_batched_tokens=64))
-    want = split_config(cfg, groups, 400, 64)
+    want = split(cfg, 400, 64)
     assert [p.config.device_budget_mb for p in eng.kv.pools] == pytest.approx([w.device_budget_mb for w in want])
+
+
+def test_a_request_one_pool_holds_is_held_with_groups(gemma3):
+    """The context limit far past the request and the window (the model's 512; chunks of 32), a device tier that
+    holds the request in one pool with little room to spare: admitted and exact with groups too (split by bytes at
+    the context limit alone, the window group got 2 of the 5 blocks one sequence's window and chunk take)."""
+    model, ref = gemma3
+    p = prompts(47, [150])[0]
+    from conftest import _mb
+
+    cfg = CacheConfig(block_size=16, device_budget_mb=_mb(model, blocks_for(150 + 8, 16) + 3, 16), host_budget_mb=0.0)
+    for mode in ("off", "auto"):
+        eng = Engine(model, cfg, EngineOptions(kv_groups=mode, max_batched_tokens=32))
+        assert eng.generate([p], SamplingParams(max_new_tokens=8, ignore_eos=True)) == [ref.greedy(p, 8)]
 
 
 # -- a window group lets go of what left the window ---------------------------------------------------------------
