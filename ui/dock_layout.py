@@ -22,6 +22,9 @@ DOCK_AREAS = (("Controls", Qt.RightDockWidgetArea), ("Prompt", Qt.RightDockWidge
               ("Cost", Qt.BottomDockWidgetArea))
 
 
+TABBED = ("Heat", "Residency", "Cost")  # docks that share a place, one in front
+
+
 def fitted_geometry(avail: QtCore.QRect, want: QtCore.QSize = DEFAULT_SIZE) -> tuple[QtCore.QRect, bool]:
     """Where the window opens on a screen whose free area is `avail`: the wanted size, centred, where it
     fits with room for a title bar; else all of `avail`, maximized (True)."""
@@ -51,6 +54,12 @@ def arrange(win: QtWidgets.QMainWindow) -> None:
     win.tabifyDockWidget(docks["Heat"], docks["Residency"])
     win.tabifyDockWidget(docks["Residency"], docks["Cost"])
     docks["Heat"].raise_()
+    # The tabs share one place, so one least width: the widest tab's. Each tab's own, the place widened when a
+    # wider one came to the front and narrowed the charts beside it (and back on the next tab).
+    panels = [docks[n].widget() for n in TABBED]
+    least = max(p.minimumSizeHint().width() for p in panels)
+    for p in panels:
+        p.setMinimumWidth(least)
     share(win)
 
 

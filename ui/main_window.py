@@ -331,7 +331,7 @@ class MainWindow(QtWidgets.QMainWindow):
 
 
 EVENTS_SAVED = 2000  # events written into a screenshot's JSON
-TABBED = ("Heat", "Residency", "Cost")  # docks that share a place, one in front (ui/dock_layout.py arrange)
+TABBED = dock_layout.TABBED  # docks that share a place, one in front (ui/dock_layout.py arrange)
 
 
 class EngineClockRates:

@@ -157,3 +157,23 @@ def test_the_legend_line_fits_a_narrow_block_map(qtbot, width):
     qtbot.waitExposed(lg)
     lg.grab()  # paints
     assert 0 < lg.drawn_width <= width + 14  # the last swatch's trailing gap may pass the edge, its text may not
+
+
+@pytest.mark.parametrize("width", [380, 345, 300])
+def test_the_kv_error_legend_of_fp32_fits_the_map_at_1280x720(qtbot, width):
+    """Seen under Xvfb at 1280x720: in kv error mode on fp32 the legend's line ended in 'not r', cut at the edge
+    (free and the selection not shown). A short line leaves the colour bar's title to the mode box, narrows the
+    bar, and ends in '…' where an item still does not fit, the whole legend in its tooltip."""
+    from ui.block_map.legend import _Legend
+    from ui.panels.kv_cost import error_legend
+
+    lg = _Legend()
+    qtbot.addWidget(lg)
+    lg.resize(width, 30)
+    items = error_legend("fp32") + [("swatch", pal.SELECTED, "selected: seq 13 (chat-5)")]
+    lg.set_items(items)
+    lg.show()
+    qtbot.waitExposed(lg)
+    lg.grab()
+    assert 0 < lg.drawn_width <= width + 14  # the last swatch's trailing gap may pass the edge, its text may not
+    assert "not measured" in lg.toolTip() and "free" in lg.toolTip() and "selected: seq 13" in lg.toolTip()

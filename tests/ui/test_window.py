@@ -314,11 +314,11 @@ def test_cost_panel_compares_since_start_with_since_the_last_change(qtbot, llama
     panel.update_snapshot(eng.snapshot())
     hit, streamed = panel.values[0], panel.values[1]
     assert hit[0].text().endswith("%") and float(hit[0].text()[:-2]) < 100
-    share, mb = streamed[0].text().split(" · ")  # "70.6 % · 1.40 MiB/tok": keys, then bytes copied to staging
+    share, mb = streamed[0].text(), panel.values[2][0].text()  # "70.6 %" of the keys, then MiB copied to staging
     c = eng.counters
     assert float(share[:-2]) > 0 and hit[1].text() == hit[0].text()
-    assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.2f} MiB/tok" and c.streamed_bytes > 0
-    assert "staging a layer ahead" in streamed[0].toolTip()
+    assert mb == f"{c.streamed_bytes / 2**20 / c.generated:.3f}" and c.streamed_bytes > 0
+    assert "staging a layer ahead" in panel.values[2][0].toolTip()
     from ui.panels.charts import MemoryPanel
 
     mem = MemoryPanel()
@@ -361,9 +361,9 @@ def test_cost_since_the_last_change_counts_from_the_change_while_its_tab_was_hid
     c = {k: float(snap.counters[k]) for k in BASE}
     start = [v[0].text() for v in window.cost.values]
     since = [v[1].text() for v in window.cost.values]
-    assert start == [t for t in cells(c)][:6] + start[6:8] + cells(c)[8:]
+    assert start == [t for t in cells(c)][:7] + start[7:9] + cells(c)[9:]  # 7, 8: TTFT and waiting, not split
     want = cells({k: c[k] - kept[k] for k in BASE})
-    assert since[:6] == want[:6] and since[8:] == want[8:]
+    assert since[:7] == want[:7] and since[9:] == want[9:]
     assert start != since
 
 
@@ -525,3 +525,27 @@ def test_a_slow_reconfigure_leaves_the_window_responsive_and_busy(qtbot, window,
     assert runner.config().block_size == 8
     assert window.controls.controls["block_size"].isEnabled() and not window.controls.progress.isVisible()
     assert window.controls.message.text().startswith("applied block_size=8")
+
+
+def test_the_value_boxes_step_arrows_show(qtbot, qapp, window):
+    """At 1280x720 the spin boxes' arrows were invisible (drawn dark on the dark style): each box's step buttons
+    carry a light arrow."""
+    from PySide6 import QtGui
+
+    from app.window import _style
+
+    saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
+    _style(qapp)
+    try:
+        for spin in (window.controls.controls["block_size"].spin, window.prompt.max_new):
+            spin.setEnabled(True)
+            img = spin.grab().toImage()
+            w, h = img.width(), img.height()
+            for y0, y1 in ((2, h // 2 - 1), (h // 2 + 1, h - 2)):  # the up button, then the down one
+                light = max(QtGui.QColor(img.pixel(x, y)).lightness() for x in range(w - 13, w - 2)
+                            for y in range(y0, y1))
+                assert light > 150, (spin, y0, light)
+    finally:
+        qapp.setStyleSheet(saved[0])
+        qapp.setPalette(saved[1])
+        qapp.setFont(saved[2])

@@ -224,3 +224,25 @@ def test_first_start_shows_the_load_in_a_window(qtbot, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         appwin.load_with_progress(argparse.Namespace())
     assert not any(isinstance(w, LoadingWindow) and w.isVisible() for w in QtWidgets.QApplication.topLevelWidgets())
+
+
+@pytest.mark.parametrize("size", [(1280, 720), (1920, 1040)])
+def test_the_bottom_docks_keep_their_widths_when_another_tab_comes_to_the_front(qtbot, window, runner, size,
+                                                                                  monkeypatch):
+    """Bringing Cost to the front (wider than Heat at its least) widened its place and narrowed Hit rate and
+    Memory (300 -> 270 px at 1280x720), and back again on the next tab."""
+    window.resize(*size)
+    window.size_docks()
+    window.refresh_all()
+    qtbot.wait(50)
+    names = ("Hit rate", "Memory", "Heat")
+    before = [window.docks[n].width() for n in names]
+    window.cost.values[1][0].setText("71.3 % · 1.40 MiB/tok")  # the streamed row, once host reads stream
+    window.cost.values[1][1].setText("71.3 % · 1.40 MiB/tok")
+    monkeypatch.setattr(window.cost, "update_snapshot", lambda snap: None)  # the texts above stay
+    for tab in ("Cost", "Residency", "Heat", "Cost"):
+        window.docks[tab].raise_()
+        window.refresh_all()
+        qtbot.wait(50)
+        got = [window.docks[n].width() for n in names]
+        assert got == before, (tab, before, got)

@@ -82,16 +82,24 @@ class _Legend(QWidget):
         return QSize(400, 30)
 
     def _ramp_width(self, fm, short: bool = False) -> int:
-        """220 px per colour bar, less (down to 100) where the line would not fit the widget otherwise."""
+        """220 px per colour bar, less (down to 100, or 70 in a short line) where the line would not fit the
+        widget otherwise."""
         need, ramps = 6, 0
         for it in self._items:
             if it[0] == "swatch":
                 need += 16 + fm.horizontalAdvance(_label(it[2], short)) + 14
             else:
-                need += fm.horizontalAdvance(it[3]) + 8 + 220 + 18
+                need += (0 if short else fm.horizontalAdvance(it[3]) + 8) + 220 + 18
                 ramps += 1
         over = need - self.width()
-        return 220 if over <= 0 or not ramps else int(max(100, 220 - over / ramps))
+        return 220 if over <= 0 or not ramps else int(max(70 if short else 100, 220 - over / ramps))
+
+    @staticmethod
+    def _item_width(fm, it, w: int) -> int:
+        """The width of one item in a short line (its trailing gap not counted)."""
+        if it[0] == "swatch":
+            return 16 + fm.horizontalAdvance(_label(it[2], True))
+        return w
 
     def _fits(self, fm, w: int) -> bool:
         """Whether the line with full labels and colour bars `w` wide fits the widget."""
@@ -110,7 +118,14 @@ class _Legend(QWidget):
         short = not self._fits(fm, w)  # a narrow window: swatch labels without their "(...)" hints
         if short:
             w = self._ramp_width(fm, short=True)
-        for it in self._items:
+        # Narrower still (kv error mode on a 1280 x 720 screen): what does not fit ends in "…", the whole
+        # legend in the tooltip.
+        self.setToolTip(self.text() if short else "")
+        for i, it in enumerate(self._items):
+            if short and x + self._item_width(fm, it, w) > self.width() - (0 if i == len(self._items) - 1 else 14):
+                p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), "…")
+                x += fm.horizontalAdvance("…")
+                break
             if it[0] == "swatch":
                 _, rgb, label = it
                 label = _label(label, short)
@@ -123,8 +138,9 @@ class _Legend(QWidget):
                 x += fm.horizontalAdvance(label) + 14
             else:
                 _, colors, ticks, title = it
-                p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), title)
-                x += fm.horizontalAdvance(title) + 8
+                if not short:  # a short line leaves the title to the mode's combo box beside it
+                    p.drawText(QPointF(x, h / 2 + fm.ascent() / 2 - 1), title)
+                    x += fm.horizontalAdvance(title) + 8
                 img = QImage(np.ascontiguousarray(colors[None, :, :]).tobytes(), len(colors), 1, 3 * len(colors),
                              QImage.Format.Format_RGB888)
                 bar = QRectF(x, 3, w, h / 2 - 3)

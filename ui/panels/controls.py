@@ -7,6 +7,7 @@ precision asks first, since it is lossy.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import tomllib
@@ -35,12 +36,24 @@ ZERO_TEXT = {"device_layers": "all layers", "shadow_every_s": "off"}  # what a 0
 SPIN_TEXT = "131072.00 MiB"  # the widest value a box shows for a slider stop
 BUSY_AFTER_S = 0.15  # a change that takes longer shows the busy state (see ControlsPanel._off_ui_thread)
 SETTLE_MS = 350  # a key or wheel step applies once the steps stop for this long (each apply may re-lay the pool)
+# The value boxes' step buttons. With the app's style sheet on the boxes (background, border) Qt drew their arrows
+# dark on dark: invisible at 1280 x 720. Each button is drawn here, its arrow an image (ui/icons).
+ICONS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "icons").replace(os.sep, "/")
+SPIN_ARROWS = "".join(
+    f" QAbstractSpinBox::{b}-button {{ subcontrol-origin: border; subcontrol-position: {pos} right; width: 14px;"
+    f" background: #2a2f37; border-left: 1px solid #3a404a; }}"
+    f" QAbstractSpinBox::{b}-button:hover {{ background: #3a404a; }}"
+    f" QAbstractSpinBox::{b}-arrow {{ image: url({ICONS}/spin-{b}.svg); width: 8px; height: 7px; }}"
+    f" QAbstractSpinBox::{b}-arrow:disabled, QAbstractSpinBox::{b}-arrow:off"
+    f" {{ image: url({ICONS}/spin-{b}-off.svg); }}"
+    for b, pos in (("up", "top"), ("down", "bottom")))
 # Disabled controls (a saved snapshot's) drawn as disabled: the app's style gives a slider's handle its bright
 # colour whatever its state, and the boxes their normal text.
 DISABLED_STYLE = ("QSlider::handle:horizontal:disabled { background: #4a5059; }"
                   " QSlider::groove:horizontal:disabled { background: #23272d; }"
                   " QSpinBox:disabled, QDoubleSpinBox:disabled, QComboBox:disabled { color: #5c626b;"
-                  " background: #1b1e23; border: 1px solid #2a2f37; }")
+                  " background: #1b1e23; border: 1px solid #2a2f37; }"
+                  + SPIN_ARROWS)
 
 
 # A budget counts mebibytes (2**20 bytes): a "48 MB" budget held 50.1 million bytes. engine.config has said "MB"

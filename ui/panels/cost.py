@@ -23,9 +23,10 @@ ROWS = (
                           "step began, or written there), as a share of all keys read; a block promoted for the "
                           "step, or read or written on the host tier, is a miss for each of its keys"),
     ("streamed from host", "keys attention read from the host tier where they are (not promoted first), as a share "
-                           "of all keys read; then the MiB (2**20 bytes) of host blocks copied, as stored, to the compute device's "
-                           "staging a layer ahead to be read there, per generated token (none with host_reads = "
-                           "compute: those keys are attended on the host)"),
+                           "of all keys read"),
+    ("streamed MiB / token", "MiB (2**20 bytes) of host blocks copied, as stored, to the compute device's staging a "
+                             "layer ahead to be read there, per generated token (— with host_reads = compute: those "
+                             "keys are attended on the host)"),
     ("promoted MiB / token", "MiB (2**20 bytes) copied host -> device per generated token"),
     ("demoted MiB / token", "MiB (2**20 bytes) copied device -> host per generated token"),
     ("promotion stall", "seconds steps spent copying their blocks to the device tier before running (on CUDA: "
@@ -60,9 +61,8 @@ def cells(c: dict) -> list[str]:
     """One column: the rows' values from counters (or counter differences) c."""
     return [
         _pct(1 - _ratio(c["read_tokens_missed"], c["read_tokens"])) if c["read_tokens"] else "—",
-        _pct(_ratio(c["read_tokens_streamed"], c["read_tokens"])) + (
-            f" · {_ratio(c['streamed_bytes'] / 2**20, c['generated']):.2f} MiB/tok"
-            if c.get("streamed_bytes") and c["generated"] else ""),
+        _pct(_ratio(c["read_tokens_streamed"], c["read_tokens"])),
+        _f(_ratio(c["streamed_bytes"] / 2**20, c["generated"]), ".3f") if c.get("streamed_bytes") else "—",
         _f(_ratio(c["promoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["demoted_bytes"] / 2**20, c["generated"]), ".3f"),
         _f(_ratio(c["promote_stall_s"] * 1e3, c["steps"]), ".2f") + (" ms/step" if c["steps"] else ""),
@@ -98,6 +98,11 @@ def change_text(snap: Snapshot) -> str:
     return (f"last change (#{last['n']}, {ago:.0f} s ago): {diff or 'none'}" + (" (lossy)" if last.get("lossy") else ""))
 
 
+VALUE_SAMPLE = "9.999 / 99.99 s"  # the widest a value cell gets in practice (TTFT; a wider one may widen the tab)
+ROW_TTFT = [name for name, _ in ROWS].index("TTFT p50 / p95")
+ROW_WAIT = [name for name, _ in ROWS].index("waiting / running")
+
+
 class CostPanel(QtWidgets.QWidget):
     def __init__(self):
         super().__init__()
@@ -118,6 +123,9 @@ class CostPanel(QtWidgets.QWidget):
                 v = QtWidgets.QLabel("—")
                 v.setToolTip(tip)
                 v.setAlignment(QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter)
+                # As wide as the widest value it shows, from the start: a value that grew the panel widened
+                # its tab's place and narrowed the charts beside it when the tab came to the front.
+                v.setMinimumWidth(v.fontMetrics().horizontalAdvance(VALUE_SAMPLE) + 4)
                 self.grid.addWidget(v, i, j)
                 row.append(v)
             self.values.append(row)
@@ -143,10 +151,10 @@ class CostPanel(QtWidgets.QWidget):
             row[1].setText(b)
         k = snap.counters
         ttft = f"{_f(k.get('ttft_p50', math.nan), '.3f')} / {_f(k.get('ttft_p95', math.nan), '.3f')} s"
-        self.values[6][0].setText(ttft)
-        self.values[6][1].setText("")
-        self.values[7][0].setText(f"{int(k.get('waiting', 0))} / {int(k.get('running', 0))}")
-        self.values[7][1].setText("")
+        self.values[ROW_TTFT][0].setText(ttft)
+        self.values[ROW_TTFT][1].setText("")
+        self.values[ROW_WAIT][0].setText(f"{int(k.get('waiting', 0))} / {int(k.get('running', 0))}")
+        self.values[ROW_WAIT][1].setText("")
         text, tip = kv_cost.outliers_text(snap)
         self.outliers.setText(text)
         self.outliers.setToolTip(tip)

@@ -52,7 +52,7 @@ def error_legend(kv_dtype: str) -> list[tuple]:
     ticks = [(0.0, f"{100 * lo:g} %"), (0.5, f"{100 * (lo * hi) ** 0.5:g} %"), (1.0, f"{100 * hi:g} %")]
     items = [("ramp", pal.ramp("kv error"), ticks, "K/V error")]
     if kv_dtype == "fp32":
-        items.append(("swatch", tuple(int(c) for c in pal.ramp("kv error")[0]), "0: fp32 is lossless"))
+        items.append(("swatch", tuple(int(c) for c in pal.ramp("kv error")[0]), "0 (fp32 is lossless)"))
     return items + [("swatch", pal.NO_DATA, "not measured"), ("swatch", pal.FREE, "free")]
 
 

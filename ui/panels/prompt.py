@@ -7,6 +7,8 @@ import html
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
+from ui.panels.controls import SPIN_ARROWS
+
 
 class PromptPanel(QtWidgets.QWidget):
     submitted = QtCore.Signal(str, bool, int)
@@ -36,6 +38,7 @@ class PromptPanel(QtWidgets.QWidget):
         self.max_new.setRange(1, 4096)
         self.max_new.setValue(96)
         self.max_new.setPrefix("max ")
+        self.max_new.setStyleSheet(SPIN_ARROWS)  # arrows that show on the dark style
         self.send = QtWidgets.QPushButton("Send")
         row.addWidget(self.chat)
         row.addWidget(self.max_new)
