@@ -76,6 +76,29 @@ class Match(list):
         self.window = window
 
 
+class GroupCounters:
+    """A group's residency counts: its own totals (read by snapshots per group), each increment also added to the
+    engine's counters (which count every group)."""
+
+    def __init__(self, shared: KVCounters):
+        object.__setattr__(self, "_shared", shared)
+        object.__setattr__(self, "_own", {})
+
+    def __getattr__(self, name: str):
+        if not hasattr(self._shared, name):
+            raise AttributeError(name)
+        return self._own.get(name, 0)
+
+    def __setattr__(self, name: str, value) -> None:
+        delta = value - self._own.get(name, 0)
+        self._own[name] = value
+        setattr(self._shared, name, getattr(self._shared, name) + delta)
+
+    def reads(self) -> tuple[int, int, int]:
+        """Keys attention read in this group, those not from the device tier, those read where they are."""
+        return self.read_tokens, self.read_tokens_missed, self.read_tokens_streamed
+
+
 class GroupResidency(Residency):
     """A group's residency whose drop of a sequence's K/V drops it in every group (a sequence recomputes as a whole)."""
 
@@ -100,7 +123,7 @@ class GroupedKV:
         self.mgrs = [KVManager(spec, device, c, events, counters, layers=g.layers)
                      for g, c in zip(groups, self.configs(config))]
         for m in self.mgrs:
-            m.residency = GroupResidency(m.pool, counters, events, self.drop_all)
+            m.residency = GroupResidency(m.pool, GroupCounters(counters), events, self.drop_all)
         self.residency = GroupedResidencies(self)
 
     # -- the groups ---------------------------------------------------------------------------
@@ -444,6 +467,10 @@ class GroupedKV:
                 want = blocks_for(s.num_cached, bs) - v.base
                 assert len(v.blocks) == want, \
                     f"sequence {s.id}: group {g} holds {len(v.blocks)} blocks from block {v.base}, {s.num_cached} cached"
+
+    def snapshot_groups(self) -> tuple:
+        """(KVGroupSpec, pool, key reads) per group, for EngineState.groups."""
+        return tuple((g, m.pool, m.residency.counters.reads()) for g, m in zip(self.groups, self.mgrs))
 
     def device_bytes(self) -> int:
         return sum(p.tiers[Tier.DEVICE].used * p.block_bytes for p in self.pools)

@@ -155,6 +155,10 @@ class KVManager:
         """Blocks one sequence of `tokens` tokens holds at most."""
         return blocks_for(tokens, self.config.block_size)
 
+    def snapshot_groups(self) -> tuple:
+        """One pool for every layer: no KV-cache groups to show apart."""
+        return ()
+
     def device_bytes(self) -> int:
         return self.pool.tiers[Tier.DEVICE].used * self.pool.block_bytes
 

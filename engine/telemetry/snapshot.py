@@ -75,3 +75,7 @@ class Snapshot:
     # value} as events label them, lossy, and counters: every Counters field at that moment (what "since the last
     # change" is counted from).
     last_change: dict = field(default_factory=dict)
+    # KV-cache groups (engine/kv/groups.py), () with one pool for every layer (and in files from before groups):
+    # per group title, layers, window, device/host_budget_mb (its share), read_tokens / _missed / _streamed (its key
+    # reads), tiers (TierSnapshot device, host; the first group's are `tiers`).
+    kv_groups: tuple = ()

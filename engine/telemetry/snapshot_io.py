@@ -57,6 +57,9 @@ def to_json(snap: Snapshot, extra: dict | None = None) -> str:
     body = {f.name: getattr(snap, f.name) for f in dataclasses.fields(snap)}
     body["tiers"] = [{f.name: getattr(t, f.name) for f in dataclasses.fields(t)} for t in snap.tiers]
     body["seqs"] = {f.name: getattr(snap.seqs, f.name) for f in dataclasses.fields(snap.seqs)}
+    body["kv_groups"] = [{**g, "tiers": None if i == 0 else [{f.name: getattr(t, f.name) for f in dataclasses.fields(t)}
+                                                             for t in g["tiers"]]}
+                         for i, g in enumerate(snap.kv_groups)]
     doc = {"format": FORMAT, "version": VERSION, "snapshot": _enc(body), "extra": _enc(extra or {})}
     return json.dumps(doc)
 

@@ -40,7 +40,7 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change")  # files from before marks (quality, the last
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups")  # files from before marks (quality, the last
 # change's counters) existed have none
 # Knobs added after snapshot files were first written: a file without one shows the default.
 LATER_KNOBS = ("shadow_every_s",)
@@ -66,9 +66,41 @@ def _snapshot(body: Any) -> Snapshot:
     marks = _marks(body.get("marks", []))
     quality = _quality(body.get("quality", {}), model)
     last_change = _last_change(body.get("last_change", {}))
+    kv_groups = _kv_groups(body.get("kv_groups", []), tiers, config["block_size"], model)
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
                     memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality,
-                    last_change=last_change)
+                    last_change=last_change, kv_groups=kv_groups)
+
+
+MAX_GROUPS = 64
+GROUP_KEYS = ("title", "layers", "window", "device_budget_mb", "host_budget_mb", "read_tokens", "read_tokens_missed",
+              "read_tokens_streamed", "tiers")
+
+
+def _kv_groups(x: Any, tiers: tuple[TierSnapshot, ...], block_size: int, model: dict) -> tuple[dict, ...]:
+    """Snapshot.kv_groups: [] in files with one pool or from before groups; the first group's tiers are written
+    null (they are the snapshot's own `tiers`)."""
+    out = []
+    layers = model.get("layers", 1 << 20)
+    for i, g in enumerate(_list(x, "kv_groups", max_n=MAX_GROUPS)):
+        where = f"kv_groups[{i}]"
+        g = _obj(g, where, GROUP_KEYS, closed=True)
+        entry = {"title": _str(g["title"], f"{where}.title"),
+                 "layers": [_int(v, f"{where}.layers[{j}]", 0, layers - 1)
+                            for j, v in enumerate(_list(g["layers"], f"{where}.layers", max_n=layers))],
+                 "window": None if g["window"] is None else _int(g["window"], f"{where}.window", 1, 1 << 40)}
+        for k in ("device_budget_mb", "host_budget_mb"):
+            entry[k] = _num(g[k], f"{where}.{k}", 0.0)
+        for k in ("read_tokens", "read_tokens_missed", "read_tokens_streamed"):
+            entry[k] = _int(g[k], f"{where}.{k}", 0)
+        if i == 0:
+            if g["tiers"] is not None:
+                raise _Bad(f"{where}.tiers", "expected null: the first group's tiers are the snapshot's tiers")
+            entry["tiers"] = tiers
+        else:
+            entry["tiers"] = _tiers(g["tiers"], block_size, f"{where}.tiers")
+        out.append(entry)
+    return tuple(out)
 
 
 def _model(x: Any) -> dict:
@@ -101,10 +133,10 @@ def _config(x: Any) -> dict:
     return out
 
 
-def _tiers(x: Any, block_size: int) -> tuple[TierSnapshot, ...]:
+def _tiers(x: Any, block_size: int, at: str = "tiers") -> tuple[TierSnapshot, ...]:
     out = []
-    for i, t in enumerate(_list(x, "tiers", len(TIER_NAMES))):
-        where = f"tiers[{i}]"
+    for i, t in enumerate(_list(x, at, len(TIER_NAMES))):
+        where = f"{at}[{i}]"
         t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), tuple(TIER_OPTIONAL), closed=True)
         name = _str(t["name"], f"{where}.name", (TIER_NAMES[i],))
         cap = _int(t["capacity"], f"{where}.capacity", 0, MAX_BLOCKS)

@@ -115,6 +115,10 @@ class EngineState:
     key_errors: KeyErrorReadings  # per-channel key reconstruction errors (engine/fidelity/block_error.py)
     shadow: dict  # the latest shadow step (engine/fidelity/shadow.py), {} before the first
     stream_staging_bytes: int  # buffers host blocks are streamed through, on the compute device
+    # KV-cache groups (engine/kv/groups.py), one per pool: (KVGroupSpec, pool, reads) with reads the group's key
+    # reads (read_tokens, read_tokens_missed, read_tokens_streamed); () with one pool for every layer. The first
+    # group's pool is `pool`.
+    groups: tuple = ()
 
     @property
     def config(self) -> "CacheConfig":
@@ -309,7 +313,20 @@ class Telemetry:
                   "bookkeeping_ms_per_step": 1e3 * self.counters.bookkeeping_s / steps}
         return Snapshot(t=now, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
-                        marks=tuple(self.marks), quality=self.quality(e), last_change=dict(self.last_change))
+                        marks=tuple(self.marks), quality=self.quality(e), last_change=dict(self.last_change),
+                        kv_groups=self.kv_groups(e, tiers, now))
+
+    def kv_groups(self, e: EngineState, tiers: tuple, now: float) -> tuple[dict, ...]:
+        """Each KV-cache group: its title, model layers, window, budgets, key reads, and its tiers (the first
+        group's are the snapshot's own `tiers`, given here again; a later group's its own pool's)."""
+        out = []
+        for i, (g, pool, reads) in enumerate(e.groups):
+            gt = tiers if i == 0 else tuple(self._tier(pool, t, now) for t in pool.tiers)
+            out.append({"title": g.title, "layers": list(g.layers), "window": g.window,
+                        "device_budget_mb": pool.config.device_budget_mb, "host_budget_mb": pool.config.host_budget_mb,
+                        "read_tokens": reads[0], "read_tokens_missed": reads[1], "read_tokens_streamed": reads[2],
+                        "tiers": gt})
+        return tuple(out)
 
     def quality(self, e: EngineState) -> dict:
         """What the KV format costs (engine/fidelity/block_error.py, engine/fidelity/shadow.py): the key channels with outliers, the
@@ -439,7 +456,24 @@ class Telemetry:
         )
 
     def memory(self, e: EngineState) -> dict:
+        """The tiers' memory over every KV-cache group's pool (block counts and bytes summed; block_bytes: the first
+        pool's, "groups": each group's own)."""
+        pools = [pool for _, pool, _ in e.groups] or [e.pool]
+        parts = [self._pool_memory(p) for p in pools]
+        tiers = {name: {k: (sum(p[name][k] for p in parts) if isinstance(v, (int, float)) and not isinstance(v, bool)
+                            else v) for k, v in t.items()} for name, t in parts[0].items()}
         pool = e.pool
+        vm = psutil.virtual_memory()
+        out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
+               # buffers host blocks are streamed through, on the compute device (engine/attention/host_stream.py)
+               "stream_staging_bytes": e.stream_staging_bytes,
+               "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
+        if e.groups:
+            out["groups"] = [{"title": g.title, "block_bytes": p.block_bytes, "tiers": m}
+                             for (g, p, _), m in zip(e.groups, parts)]
+        return out
+
+    def _pool_memory(self, pool) -> dict:
         tiers = {}
         for t in pool.tiers:
             nb = t.nbytes()
@@ -459,12 +493,7 @@ class Telemetry:
             if t.null_slot is not None:  # per-layer placement: the device tier's layers [N, L) sit in host memory
                 tiers[t.tier.name.lower()].update(device_layers=pool.sizes.dev_layers,
                                                   host_layers_bytes=pool.sizes.spilled_bytes)
-        vm = psutil.virtual_memory()
-        out = {"tiers": tiers, "block_bytes": pool.block_bytes, "rss_bytes": self._proc.memory_info().rss,
-               # buffers host blocks are streamed through, on the compute device (engine/attention/host_stream.py)
-               "stream_staging_bytes": e.stream_staging_bytes,
-               "system_total_bytes": vm.total, "system_used_bytes": vm.total - vm.available, "gpu": self.gpu()}
-        return out
+        return tiers
 
     def gpu(self) -> dict:
         """NVML and torch allocator readings, or {'available': False, 'reason': ...}."""

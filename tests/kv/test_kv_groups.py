@@ -249,3 +249,44 @@ def test_a_refused_budget_leaves_every_group_as_it_was(gemma3):
     while not eng.seqs[sid].done:
         eng.step()
     eng.check_invariants()
+
+
+# -- what a snapshot says about the groups ------------------------------------------------------------------------
+
+
+def test_snapshots_carry_each_group_and_reopen_as_saved(gemma3, tmp_path):
+    from engine.telemetry import snapshot_io
+
+    model, _ = gemma3
+    eng = Engine(model, CacheConfig(block_size=4, device_budget_mb=1.0, host_budget_mb=1.0))
+    eng.generate(prompts(48, [60, 30]), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    snap = eng.snapshot()
+    full, window = snap.kv_groups
+    assert (full["title"], window["title"]) == ("full attention · 1 layer", "sliding window 24 · 4 layers")
+    assert full["tiers"] is snap.tiers and window["layers"] == [0, 1, 3, 4] and window["window"] == W
+    wpool = eng.kv.pools[1]
+    assert [t.capacity for t in window["tiers"]] == [t.capacity for t in wpool.tiers]
+    assert [t.used for t in window["tiers"]] == [t.used for t in wpool.tiers]
+    assert [g["device_budget_mb"] for g in snap.kv_groups] == pytest.approx([p.config.device_budget_mb
+                                                                             for p in eng.kv.pools])
+    # Key reads per group add up to the engine's; the window group reads fewer keys than the full one.
+    c = eng.counters
+    assert sum(g["read_tokens"] for g in snap.kv_groups) == c.read_tokens
+    assert sum(g["read_tokens_missed"] for g in snap.kv_groups) == c.read_tokens_missed
+    assert 0 < window["read_tokens"] < 4 * full["read_tokens"]
+    # Memory: every pool's blocks, summed; each group's apart.
+    used = sum(p.tiers[0].used for p in eng.kv.pools)
+    assert snap.memory["tiers"]["device"]["used_blocks"] == used
+    assert [g["tiers"]["device"]["used_blocks"] for g in snap.memory["groups"]] == [p.tiers[0].used
+                                                                                   for p in eng.kv.pools]
+    path = tmp_path / "g.json"
+    snapshot_io.save(str(path), snap)
+    back, _ = snapshot_io.load(str(path))
+    assert [g["title"] for g in back.kv_groups] == [g["title"] for g in snap.kv_groups]
+    for a, b in zip(back.kv_groups[1]["tiers"], window["tiers"]):
+        assert np.array_equal(a.state, b.state) and np.array_equal(a.ref, b.ref) and a.capacity == b.capacity
+    # One pool: no groups, and a file without them opens with none.
+    one = Engine(model, CacheConfig(block_size=4), EngineOptions(kv_groups="off")).snapshot()
+    assert one.kv_groups == ()
+    snapshot_io.save(str(path), one)
+    assert snapshot_io.load(str(path))[0].kv_groups == ()
