@@ -89,6 +89,12 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
                      "evictions", "preemptions", "cow_copies", "context_shifts", "steps")},
         "forward_s": c["forward_s"],
         "bookkeeping_s": c["bookkeeping_s"],
+        # KV-cache groups (engine/kv/groups.py): each one's pool; device_blocks etc. above are the first's. [] with
+        # one pool for every layer.
+        "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,
+                       "device_blocks": p.tiers[0].capacity, "host_blocks": p.tiers[1].capacity,
+                       "block_bytes": p.block_bytes, "read_tokens": reads[0], "read_tokens_missed": reads[1]}
+                      for g, p, reads in engine.kv.snapshot_groups()],
     }
 
 
