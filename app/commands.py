@@ -299,6 +299,16 @@ def _result(engine, seq, load_s: float) -> dict:
     return {"token_ids": seq.output, "text": engine.tokenizer.decode(seq.output), "stats": stats}
 
 
+def _print_tiers(tiers: dict, block_bytes: int) -> None:
+    for name, t in tiers.items():
+        print(f"{name:<10} {t['capacity_blocks']:,} blocks x {block_bytes:,} B on {t['device']}: "
+              f"K {t['k_bytes'] / 2**20:.1f} MiB, V {t['v_bytes'] / 2**20:.1f} MiB, scales "
+              f"{t['scale_bytes'] / 2**20:.2f} MiB, metadata {t['metadata_bytes'] / 2**20:.2f} MiB")
+        if t.get("host_layers_bytes"):
+            print(f"{'':<10} all but the first {t['device_layers']} layers of these blocks in host memory (device_layers): "
+                  f"{t['host_layers_bytes'] / 2**20:.1f} MiB of the above, out of the host budget")
+
+
 def _group_sizing(engine, batch: int, context: int, dsize: float) -> list[dict]:
     """Each KV-cache group's share of the sizing formula: a sliding-window group holds at most window - 1 keys beside
     a step's prompt chunk per sequence, whatever the context."""
@@ -339,7 +349,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     formula = (f"batch x context x layers x kv_heads x head_dim x 2 x dtype_size = {args.batch} x {args.context} x "
                f"{s.num_layers} x {s.num_kv_heads} x {s.head_dim} x 2 x {dsize:.4g} = {total:,.0f} bytes "
                f"({total / 2**20:.1f} MiB)")
-    engine = Engine(model, config)
+    from engine.config import EngineOptions
+
+    engine = Engine(model, config, EngineOptions(kv_groups=getattr(args, "kv_groups", None) or "auto",
+                                                 context_limit=getattr(args, "context_limit", None)))
     mem = engine.memory()
     groups = _group_sizing(engine, args.batch, args.context, dsize)
     info = {
@@ -373,13 +386,11 @@ def cmd_info(args: argparse.Namespace) -> int:
             print(f"  {g['title']:<28} {g['formula']}; budgets {g['device_budget_mb']:.1f} + "
                   f"{g['host_budget_mb']:.1f} MiB")
     print(f"config     {config.summary()}")
-    for name, t in mem["tiers"].items():
-        print(f"{name:<10} {t['capacity_blocks']:,} blocks x {mem['block_bytes']:,} B on {t['device']}: "
-              f"K {t['k_bytes'] / 2**20:.1f} MiB, V {t['v_bytes'] / 2**20:.1f} MiB, scales "
-              f"{t['scale_bytes'] / 2**20:.2f} MiB, metadata {t['metadata_bytes'] / 2**20:.2f} MiB")
-        if t.get("host_layers_bytes"):
-            print(f"{'':<10} all but the first {t['device_layers']} layers of these blocks in host memory (device_layers): "
-                  f"{t['host_layers_bytes'] / 2**20:.1f} MiB of the above, out of the host budget")
+    for title, block_bytes, tiers in ([(g["title"], g["block_bytes"], g["tiers"]) for g in mem["groups"]]
+                                      if mem.get("groups") else [(None, mem["block_bytes"], mem["tiers"])]):
+        if title:
+            print(f"group      {title}")
+        _print_tiers(tiers, block_bytes)
     gpu = mem["gpu"]
     print("gpu        " + (gpu.get("reason", "") if not gpu["available"] else
                            f"{gpu.get('name', '')} NVML used {gpu.get('nvml_used_bytes', 0) / 2**30:.2f} GiB"))
