@@ -11,6 +11,7 @@ import re
 
 import numpy as np
 import pytest
+from PySide6 import QtGui
 
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
@@ -112,7 +113,11 @@ def test_the_shadow_chart_beside_the_hit_rate(qtbot, llama_model):
     for key in ("shadow_kld", "shadow_logit_err"):
         assert "no dots where there was none" in chart.series[key].tip
     assert "nats" in chart.series["shadow_kld"].tip and "60 s" in flips.tip
-    assert chart.note == ""
+    every = snap.quality["shadow_every_s"]
+    from ui.panels import kv_cost
+
+    got = kv_cost.measured_interval(snap)
+    assert chart.note == ("" if got <= 1.5 * every else f"one every {got:.0f} s (asked {every:g} s)")
     panel.update_snapshot(run(llama_model, "fp8", shadow=0.0, new=2))
     assert chart.note.startswith("off") and np.all(np.isnan(chart.series["shadow_kld"].y))
     panel.grab()  # paints (dots, log ticks) without error
@@ -177,3 +182,31 @@ def test_the_kv_error_legend_of_fp32_fits_the_map_at_1280x720(qtbot, width):
     lg.grab()
     assert 0 < lg.drawn_width <= width + 14  # the last swatch's trailing gap may pass the edge, its text may not
     assert "not measured" in lg.toolTip() and "free" in lg.toolTip() and "selected: seq 13" in lg.toolTip()
+
+
+def test_the_shadow_chart_says_how_often_shadow_steps_really_come(qtbot):
+    """'shadow every 2.00 s' gave 5-8 shadow steps in 8 minutes and nothing said so: the chart's note gives the
+    measured interval when it is well past the asked one; at a narrow width the title and note are cut with
+    '…' (at 1280x720 'KV format vs lossless (shadow steps)' ran past the chart's edge)."""
+    from types import SimpleNamespace
+
+    from ui.panels.kv_cost import measured_interval, note, shadow_chart
+
+    t = np.arange(0, 120, 0.5)
+    kld = np.full(len(t), np.nan)
+    kld[[10, 90, 170]] = 1e-9  # a step every 40 s
+    snap = SimpleNamespace(quality={"shadow_every_s": 2.0, "shadow": {"steps": 3}}, config={"shadow_every_s": 2.0},
+                           series={"t": t, "shadow_kld": kld})
+    assert measured_interval(snap) == pytest.approx(40.0)
+    assert note(snap) == "one every 40 s (asked 2 s)"
+    kld[:] = 1e-9  # every half second: as asked or better, no note
+    assert note(snap) == ""
+    chart = shadow_chart(60)
+    qtbot.addWidget(chart)
+    chart.resize(230, 120)
+    chart.set_note("one every 40 s (asked 2 s)")
+    title, shown = chart.heading()
+    fm = QtGui.QFontMetrics(chart._title_font)
+    assert fm.horizontalAdvance(title + ("  " + shown if shown else "")) <= 230 - 12 and title.endswith("…")
+    chart.resize(600, 120)
+    assert chart.heading() == ("KV format vs lossless (shadow steps)", "one every 40 s (asked 2 s)")

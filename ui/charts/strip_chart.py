@@ -121,6 +121,16 @@ class StripChart(QtWidgets.QWidget):
             self.marks = marks
             self.update()
 
+    def heading(self) -> tuple[str, str]:
+        """The title and the note as drawn: cut with "…" to the chart's width (at 1280 x 720 "KV format vs
+        lossless (shadow steps)" ran past its chart's edge); the note only where some of it fits."""
+        fm = QtGui.QFontMetrics(self._title_font)
+        room = self.width() - 12
+        title = fm.elidedText(self.title, QtCore.Qt.ElideRight, room)
+        left = room - fm.horizontalAdvance(title + "  ")
+        note = fm.elidedText(self.note, QtCore.Qt.ElideRight, left) if self.note and left > 40 else ""
+        return title, note if note != "…" else ""
+
     def set_note(self, note: str) -> None:
         """A short red remark after the title ("no GPU")."""
         if note != self.note:
@@ -231,11 +241,12 @@ class StripChart(QtWidgets.QWidget):
         r = self._rect = self._plot_rect()
         p.setFont(self._title_font)
         p.setPen(TITLE)
-        p.drawText(QtCore.QPointF(6, self._line_h), self.title)
-        if self.note:
-            x = 6 + QtGui.QFontMetrics(self._title_font).horizontalAdvance(self.title + "  ")
+        title, note = self.heading()
+        p.drawText(QtCore.QPointF(6, self._line_h), title)
+        if note:
+            x = 6 + QtGui.QFontMetrics(self._title_font).horizontalAdvance(title + "  ")
             p.setPen(QtGui.QColor("#ff8a80"))
-            p.drawText(QtCore.QPointF(x, self._line_h), self.note)
+            p.drawText(QtCore.QPointF(x, self._line_h), note)
         # Legend: a swatch and a label per series, wrapped into rows under the title.
         p.setFont(self._font)
         fm = QtGui.QFontMetrics(self._font)

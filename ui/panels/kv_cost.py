@@ -100,7 +100,27 @@ def note(snap: Snapshot) -> str:
         return "off (shadow_every_s = 0)"
     if not q.get("shadow"):
         return "no shadow step yet"
+    # The effective interval: a step is shadowed only when one is due and a sequence runs, so it can be far
+    # longer than asked ("every 2.00 s" gave 5-8 in 8 minutes, and nothing said so).
+    got = measured_interval(snap)
+    if got is not None and every and got > 1.5 * every:
+        return f"one every {got:.0f} s (asked {every:g} s)"
     return ""
+
+
+def measured_interval(snap: Snapshot) -> float | None:
+    """Seconds between shadow steps over the snapshot's series (with one or none there: the series' span, a
+    lower bound); None without a series."""
+    s = snap.series
+    t, kld = s.get("t"), s.get("shadow_kld")
+    if t is None or kld is None or len(t) != len(kld):
+        return None
+    t = np.asarray(t)
+    ts = t[np.isfinite(kld)]
+    if len(ts) >= 2:
+        return float((ts[-1] - ts[0]) / (len(ts) - 1))
+    span = float(t[-1] - t[0]) if len(t) >= 2 else 0.0
+    return span / max(len(ts), 1) if span > 0 else None  # at most one in the series: at least its span apart
 
 
 def outliers_text(snap: Snapshot, n: int = 3) -> tuple[str, str]:
