@@ -177,3 +177,18 @@ def test_the_unit_text_clears_the_legend(qtbot):
     entry = c.legend_rects()[2]
     assert c.legend_tip(entry.center()) == "demotions: demotions: what is counted"
     assert c.legend_tip(QtCore.QPointF(2, 150)) == ""
+
+
+def test_the_newest_changes_keep_their_labels_when_many_pile_up(qtbot):
+    """Seven changes a few seconds apart on a chart ~260 px wide: the labels filled the rows oldest first, so
+    the newest (the one a user just made) was shortened to '…' or left out. The newest are placed first."""
+    c = StripChart("Hit rate", "rate", span_s=60, y_range=(0.0, 1.0))
+    c.resize(260, 200)
+    qtbot.addWidget(c)
+    c.set_data(np.linspace(-60, 0, 100), {})
+    names = ["block_size=8", "kv_dtype=int8", "policy=lru", "decay=0.5", "block_size=16", "kv_dtype=fp32",
+             "device_budget_mb=32"]
+    c.set_marks([(-30.0 + 4 * i, "config", n) for i, n in enumerate(names)])
+    _paint(c)
+    texts = [t for _, t, _ in c.mark_labels()]
+    assert "device_budget_mb=32" in texts and "kv_dtype=fp32" in texts, texts

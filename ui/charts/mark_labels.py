@@ -1,9 +1,9 @@
 """Where the labels of a chart's marks go (config changes, workload switches): readable, apart, inside the plot.
 
-Marks a few pixels apart share one label ("a; b"). Each label takes the first of up to three rows at the top
-of the plot, right of its line or else left of it, where it overlaps no other label: first where its box
-also hides no other mark's line, then anywhere free, then the same again shortened. A label that fits
-nowhere is left to the chart's hover readout.
+Marks a few pixels apart share one label ("a; b"). The newest are placed first. Each label takes the first of up
+to three rows at the top of the plot, right of its line or else left of it, where it overlaps no other label:
+first where its box also hides no other mark's line, then anywhere free, then the same again shortened. A label
+that fits nowhere is left to the chart's hover readout.
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ def place(marks: list[tuple[float, str, str]], plot: QtCore.QRectF, fm: QtGui.QF
     rows = max(0, min(ROWS, int((plot.height() - 8) // line_h)))
     taken: list[list[QtCore.QRectF]] = [[] for _ in range(rows)]
     out = []
-    for x, kind, labels in groups:
+    # Newest first (the right-most): with many changes close together the rows fill up, and the change a user
+    # just made must be the one that stays readable (placed oldest first, after ~4 it was cut or left out).
+    for x, kind, labels in reversed(groups):
         texts = dict.fromkeys(fm.elidedText("; ".join(labels), QtCore.Qt.ElideRight, most) for most in LONGEST)
         spots = [(text, row, side, clear) for text in texts for clear in (True, False)
                  for row in range(rows) for side in (1, -1)]
@@ -44,4 +46,4 @@ def place(marks: list[tuple[float, str, str]], plot: QtCore.QRectF, fm: QtGui.QF
             taken[row].append(box)
             out.append((box, text, kind))
             break
-    return out
+    return sorted(out, key=lambda o: o[0].left())
