@@ -122,7 +122,8 @@ def test_short_soak_three_publishers_counts_match_through_the_ingest_process():
 
     shapes = (("vllm", "map"), ("sglang", "array"), ("vllm", "array"))
     fakes = [FakeProcess("--flavor", f, "--encoding", e, "--rate", "3000", "--batch", "50", "--duration", "3",
-                         "--start-delay", "0.5", "--linger", "3600", "--seed", str(i)) for i, (f, e) in enumerate(shapes)]
+                         "--start-delay", "0.5", "--linger", "3600", "--seed", str(i))
+             for i, (f, e) in enumerate(shapes)]
     specs = [s for (f, _), fk in zip(shapes, fakes) for s in parse_source(f, fk.pub)]
     client = AttachClient(specs, [], startup_timeout_s=300.0)
     try:

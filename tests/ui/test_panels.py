@@ -342,7 +342,9 @@ def test_a_typed_prompt_says_it_is_queued_until_its_first_token(qtbot, app_style
     p = PromptPanel()
     qtbot.addWidget(p)
     p.show()
-    table = lambda ids, states: SimpleNamespace(id=np.asarray(ids, np.int32), state=np.asarray(states, np.int8))  # noqa: E731
+    def table(ids, states):
+        return SimpleNamespace(id=np.asarray(ids, np.int32), state=np.asarray(states, np.int8))
+
     p.started(12, "hello")
     p.update_snapshot(table([9, 10, 11, 12, 13], [1, 3, 0, 0, 0]))  # 10 preempted, 11 ahead of us, 13 behind
     assert p.queue.isVisible() and p.queue.text() == "queued (position 3 of 4 waiting)"
@@ -354,3 +356,16 @@ def test_a_typed_prompt_says_it_is_queued_until_its_first_token(qtbot, app_style
     assert not p.queue.isVisible()
     p.update_snapshot(table([12], [1]))
     assert not p.queue.isVisible()  # answered: nothing more to say
+
+
+@pytest.mark.parametrize("name, one, two", [("block_size", "1 token", "2 tokens"),
+                                            ("prefetch_depth", "1 block", "2 blocks"),
+                                            ("demote_after_s", "1.00 s", "2.00 s")])
+def test_a_value_of_one_reads_in_the_singular(qtbot, app_style, name, one, two):
+    """The block size box read '1 tokens' (seen under Xvfb after a change to block size 1)."""
+    c = _knob(qtbot, name, 1)
+    assert c.spin.text() == one
+    c.show_value(2)
+    assert c.spin.text() == two
+    c.spin.setValue(1)  # typed: the same
+    assert c.spin.text() == one

@@ -61,9 +61,13 @@ DISABLED_STYLE = ("QSlider::handle:horizontal:disabled { background: #4a5059; }"
 BYTE_UNITS = {"MB": "MiB", "MiB": "MiB"}
 
 
-def unit_text(knob: Knob) -> str:
-    """The unit a control shows for the knob (a budget's: MiB)."""
-    return BYTE_UNITS.get(knob.unit, knob.unit)
+def unit_text(knob: Knob, value=None) -> str:
+    """The unit a control shows for the knob (a budget's: MiB), in the singular for a value of 1 ("1 token",
+    "1 block", "1 layer": the box read "1 tokens")."""
+    unit = BYTE_UNITS.get(knob.unit, knob.unit)
+    if value == 1 and unit.isalpha() and len(unit) > 2 and unit.endswith("s"):
+        return unit[:-1]
+    return unit
 
 
 def slider_stops(knob: Knob) -> tuple[float, ...]:
@@ -140,11 +144,18 @@ class KnobControl(QtWidgets.QWidget):
             self.slider.sliderMoved.connect(self._preview)
             self.slider.sliderReleased.connect(self._emit_slider)
             self.slider.valueChanged.connect(self._stepped)
+            self.spin.valueChanged.connect(self._unit_for)
             self.spin.valueChanged.connect(lambda v: self.changed.emit(knob.name, v))
             lay.addWidget(self.slider, 1)
             lay.addWidget(self.spin)
         self._live = None
         self.setToolTip(knob.help)
+
+    def _unit_for(self, value) -> None:
+        if self.knob.unit:
+            suffix = f" {unit_text(self.knob, value)}"
+            if suffix != self.spin.suffix():
+                self.spin.setSuffix(suffix)
 
     def pos_of(self, value: float) -> int:
         """The slider position nearest to value (between two stops, the nearer one)."""
@@ -155,6 +166,7 @@ class KnobControl(QtWidgets.QWidget):
         self.spin.blockSignals(True)
         self.spin.setValue(self.stops[pos])
         self.spin.blockSignals(False)
+        self._unit_for(self.stops[pos])
 
     def _stepped(self, pos: int) -> None:
         """A key, wheel or page step (a drag applies on release instead)."""
@@ -179,6 +191,7 @@ class KnobControl(QtWidgets.QWidget):
         else:
             self._settle.stop()
             self.spin.setValue(value)
+            self._unit_for(value)
             self.slider.setValue(self.pos_of(value))
         for w in (self.slider, self.combo, self.spin):
             if w is not None:

@@ -35,7 +35,8 @@ class SequencesPanel(QtWidgets.QTableWidget):
 
     COLS = ("id", "label", "state", "tokens", "gen", "dev", "host", "tok/s", "TTFT", "reused")
     TIPS = ("sequence id (the swatch is its colour in the block map's owner mode)", "workload label",
-            "running, paused (or the engine is), preempted, waiting or finished", "tokens in the sequence (prompt + generated)",
+            "running, paused (or the engine is), preempted, waiting or finished",
+            "tokens in the sequence (prompt + generated)",
             "tokens generated", "blocks on the device tier", "blocks on the host tier", "decode tokens per second",
             "time to first token, ms", "prompt tokens reused from the prefix cache")
     # The widest text each column must show whole (besides its header): 5-digit ids and counts, a
