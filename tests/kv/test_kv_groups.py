@@ -101,7 +101,8 @@ def test_a_request_one_pool_holds_is_held_with_groups(gemma3):
 def test_window_tables_hold_only_the_window_and_tokens_equal_transformers(gemma3, bs):
     model, ref = gemma3
     p = prompts(41, [150])[0]
-    eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(max_batched_tokens=64))
+    eng = Engine(model, CacheConfig(block_size=bs, device_budget_mb=1.0, host_budget_mb=1.0),
+                 EngineOptions(max_batched_tokens=64))
     sid = eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True))
     seq = eng.seqs[sid]
     longest = 0
@@ -188,7 +189,8 @@ def test_forks_and_tail_removal_on_groups_equal_one_pool(gemma3):
     p = prompts(44, [70])[0]
 
     def play(mode: str) -> list[list[int]]:
-        eng = Engine(model, CacheConfig(block_size=4), EngineOptions(kv_groups=mode))
+        eng = Engine(model, CacheConfig(block_size=4, device_budget_mb=1.0, host_budget_mb=1.0),
+                     EngineOptions(kv_groups=mode))
         sid = eng.add_request(p, SamplingParams(max_new_tokens=30, ignore_eos=True))
         for _ in range(6):
             eng.step()
