@@ -126,8 +126,8 @@ class CacheConfig:
 
     def summary(self) -> str:
         return (
-            f"bs={self.block_size} {self.kv_dtype.label} dev={self.device_budget_mb:g}MB "
-            f"host={self.host_budget_mb:g}MB {self.policy}(decay {self.decay:g}) "
+            f"bs={self.block_size} {self.kv_dtype.label} dev={self.device_budget_mb:g}MiB "
+            f"host={self.host_budget_mb:g}MiB {self.policy}(decay {self.decay:g}) "
             f"demote>{self.demote_after_s:g}s prefetch={self.prefetch_depth} batch={self.evict_batch} "
             f"host-reads={self.host_reads}" + (f" device-layers={self.device_layers}" if self.device_layers else "")
         )
@@ -138,9 +138,10 @@ KNOBS: dict[str, Knob] = {
     for k in (
         Knob("block_size", int, 1, 1024, unit="tokens", help="tokens per block (all layers' K and V)"),
         Knob("kv_dtype", KVDtype, choices=tuple(_DTYPE_LABELS.values()), help="storage format of cached K/V"),
-        Knob("device_budget_mb", float, 0.0, 1 << 20, unit="MB",
-             help="device-tier pool size (its blocks and two reserved ones; 0: every block on the host tier)"),
-        Knob("host_budget_mb", float, 0.0, 1 << 22, unit="MB", help="host-tier pool size"),
+        Knob("device_budget_mb", float, 0.0, 1 << 20, unit="MiB",
+             help="device-tier pool size in MiB (2^20 bytes; the knob keeps its _mb name): its blocks and two "
+                  "reserved ones; 0: every block on the host tier"),
+        Knob("host_budget_mb", float, 0.0, 1 << 22, unit="MiB", help="host-tier pool size in MiB (2^20 bytes)"),
         Knob("policy", str, choices=POLICIES, help="eviction order for cold cached blocks"),
         Knob("decay", float, 0.01, 1.0, unit="/s", help="heat decay per second: heat = heat*decay^dt + 1"),
         Knob("demote_after_s", float, 0.0, 3600.0, unit="s", help="idle time before a block moves device -> host"),
