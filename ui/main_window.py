@@ -16,7 +16,7 @@ from engine.errors import ConfigError, RequestError
 from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import SERIES_LEN
 from ui import dock_layout
-from ui.block_map.widget import BlockMap
+from ui.block_map.groups import GroupMaps
 from ui.panels.controls import ControlsPanel
 from ui.panels.lists import EventsPanel, SequencesPanel
 from ui.panels.cost import CostPanel
@@ -54,8 +54,10 @@ class MainWindow(QtWidgets.QMainWindow):
         self.selection = QtWidgets.QLabel("click a block or a row to select a sequence")
         bar.addWidget(self.selection)
         cl.addLayout(bar)
-        self.block_map = BlockMap()
-        cl.addWidget(self.block_map, 1)
+        # One map per KV-cache group (ui/block_map/groups.py); block_map: the first group's (or the one pool's).
+        self.maps = GroupMaps()
+        self.block_map = self.maps.primary
+        cl.addWidget(self.maps, 1)
         self.setCentralWidget(central)
 
         # The charts' and the status bar's rates, from every snapshot; a saved snapshot's, as its window drew them.
@@ -103,6 +105,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.statusBar().addWidget(self.status, 1)
         self.reset_view.clicked.connect(self.block_map.reset_view)
         self.block_map.sequenceSelected.connect(self.select_sequence)
+        self.maps.sequenceSelected.connect(self.select_sequence)
         self.seqs.sequenceSelected.connect(self.select_sequence)
         self.prompt.submitted.connect(self.submit_prompt)
         if controller.read_only:
@@ -178,7 +181,7 @@ class MainWindow(QtWidgets.QMainWindow):
             # Wall time, not the snapshot's (the engine's clock stands still while it is paused, and a rate
             # must fall to 0 then).
             self.rates.observe(time.monotonic(), snap.counters, snap.t)
-        self.block_map.set_snapshot(snap)
+        self.maps.set_snapshot(snap)
         # The other panels take turns, so a frame repaints the map and one or two panels, not all.
         slot = self.frames % SLOW_EVERY
         if every_panel:
@@ -256,7 +259,7 @@ class MainWindow(QtWidgets.QMainWindow):
     # -- selection and prompts ----------------------------------------------------------------
     def select_sequence(self, sid: int) -> None:
         self.selected = sid
-        self.block_map.set_selected(sid)
+        self.maps.set_selected(sid)
         self.seqs.select_id(sid)
         self.selection.setText(f"selected sequence {sid}" if sid >= 0 else "no sequence selected")
         self.refresh_all()
@@ -459,7 +462,7 @@ def open_snapshot_window(path: str) -> MainWindow:
     win = MainWindow(SnapshotController(snap, extra))
     mode = extra.get("colour_mode")
     if mode:
-        win.block_map.set_mode(mode)
+        win.maps.set_mode(mode)
     if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
         win.select_sequence(extra["selected"])
     win.events.add_lines([tuple(e) for e in extra.get("events", [])])

@@ -56,3 +56,26 @@ def test_one_pool_draws_one_untitled_map(qtbot, tiny_gemma3):
     maps.show()
     maps.set_snapshot(eng.snapshot())
     assert len(maps.sections) == 1 and not maps.sections[0][0].isVisible()
+
+
+def test_the_window_draws_a_map_per_group(qtbot, tiny_gemma3):
+    from app.runner import EngineRunner
+    from ui.main_window import MainWindow
+
+    eng = Engine(load_model(tiny_gemma3), CacheConfig(block_size=4, device_budget_mb=0.5, host_budget_mb=0.5),
+                 EngineOptions(context_limit=256))
+    runner = EngineRunner(eng).start()
+    try:
+        sid = eng.add_request(prompts(62, [60])[0], SamplingParams(max_new_tokens=40, ignore_eos=True))
+        win = MainWindow(runner, confirm_lossy=lambda d: True)
+        qtbot.addWidget(win)
+        win.show()
+        qtbot.waitUntil(lambda: eng.seqs[sid].num_cached > 60, timeout=60_000)
+        win.refresh(every_panel=True)
+        titles = [t.text() for t, _ in win.maps.sections if t.isVisible()]
+        assert [x.split("  ·  ")[0] for x in titles] == ["full attention · 1 layer", "sliding window 24 · 4 layers"]
+        assert win.maps.sections[1][1]._layout.capacities == tuple(t.capacity for t in eng.kv.pools[1].tiers)
+        win.select_sequence(sid)
+        assert [m._selected for m in win.maps.maps()] == [sid, sid]
+    finally:
+        runner.stop()
