@@ -457,7 +457,8 @@ class Engine:
         return EngineState(now=self.clock(), pool=self.pool, seqs=self.seqs, spec=self.spec, device=str(self.device),
                            context_limit=self.context_limit, waiting=len(self.waiting), running=len(self.running),
                            key_errors=self.runner.errors, shadow=self.shadow.last,
-                           stream_staging_bytes=self.runner.stream.nbytes(), groups=self.kv.snapshot_groups())
+                           stream_staging_bytes=self.runner.stream.nbytes(), groups=self.kv.snapshot_groups(),
+                           cache_config=self.config)
 
     def take_events(self) -> list[Event]:
         with self.lock:

@@ -119,10 +119,11 @@ class EngineState:
     # reads (read_tokens, read_tokens_missed, read_tokens_streamed); () with one pool for every layer. The first
     # group's pool is `pool`.
     groups: tuple = ()
+    cache_config: "CacheConfig | None" = None  # the engine's (with groups each pool has its share of the budgets)
 
     @property
     def config(self) -> "CacheConfig":
-        return self.pool.config
+        return self.cache_config or self.pool.config
 
 
 class Telemetry:

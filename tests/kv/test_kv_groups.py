@@ -271,6 +271,7 @@ def test_snapshots_carry_each_group_and_reopen_as_saved(gemma3, tmp_path):
     assert [t.used for t in window["tiers"]] == [t.used for t in wpool.tiers]
     assert [g["device_budget_mb"] for g in snap.kv_groups] == pytest.approx([p.config.device_budget_mb
                                                                              for p in eng.kv.pools])
+    assert snap.config["device_budget_mb"] == 1.0  # the engine's budgets (each pool has its share)
     # Key reads per group add up to the engine's; the window group reads fewer keys than the full one.
     c = eng.counters
     assert sum(g["read_tokens"] for g in snap.kv_groups) == c.read_tokens
