@@ -33,13 +33,13 @@ def test_a_section_per_group_titled_with_its_blocks_and_hit_rate(qtbot, grouped_
     assert t0.isVisible() and t1.isVisible()
     assert t0.text().startswith("full attention · 1 layer") and t1.text().startswith("sliding window 24 · 4 layers")
     wpool = eng.kv.pools[1]
-    assert f"device {wpool.tiers[0].used:,} / {wpool.tiers[0].capacity:,}" in t1.text()
+    assert f"dev {wpool.tiers[0].used:,}/{wpool.tiers[0].capacity:,}, host {wpool.tiers[1].used:,}/" in t1.text()
     g = snap.kv_groups[1]
-    assert f"device hit {100 * (1 - g['read_tokens_missed'] / g['read_tokens']):.1f} %" in t1.text()
+    assert f"hit {100 * (1 - g['read_tokens_missed'] / g['read_tokens']):.1f} %" in t1.text()
     # Each map draws its own pool: its layout is its tiers' capacities.
     assert m0._layout.capacities == tuple(t.capacity for t in eng.kv.pools[0].tiers)
     assert m1._layout.capacities == tuple(t.capacity for t in wpool.tiers)
-    assert group_title({**g, "read_tokens": 0, "read_tokens_missed": 0}).endswith("device hit no data")
+    assert group_title({**g, "read_tokens": 0, "read_tokens_missed": 0}).endswith("hit no data")
     # Selecting in one section selects in every section.
     maps.set_selected(0)
     assert [m._selected for m in maps.maps()] == [0, 0]

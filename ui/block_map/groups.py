@@ -9,24 +9,24 @@ from __future__ import annotations
 import dataclasses
 
 from PySide6.QtCore import Qt, Signal
-from PySide6.QtWidgets import QLabel, QSplitter, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QLabel, QSizePolicy, QSplitter, QVBoxLayout, QWidget
 
 from engine.telemetry.snapshot import Snapshot
 from ui.block_map.widget import BlockMap
 
-HIT_TIP = ("device hit: keys this group's attention read from blocks already on the device tier / all keys it read "
-           "(since the engine started; a window group reads only its window's keys); blocks: in use or cached / the "
-           "tier's capacity, this group's pool")
+HIT_TIP = ("dev / host: this group's blocks in use or cached / the tier's capacity, in its own pool; hit: keys this "
+           "group's attention read from blocks already on the device tier / all keys it read (since the engine "
+           "started; a window group reads only its window's keys)")
 
 
 def group_title(group: dict) -> str:
     """The section's title: the group, each tier's blocks held / capacity, its device hit rate ("no data" before
     any key was read)."""
     tiers = group["tiers"]
-    held = ", ".join(f"{t.name} {t.used:,} / {t.capacity:,}" for t in tiers)
+    held = ", ".join(f"{'dev' if t.name == 'device' else t.name} {t.used:,}/{t.capacity:,}" for t in tiers)
     read, missed = group["read_tokens"], group["read_tokens_missed"]
     hit = f"{100.0 * (1 - missed / read):.1f} %" if read else "no data"
-    return f"{group['title']}  ·  blocks {held}  ·  device hit {hit}"
+    return f"{group['title']}  ·  {held}  ·  hit {hit}"
 
 
 class GroupMaps(QWidget):
@@ -54,6 +54,8 @@ class GroupMaps(QWidget):
         lay.setSpacing(1)
         title = QLabel()
         title.setToolTip(HIT_TIP)
+        # The title never widens the window (a long one pushed the Controls dock past a 1280-pixel screen).
+        title.setSizePolicy(QSizePolicy.Ignored, QSizePolicy.Fixed)
         lay.addWidget(title)
         lay.addWidget(bmap, 1)
         self.splitter.addWidget(box)
