@@ -22,6 +22,7 @@ once beyond the larger of the old and new tiers) and the tiers' bytes before and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,14 +31,24 @@ from engine.kv.block_pool import BlockPool, Tier, blocks_for
 from engine.kv.tiers import chain_hash
 from engine.config import CacheConfig
 from engine.errors import ConfigError
-from engine.kv.manager import KVManager
 from engine.sequence import Sequence
 from engine.kv.tiers import TierPool
 
 CHUNK_TOKENS = 8192  # tokens decoded and encoded at once within a layer (bounds the scratch)
 
 
-def relayout(kv: KVManager, seqs: list[Sequence], new: CacheConfig, now: float) -> dict:
+class RelaidKV(Protocol):
+    """What a re-lay needs of the KV manager (engine/kv/manager.py's KVManager, which calls relayout): its pool, a new
+    one of another geometry, and switching to it."""
+
+    pool: BlockPool
+
+    def make_pool(self, config: CacheConfig, storage: bool = True, replacing: BlockPool | None = None) -> BlockPool: ...
+
+    def use(self, pool: BlockPool) -> None: ...
+
+
+def relayout(kv: RelaidKV, seqs: list[Sequence], new: CacheConfig, now: float) -> dict:
     """Move every live sequence's blocks and the prefix cache into a pool of `new`'s geometry and switch to it."""
     old = kv.pool
     pool = kv.make_pool(new, storage=False, replacing=old)
