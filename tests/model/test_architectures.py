@@ -44,6 +44,22 @@ def run(eng: Engine, ps, sp=SP) -> list[list[int]]:
     return out
 
 
+def shift_by_hand(model):
+    """A 40-token prompt prefilled with every key kept (kv_groups off), then a context shift by hand: positions
+    [4, 14) dropped (seq_rm), the rest moved back by 10 (seq_add). (engine, sequence, its keys before [L, 40, Hkv,
+    D], after [L, 30, Hkv, D])."""
+    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
+    sid = eng.add_request(prompts(31, [40])[0], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    seq = eng.seqs[sid]
+    assert seq.num_cached == 40
+    k_before, _ = eng.kv.tokens_kv(seq)
+    eng.seq_rm(sid, 4, 14)
+    eng.seq_add(sid, 14, None, -10)
+    k_after, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    return eng, seq, k_before, k_after
+
+
 # -- what the spec says about each family ---------------------------------------------------------------------
 
 
@@ -162,16 +178,8 @@ def smollm3(tiny_smollm3):
 def test_kshift_rotates_rope_layers_only(smollm3):
     model, ref = smollm3
     assert model.spec.nope_layers == {1}
-    p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    eng.step()
-    seq = eng.seqs[sid]
-    k_before, _ = eng.kv.tokens_kv(seq)
-    keep_idx = torch.tensor(list(range(4)) + list(range(14, seq.num_cached)))
-    eng.seq_rm(sid, 4, 14)  # a context shift by hand: drop positions [4, 14), move the rest back by 10
-    eng.seq_add(sid, 14, None, -10)
-    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    eng, seq, k_before, k_engine = shift_by_hand(model)
+    keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
     # Layer 0 (RoPE) depends on the token and its position only: equal to a fresh prefill's keys.
     k_ref = ref.keys(seq.tokens[: seq.num_cached])[0]
     assert (k_engine[0].transpose(0, 1) - k_ref).norm() / k_ref.norm() <= 1e-4
@@ -318,16 +326,7 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
     from engine.model.llama_family import rotate_half
 
     model, ref = gemma3
-    p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    eng.step()
-    seq = eng.seqs[sid]
-    assert seq.num_cached == 40
-    k_before, _ = eng.kv.tokens_kv(seq)
-    eng.seq_rm(sid, 4, 14)  # drop positions [4, 14), move the rest back by 10
-    eng.seq_add(sid, 14, None, -10)
-    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    eng, seq, k_before, k_engine = shift_by_hand(model)
     assert eng.model.layer_rope == [1, 1, 0, 1, 1]  # ropes: 0 the full layer's, 1 the sliding ones'
     keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
     delta = torch.tensor([0] * 4 + [-10] * 26)
@@ -524,15 +523,7 @@ def test_gpt_oss_kshift_is_a_pure_rotation_with_yarns_frequencies(gpt_oss):
     from engine.model.llama_family import rotate_half
 
     model, ref = gpt_oss
-    p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    eng.step()
-    seq = eng.seqs[sid]
-    k_before, _ = eng.kv.tokens_kv(seq)
-    eng.seq_rm(sid, 4, 14)
-    eng.seq_add(sid, 14, None, -10)
-    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    eng, seq, k_before, k_engine = shift_by_hand(model)
     keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
     delta = torch.tensor([0] * 4 + [-10] * 26)
     inv = hf_layer_inv_freq(ref.model)[0]
@@ -794,16 +785,7 @@ def test_kshift_keys_equal_a_fresh_prefills(request, name):
     keys (tiny_phi3, tiny_cohere2): those are compared. Every other layer: the old keys re-rotated by the position
     change; a NoPE layer's (Cohere 2's full-attention layer) left as they were."""
     model, ref = request.getfixturevalue(name)
-    p = prompts(31, [40])[0]
-    eng = Engine(model, CacheConfig(block_size=8), EngineOptions(kv_groups="off"))  # every layer keeps every key
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=5, ignore_eos=True))
-    eng.step()
-    seq = eng.seqs[sid]
-    assert seq.num_cached == 40
-    k_before, _ = eng.kv.tokens_kv(seq)
-    eng.seq_rm(sid, 4, 14)  # drop positions [4, 14), move the rest back by 10
-    eng.seq_add(sid, 14, None, -10)
-    k_engine, _ = eng.kv.tokens_kv(seq)  # [L, n, Hkv, D]
+    eng, seq, k_before, k_engine = shift_by_hand(model)
     fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D]
     assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
     keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
