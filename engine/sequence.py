@@ -60,6 +60,14 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def cached_table(t: "Sequence | GroupTable") -> np.ndarray:
+    """t.blocks as an int64 array, kept in t until t.table_version changes."""
+    if t._np_version != t.table_version or t._np_table is None:
+        t._np_table = np.asarray(t.blocks, dtype=np.int64)
+        t._np_version = t.table_version
+    return t._np_table
+
+
 @dataclass(slots=True)
 class GroupTable:
     """A sequence's block table in a sliding-window KV-cache group (engine/kv/groups.py). The group dropped the first
@@ -111,10 +119,7 @@ class Sequence:
 
     def table(self) -> np.ndarray:
         """The block table as an int64 array (cached until the table changes)."""
-        if self._np_version != self.table_version or self._np_table is None:
-            self._np_table = np.asarray(self.blocks, dtype=np.int64)
-            self._np_version = self.table_version
-        return self._np_table
+        return cached_table(self)
 
     @property
     def base(self) -> int:

@@ -270,24 +270,18 @@ class GroupedKV:
         return True
 
     def still_needs(self, seq: Sequence, tokens: int, match: list[int] | None = None) -> Need:
+        """KVManager.still_needs per group; a window group's over the tokens from its table's start (or `match`'s),
+        at most the blocks its window and a prompt chunk span (live_blocks)."""
         out = [self.mgrs[0].still_needs(seq, tokens, None if match is None else list(match))]
         bs = self._config.block_size
         for g, grp, m in self.windows():
             v = self.view(seq, g)
-            p = m.pool
+            part, start = None, v.base
             if match is not None:  # a sequence holding no blocks about to take `match`
                 part = match.window.get(g, []) if isinstance(match, Match) else []
                 start = match.first.get(g, 0) if isinstance(match, Match) else 0
-                held = part
-            else:
-                part, start, held = [], v.base, v.blocks
             live = grp.live_blocks(max(tokens - start * bs, 0), self.chunk, bs)
-            need = max(live - len(held), 0)
-            if part:
-                need += int(np.count_nonzero(p._meta("ref", np.asarray(part, dtype=np.int64)) == 0))
-            elif match is None and v.num_cached % bs and v.blocks and p.ref_of(v.blocks[v.num_cached // bs]) > 1:
-                need += 1
-            out.append(need)
+            out.append(m.still_needs(v, live * bs, part))
         return Need(out)
 
     def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:

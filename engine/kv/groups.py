@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.config import CacheConfig
 from engine.kv.block_pool import BlockPool, blocks_for
-from engine.sequence import GroupTable, Sequence
+from engine.sequence import GroupTable, Sequence, cached_table
 
 if TYPE_CHECKING:
     from engine.model.spec import ModelSpec
@@ -142,11 +142,7 @@ class SeqView:
         return self.t.dropped
 
     def table(self) -> np.ndarray:
-        t = self.t
-        if t._np_version != t.table_version or t._np_table is None:
-            t._np_table = np.asarray(t.blocks, dtype=np.int64)
-            t._np_version = t.table_version
-        return t._np_table
+        return cached_table(self.t)
 
     def __setattr__(self, name: str, value) -> None:
         if name in ("blocks", "hashes", "table_version"):
