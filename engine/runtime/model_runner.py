@@ -81,18 +81,24 @@ class ModelRunner:
             if got is not None:
                 return got
         batch, store, writes = self.build(pool, sched)
+        return self._eager(batch, [store]), writes
 
+    def _eager(self, batch: ForwardBatch, stores: list[StepKV]):
+        """run() -> logits of the eager forward pass over `stores` (one, or one per KV-cache group: the first is the
+        forward pass's `store`, the others come in batch.parts)."""
         def run() -> torch.Tensor:
             try:
-                logits = self.model.forward(batch, store)
+                logits = self.model.forward(batch, stores[0])
             finally:
-                if store.stream is not None:
-                    store.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
-                    self.counters.streamed_bytes += store.stream.bytes
-            store.probe.finish()  # what the step wrote, measured (engine/fidelity/block_error.py)
+                for store in stores:
+                    if store.stream is not None:
+                        store.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
+                        self.counters.streamed_bytes += store.stream.bytes
+            for store in stores:
+                store.probe.finish()  # what the step wrote, measured (engine/fidelity/block_error.py)
             return logits
 
-        return run, writes
+        return run
 
     def prepare_grouped(self, kv, sched: list[tuple[Sequence, int]]):
         """prepare() for a model with several KV-cache groups (engine/kv/grouped.py): one part per group, each built
@@ -111,20 +117,7 @@ class ModelRunner:
         finally:
             self._ns = ""
         batch = dataclasses.replace(batch, parts=parts)
-
-        def run() -> torch.Tensor:
-            try:
-                logits = self.model.forward(batch, parts[0].store)
-            finally:
-                for part in parts:
-                    if part.store.stream is not None:
-                        part.store.stream.finish()
-                        self.counters.streamed_bytes += part.store.stream.bytes
-            for part in parts:
-                part.store.probe.finish()
-            return logits
-
-        return run, tuple(writes)
+        return self._eager(batch, [part.store for part in parts]), tuple(writes)
 
     def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]], layer_ids: tuple[int, ...] | None = None,
               group: int = 0):
