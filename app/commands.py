@@ -67,10 +67,14 @@ def _stats(engine, seq) -> dict:
         "decode_tokens_per_s": (len(seq.output) - 1) / decode_s if len(seq.output) > 1 and decode_s > 0 else None,
         "context_shifts": seq.shifts,
         "preemptions": seq.preemptions,
+        # engine/kv/misses.py: this sequence's missed tokens by reason (prompt lookups and key reads)
+        "why_missed": dict(seq.why_missed),
     }
 
 
 def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
+    from engine.kv.misses import summary as why_missed
+
     c = engine.counters.as_dict()
     return {
         "config": engine.config.as_dict(),
@@ -89,6 +93,7 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
                      "evictions", "preemptions", "cow_copies", "context_shifts", "steps")},
         "forward_s": c["forward_s"],
         "bookkeeping_s": c["bookkeeping_s"],
+        "why_missed": why_missed(c),  # engine/kv/misses.py: every missed token's reason, adding up to the misses
         # KV-cache groups (engine/kv/groups.py): each one's pool; device_blocks etc. above are the first's. [] with
         # one pool for every layer.
         "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,
@@ -377,11 +382,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     print("bytes/token " + ", ".join(f"{k} {v:,.0f}" for k, v in per_dtype.items()) +
           f"  (block size {config.block_size}; scales included)")
     print(f"sizing     {formula}")
-    if len(groups) > 1:
+    if engine.grouped:
         held = sum(g["bytes"] for g in groups)
-        print(f"kv groups  {len(groups)} pools (--kv-groups auto); the budgets split by the bytes a sequence holds in "
-              f"each at the context limit: {held:,.0f} bytes ({held / 2**20:.1f} MiB) for the above, "
-              f"{held / total:.2f}x one pool's")
+        split = ("the budgets split by the bytes a sequence holds in each at the context limit" if len(groups) > 1
+                 else "every layer slides: each sequence keeps only its window")
+        print(f"kv groups  {len(groups)} pool{'s' if len(groups) > 1 else ''} (--kv-groups auto); {split}: "
+              f"{held:,.0f} bytes ({held / 2**20:.1f} MiB) for the above, {held / total:.2f}x one pool's")
         for g in groups:
             print(f"  {g['title']:<28} {g['formula']}; budgets {g['device_budget_mb']:.1f} + "
                   f"{g['host_budget_mb']:.1f} MiB")

@@ -114,21 +114,18 @@ class Sequence:
     table_version: int = 0  # bumped at every change of `blocks`, so a numpy copy can be cached
     repositioned: bool = False  # some position differs from its index (after a shift, seq_add or seq_div)
     groups: list[GroupTable] = field(default_factory=list)  # tables in the other KV-cache groups (engine/kv/groups.py)
+    why_missed: dict = field(default_factory=dict)  # reason -> tokens (engine/kv/misses.py): prompt and key reads
+    # Where the model has no full-attention layer, `blocks` is a sliding-window group's table (engine/kv/grouped.py)
+    # and these say where it starts, as GroupTable's do; with a full-attention group they stay 0.
+    base: int = 0  # leading blocks dropped from the table
+    dropped: int = 0  # leading tokens whose keys left every window
+    base_hash: int = 0  # chain hash of block base - 1 (0: none)
     _np_table: np.ndarray | None = None
     _np_version: int = -1
 
     def table(self) -> np.ndarray:
         """The block table as an int64 array (cached until the table changes)."""
         return cached_table(self)
-
-    @property
-    def base(self) -> int:
-        """Leading blocks dropped from the table (a sliding-window group's view, engine/kv/groups.py: 0 here)."""
-        return 0
-
-    @property
-    def base_hash(self) -> int:
-        return 0
 
     def key_positions(self, n: int) -> np.ndarray:
         """Positions of the first n tokens."""

@@ -401,7 +401,7 @@ def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n
     (engine/kv/grouped.py): a key is dropped once it leaves the window of the next query and never comes back, a
     shift moving it closer or not (as transformers' sliding-window cache and llama.cpp's iSWA cache hold them);
     given to the model as precomputed masks per layer type (full: causal; sliding: causal, inside the window, not
-    dropped)."""
+    dropped), or one mask where every layer slides."""
     import sys
 
     from transformers import DynamicCache
@@ -422,6 +422,8 @@ def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n
         causal = kj <= qi
         sliding = causal & (kj > qi - window) & (kj >= dropped)
         add = lambda m: torch.where(m, 0.0, float("-inf"))[None, None]  # noqa: E731
+        if all(w is not None for w in windows):  # every layer slides (Phi-3): one mask, as the model takes it
+            return add(sliding)
         return {"full_attention": add(causal), "sliding_attention": add(sliding)}
 
     toks, out = list(prompt), []

@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from app.replay import RESIDENCY, RunResult
+from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name, top
 
 # 1-2-5 bin edges from 1 ms to 1000 s (values above the last edge land in the last bin).
 BIN_EDGES_S = (0.0,) + tuple(m * 10.0**e for e in range(-3, 3) for m in (1, 2, 5)) + (1000.0,)
@@ -43,6 +44,9 @@ def row_of(r: RunResult) -> dict:
         "demoted_mb_per_token": c["demoted_bytes"] / 2**20 / r.generated if r.generated else float("nan"),
         "streamed_share": c.get("read_tokens_streamed", 0) / c["read_tokens"] if c.get("read_tokens") else float("nan"),
         "streamed_mb_per_token": c.get("streamed_bytes", 0) / 2**20 / r.generated if r.generated else float("nan"),
+        # Why tokens missed (engine/kv/misses.py): prompt tokens a lookup did not serve, keys not read from the device
+        **{counter_name(k): c.get(counter_name(k), 0) for k in PROMPT_REASONS + READ_REASONS},
+        "lookup_tokens": c.get("lookup_tokens", 0), "lookup_served": c.get("lookup_served", 0),
     }
     for k in RESIDENCY:
         row[f"{k}_p50_s"] = _pct(r.residency[k], 50)
@@ -112,6 +116,8 @@ TABLE = (  # header (units in it), cell
     ("dev hit %", lambda r: _pc(r["device_hit_rate"])),
     ("streamed %, MiB/tok", lambda r: f"{_pc(r['streamed_share'])}, {_f3(r['streamed_mb_per_token'])}"),
     ("prefix hit %", lambda r: _pc(r["prefix_hit_rate"])),
+    ("prompt missed: why", lambda r: top({k: r[counter_name(k)] for k in PROMPT_REASONS})),
+    ("dev miss: why", lambda r: top({k: r[counter_name(k)] for k in READ_REASONS})),
     ("evict", lambda r: str(r["evictions"])),
     ("promote n/MiB", lambda r: f"{r['promotions']} / {_mb(r['promoted_bytes'])}"),
     ("demote n/MiB", lambda r: f"{r['demotions']} / {_mb(r['demoted_bytes'])}"),

@@ -19,6 +19,7 @@ import torch
 from engine.kv.codecs import Codec, Geometry, codecs_for
 from engine.config import CacheConfig
 from engine.kv.eviction import EvictionPolicy, heat_now, make_policy
+from engine.kv.misses import GONE_NONE, WHY_NONE, WHY_OF_MOVE, WHY_OTHER, WHY_ROOM, HashLedger
 from engine.kv.tiers import NO_HASH, CacheFull, Tier, TierPool, copy_slots, tier_sizes
 
 
@@ -69,6 +70,10 @@ class BlockPool:
         # (the engine, after each step and operation, into telemetry's counters and feed): the pool calls no one.
         self.events: collections.deque[PoolEvent] = collections.deque()
         self.journal: list | None = None  # block copies of a resize in progress (engine/kv/resize_undo.py)
+        # What became of every hash stored here (engine/kv/misses.py): why a later lookup missed. A re-laid pool
+        # takes its predecessor's (KVManager.use).
+        self.ledger = HashLedger()
+        self.now = 0.0  # the engine time of the latest allocation, access or eviction (when a removal is recorded)
 
     # -- construction -------------------------------------------------------------------------
     @staticmethod
@@ -163,6 +168,9 @@ class BlockPool:
         t.heat[s] = 1.0
         t.born[s] = now
         t.hash[s] = NO_HASH
+        t.why[s] = WHY_ROOM if tier == Tier.HOST else WHY_NONE  # on the host tier: the device tier had no room
+        t.stores[s], t.gone_t[s], t.gone_by[s] = 0, np.nan, GONE_NONE
+        self.now = now
         self.policy.on_insert(t, s, now)
         return lid
 
@@ -184,12 +192,15 @@ class BlockPool:
         else:
             self._release(lid)
 
-    def _release(self, lid: int) -> None:
+    def _release(self, lid: int, cause: str = "reconfigured", **detail) -> None:
+        """Free the block. A hashed one leaves the prefix cache: the ledger records why (a caller that is not evicting
+        is a config change: a reset of the prefix cache, a budget change, a re-lay)."""
         t, s = self.tiers[self.tier[lid]], int(self.slot[lid])
         t.cached.discard(s)
         h = int(t.hash[s])
         if h and self.by_hash.get(h) == lid:
             del self.by_hash[h]
+            self.ledger.gone(h, self.now, cause, **detail)
         t.lid[s] = -1
         t.ref[s] = 0
         t.fill[s] = 0
@@ -220,6 +231,7 @@ class BlockPool:
         t.hash[s] = np.uint64(h)
         t.parent[s] = np.uint64(parent)
         self.by_hash[h] = lid
+        t.stores[s], t.gone_t[s], t.gone_by[s] = self.ledger.stored(h, parent)
 
     def clear_hash(self, lid: int) -> None:
         t, s = self.tiers[self.tier[lid]], self.slot[lid]
@@ -254,6 +266,7 @@ class BlockPool:
             t.hist[sl, 0] = now
             t.last[sl] = now
             self.policy.on_access(t, sl, now)
+        self.now = max(self.now, now)
 
     def current_heat(self, t: TierPool, slots: np.ndarray | slice, now: float) -> np.ndarray:
         return heat_now(t, slots, now, self.config.decay)
@@ -269,6 +282,8 @@ class BlockPool:
         cand = t.cached.view()
         if len(cand) == 0:
             return 0
+        self.now = max(self.now, now)
+        occupancy = t.used / t.capacity if t.capacity else 1.0
         victims = self.policy.victims(t, cand.copy(), min(n, len(cand)), now, self.config.decay)
         lids = t.lid[victims]
         if tier == Tier.DEVICE and self._host_room(len(lids), now):
@@ -277,7 +292,7 @@ class BlockPool:
         for lid in lids.tolist():
             s = self.slot[lid]
             self._emit("evict", lid=lid, tier=int(tier), age=now - t.born[s], gap=now - t.last[s], hash=int(t.hash[s]))
-            self._release(lid)
+            self._release(lid, "evicted", policy=self.config.policy, tier=int(tier), occupancy=occupancy)
         return len(victims)
 
     def _host_room(self, n: int, now: float) -> bool:
@@ -320,6 +335,8 @@ class BlockPool:
             src.owner[so] = -1
             src.free_slots.append(so)
             self.tier[lid], self.slot[lid] = to, sn
+        if to == Tier.HOST:
+            dst.why[dst_slots] = WHY_OF_MOVE.get(reason, WHY_OTHER)
         kind = "promote" if to == Tier.DEVICE else "demote"
         self._emit(kind, n=len(lids), reason=reason, nbytes=len(lids) * self.block_bytes)
         return len(lids)

@@ -1,15 +1,17 @@
 """The KV manager of a model with several KV-cache groups (engine/kv/groups.py): one KVManager and pool per group,
 behind the same door the scheduler and the engine use for one pool.
 
-Group 0 holds the full-attention layers and uses the sequence's own table; each sliding-window group holds its
-layers' K/V in its own pool, with its own budgets (a share of each tier: groups.split_config), eviction and tiers,
-and a table per sequence (Sequence.groups) that starts at the first block some query can still see: after each
-step `trim` drops the blocks that left every window (a hashed one stays cached in its group for prefix reuse; the
-rest is freed). Questions the scheduler asks in blocks are answered per group (`Need`: one count per group, a
+Group 0 uses the sequence's own table (Sequence.blocks): it holds the full-attention layers or, in a model whose
+every layer slides (Mistral, Phi-3), the first window size's. Each sliding-window group holds its layers' K/V in
+its own pool, with its own budgets (a share of each tier: groups.split_config), eviction and tiers, and a table per
+sequence (Sequence.groups; group 0's is the sequence's own, its start in Sequence.base) that starts at the first
+block some query can still see: after each step `trim` drops the blocks that left every window (a hashed one stays
+cached in its group for prefix reuse; the rest is freed). Questions the scheduler asks in blocks are answered per group (`Need`: one count per group, a
 fit only when every group fits); orders go to every group, over the group's view of the sequence (SeqView).
 
 Prefix reuse follows vLLM's hybrid manager: a cached prefix of L blocks is taken only when the full group holds all
-L and every window group holds the blocks its layers still read from there (the last window before token L x bs).
+L and every window group holds the blocks its layers still read from there (the last window before token L x bs);
+without a full group, the window groups alone decide.
 What changes the sequence itself (its cached count, its canonical prefix, dropping its K/V) is done here once for
 all groups.
 """
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
     from engine.model.spec import ModelSpec
 
 TAG = 40  # written(seq) tags each lid with its group: lid + (group << TAG)
+NO_BLOCK = -1  # a Match's entry where no group holds every block (a model without full-attention layers)
 
 
 class Need(tuple):
@@ -67,8 +70,9 @@ class Need(tuple):
 
 
 class Match(list):
-    """A cached prefix over every group: the full group's lids (a list, as KVManager.find_prefix returns them) and,
-    per window group, the blocks its layers read (`window[g]`: lids of blocks first[g]..len(self)-1)."""
+    """A cached prefix over every group: one entry per prefix block, the full group's lids (a list, as
+    KVManager.find_prefix returns them; NO_BLOCK each where no group is full), and, per window group, the blocks its
+    layers read (`window[g]`: lids of blocks first[g]..len(self)-1)."""
 
     def __init__(self, lids: list[int], first: dict[int, int], window: dict[int, list[int]]):
         super().__init__(lids)
@@ -115,9 +119,10 @@ class GroupedKV:
 
     def __init__(self, spec: "ModelSpec", device: torch.device, config: CacheConfig, events: EventSink,
                  counters: KVCounters, groups: tuple[KVGroupSpec, ...], context: int, chunk: int):
-        assert len(groups) > 1 and groups[0].window is None and all(g.window for g in groups[1:])
+        assert any(g.window for g in groups) and all(g.window for g in groups[1:])
         self.spec, self.device, self.events, self.counters = spec, device, events, counters
         self.groups = groups
+        self.full = groups[0].window is None  # group 0 holds every key (else it is a window group too)
         self.context, self.chunk = context, chunk
         self._config = config
         self.mgrs = [KVManager(spec, device, c, events, counters, layers=g.layers)
@@ -149,21 +154,24 @@ class GroupedKV:
     def trace(self, recorder) -> None:
         self.mgrs[0].trace = recorder
 
-    def table(self, seq: Sequence, g: int) -> GroupTable:
+    def table(self, seq: Sequence, g: int) -> GroupTable | Sequence:
+        """Window group g's table of the sequence (group 0's is the sequence itself: its blocks, base, dropped)."""
+        if g == 0:
+            return seq
         while len(seq.groups) < len(self.groups) - 1:
             seq.groups.append(GroupTable())
         return seq.groups[g - 1]
 
     def view(self, seq: Sequence, g: int):
-        """The sequence as group g's pool sees it (group 0: the sequence itself)."""
-        return seq if g == 0 else SeqView(seq, self.table(seq, g), self._config.block_size)
+        """The sequence as group g's pool sees it (a full group 0: the sequence itself)."""
+        return seq if g == 0 and self.full else SeqView(seq, self.table(seq, g), self._config.block_size)
 
     def views(self, seqs: Iterable[Sequence], g: int) -> list:
         return [self.view(s, g) for s in seqs]
 
     def windows(self):
         """(g, group, manager) of each sliding-window group."""
-        return [(g, self.groups[g], self.mgrs[g]) for g in range(1, len(self.groups))]
+        return [(g, self.groups[g], self.mgrs[g]) for g in range(0 if not self.full else 1, len(self.groups))]
 
     # -- pools --------------------------------------------------------------------------------
     require_supported = staticmethod(KVManager.require_supported)
@@ -209,9 +217,10 @@ class GroupedKV:
         configs = self.configs(new)
         bs, nbs = self._config.block_size, new.block_size
         for g, (m, c) in enumerate(zip(self.mgrs, configs)):
-            views = self.views(seqs, g) if g == 0 or nbs == bs else [Rebased(s, self.table(s, g), bs, nbs) for s in seqs]
+            whole = self.groups[g].window is None
+            views = self.views(seqs, g) if whole or nbs == bs else [Rebased(s, self.table(s, g), bs, nbs) for s in seqs]
             held = relayout(m, views, c, now)
-            if g and nbs != bs:
+            if not whole and nbs != bs:
                 for v in views:
                     v.commit()
             for k, v in held.items():
@@ -241,8 +250,15 @@ class GroupedKV:
     # -- prefix cache -------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence, limit: int | None = None) -> tuple[Match, list[int]]:
         """The longest cached prefix the full group holds whose last window every window group holds too."""
-        lids, hashes = self.mgrs[0].find_prefix(seq, limit)
         bs = self._config.block_size
+        if self.full:
+            lids, hashes = self.mgrs[0].find_prefix(seq, limit)
+        else:  # the chain over every reusable block: the window groups hold only the ends of prefixes
+            hashes, parent = [], 0
+            for b in range(self.mgrs[0].reusable_blocks(seq, limit)):
+                parent = chain_hash(parent, np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32))
+                hashes.append(parent)
+            lids = [NO_BLOCK] * len(hashes)
         for n in range(len(lids), 0, -1):
             first, window = {}, {}
             for g, grp, m in self.windows():
@@ -261,7 +277,7 @@ class GroupedKV:
         return Match([], {}, {}), []
 
     def fits_admission(self, seq: Sequence, match: list[int], first: int) -> bool:
-        if not self.mgrs[0].fits_admission(seq, list(match), first):
+        if self.full and not self.mgrs[0].fits_admission(seq, list(match), first):
             return False
         for g, _, m in self.windows():
             part = match.window.get(g, []) if isinstance(match, Match) and match else []
@@ -272,7 +288,7 @@ class GroupedKV:
     def still_needs(self, seq: Sequence, tokens: int, match: list[int] | None = None) -> Need:
         """KVManager.still_needs per group; a window group's over the tokens from its table's start (or `match`'s),
         at most the blocks its window and a prompt chunk span (live_blocks)."""
-        out = [self.mgrs[0].still_needs(seq, tokens, None if match is None else list(match))]
+        out = [self.mgrs[0].still_needs(seq, tokens, None if match is None else list(match))] if self.full else []
         bs = self._config.block_size
         for g, grp, m in self.windows():
             v = self.view(seq, g)
@@ -285,7 +301,8 @@ class GroupedKV:
         return Need(out)
 
     def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:
-        self.mgrs[0].take_prefix(seq, list(lids), hashes, now)
+        if self.full:
+            self.mgrs[0].take_prefix(seq, list(lids), hashes, now)
         for g, _, m in self.windows():
             t = self.table(seq, g)
             first = lids.first.get(g, 0) if isinstance(lids, Match) else 0
@@ -296,9 +313,34 @@ class GroupedKV:
             t.base, t.base_hash = first, (hashes[first - 1] if first else 0)
             t.dropped = max(0, len(lids) * self._config.block_size - self.groups[g].window + 1) if part else 0
             t.table_version += 1
+        if not self.full:
+            self.mgrs[0].count_reuse(seq, len(lids) * self._config.block_size, list(seq.blocks), now)
+
+    def explain_misses(self, seq: Sequence) -> None:
+        """KVManager.explain_misses over every group: a block the full group holds missed for the first block of its
+        last window some window group lacks (that block's reason, in that group's ledger)."""
+        m0 = self.mgrs[0]
+        hashes = m0.chain(seq, m0.reusable_blocks(seq))
+        bs = self._config.block_size
+
+        def where(m: KVManager, b: int) -> str:
+            p = m.pool
+            return p.ledger.classify(hashes[b], hashes[b - 1] if b else 0, p.by_hash.__contains__)
+
+        def reason(b: int) -> str:
+            if self.full and (r := where(m0, b)) != "cached":
+                return r
+            for _, grp, m in self.windows():
+                for x in range(max(0, (b + 1) * bs - grp.window + 1) // bs, b + 1):
+                    if (r := where(m, x)) != "cached":
+                        return r
+            return "cold"  # cached everywhere, not served: a collision's tokens differ
+
+        m0.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in m0.pool.by_hash)
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
-        self.mgrs[0].hash_full_blocks(seq, old)
+        if self.full:
+            self.mgrs[0].hash_full_blocks(seq, old)
         for g, _, m in self.windows():
             v = self.view(seq, g)
             m.hash_full_blocks(v, max(old - v.off, 0))
@@ -308,14 +350,16 @@ class GroupedKV:
 
     # -- a sequence's blocks ------------------------------------------------------------------
     def release(self, seq: Sequence) -> None:
-        self.mgrs[0].release(seq)
+        if self.full:
+            self.mgrs[0].release(seq)
         for g, _, m in self.windows():
             m.release(self.view(seq, g))
             t = self.table(seq, g)
             t.base = t.dropped = t.base_hash = 0
 
     def share(self, dst: Sequence, src: Sequence) -> None:
-        self.mgrs[0].share(dst, src)
+        if self.full:
+            self.mgrs[0].share(dst, src)
         for g, _, m in self.windows():
             m.share(self.view(dst, g), self.view(src, g))
             ts, td = self.table(src, g), self.table(dst, g)
@@ -323,13 +367,15 @@ class GroupedKV:
 
     def drop_all(self, seq: Sequence) -> None:
         """Drop the sequence's K/V in every group (it recomputes when it runs again)."""
-        Residency.drop_kv(self.mgrs[0].residency, seq)
+        if self.full:
+            Residency.drop_kv(self.mgrs[0].residency, seq)
         for g, _, m in self.windows():
             t = self.table(seq, g)
             for lid in t.blocks:
                 m.pool.decref(lid)
             t.blocks, t.hashes, t.base, t.dropped, t.base_hash = [], [], 0, 0, 0
             t.table_version += 1
+        seq.num_cached = seq.canonical = 0
 
     def commit_step(self, *writes) -> None:
         for m, (written, fills) in zip(self.mgrs, writes):
@@ -369,7 +415,7 @@ class GroupedKV:
 
     # -- re-laying a tail (seq_rm, seq_add, seq_div, context shift) --------------------------
     def room_to_relay(self, seq: Sequence, b0: int, need: int) -> bool:
-        if not self.mgrs[0].room_to_relay(seq, b0, need):
+        if self.full and not self.mgrs[0].room_to_relay(seq, b0, need):
             return False
         bs = self._config.block_size
         for g, grp, m in self.windows():
@@ -423,34 +469,39 @@ class GroupedKV:
                         for i, layer in enumerate(grp.layers):
                             k_tail[i, r] = shift(k_tail[i, r], delta, layer)
                 m.relay_blocks(SeqView(seq, t, bs), b0 - base, k_tail, v_tail, now)
-        self.mgrs[0].relay(seq, keep, old_pos, new_pos, first, shift, now)  # sets num_cached, hashes group 0
+        if self.full:
+            self.mgrs[0].relay(seq, keep, old_pos, new_pos, first, shift, now)  # sets num_cached, hashes group 0
+        else:
+            seq.num_cached = len(cached_keep)
         for g, _, m in self.windows():
             m.hash_full_blocks(self.view(seq, g), 0)
 
     def tokens_kv(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K/V of a sequence's cached tokens in every model layer: [L, n, Hkv, D] each; keys a window group
         dropped (or never held: the zeros before its first block's dropped ones) read NaN."""
-        k0, v0 = self.mgrs[0].tokens_kv(seq)
         n = seq.num_cached
-        k = torch.full((self.spec.num_layers, n, *k0.shape[2:]), float("nan"), device=k0.device)
+        k = torch.full((self.spec.num_layers, n, self.spec.num_kv_heads, self.spec.head_dim), float("nan"),
+                       device=self.pool.device)
         v = torch.full_like(k, float("nan"))
-        idx0 = torch.as_tensor(self.groups[0].layers, device=k0.device)
-        k[idx0], v[idx0] = k0, v0
+        if self.full:
+            k0, v0 = self.mgrs[0].tokens_kv(seq)
+            idx0 = torch.as_tensor(self.groups[0].layers, device=k.device)
+            k[idx0], v[idx0] = k0, v0
         bs = self._config.block_size
         for g, grp, m in self.windows():
-            t = self.table(seq, g)
-            view = SeqView(seq, t, bs)
+            view = SeqView(seq, self.table(seq, g), bs)
             if view.num_cached <= 0:
                 continue
             kg, vg = m.tokens_kv(view)
-            idx = torch.as_tensor(grp.layers, device=k0.device)
+            idx = torch.as_tensor(grp.layers, device=k.device)
             k[idx, view.off:], v[idx, view.off:] = kg, vg
         return k, v
 
     # -- checks -------------------------------------------------------------------------------
     def check(self, seqs) -> None:
         seqs = list(seqs)
-        self.mgrs[0].check(seqs)
+        if self.full:
+            self.mgrs[0].check(seqs)
         bs = self._config.block_size
         for g, _, m in self.windows():
             views = [self.view(s, g) for s in seqs]

@@ -54,8 +54,9 @@ class KVGroupSpec:
 
 
 def kv_groups(spec: "ModelSpec", mode: str = "auto") -> tuple[KVGroupSpec, ...]:
-    """The groups of a model: full-attention layers first, then one group per window size (ascending). mode "off",
-    or a model whose layers all attend alike without a window: one group of every layer."""
+    """The groups of a model: full-attention layers first, then one group per window size (ascending); a model whose
+    every layer has one window (Mistral, Phi-3) is one window group. mode "off", or a model whose layers all attend
+    without a window: one group of every layer, full attention (a window then only a mask)."""
     windows = spec.sliding_window
     if mode == "off" or all(w is None for w in windows):
         return (KVGroupSpec(tuple(range(spec.num_layers)), None),)
@@ -83,13 +84,15 @@ def split_config(config: CacheConfig, groups: tuple[KVGroupSpec, ...], context: 
     layers = np.asarray([len(g.layers) for g in groups], dtype=np.float64)
     dev = config.device_budget_mb * weights / weights.sum()
     host = config.host_budget_mb * weights / weights.sum()
+    full = [i for i, g in enumerate(groups) if g.window is None]
+    if not full:  # window groups alone (every layer slides): none has a heavier neighbour to be kept from
+        return [config.replace(device_budget_mb=float(d), host_budget_mb=float(h)) for d, h in zip(dev, host)]
     for i, g in enumerate(groups):
         if g.window is None:
             continue
         block_mb = BlockPool.bytes_per_block(config, len(g.layers), kv_heads, head_dim) / 2**20
         one = (g.live_blocks(context, chunk, config.block_size) + RESERVED) * block_mb
         dev[i] = max(dev[i], min(one, config.device_budget_mb * layers[i] / layers.sum()))
-    full = [i for i, g in enumerate(groups) if g.window is None]
     dev[full] = (config.device_budget_mb - sum(d for i, d in enumerate(dev) if i not in full)) * weights[full] / \
         weights[full].sum()
     return [config.replace(device_budget_mb=float(d), host_budget_mb=float(h)) for d, h in zip(dev, host)]

@@ -117,7 +117,11 @@ class KVManager:
     def use(self, pool: BlockPool) -> None:
         """Switch to a re-laid pool (see relayout.py), built for the new config; the old pool's undrained events
         go first in the new one's queue."""
-        pool.events.extendleft(reversed(self.pool.take_events()))
+        old = self.pool
+        pool.events.extendleft(reversed(old.take_events()))
+        pool.ledger, pool.now = old.ledger, max(pool.now, old.now)  # the hashes' histories go on
+        for h in old.by_hash.keys() - pool.by_hash.keys():  # cached blocks the new pool had no room for
+            pool.ledger.gone(h, pool.now, "reconfigured")
         self.pool = self.residency.pool = pool
 
     def take_events(self) -> list[PoolEvent]:
@@ -130,7 +134,8 @@ class KVManager:
         from engine.kv.resize import resize
 
         self.check_memory(config)
-        resize(self.pool, config, now)
+        with self.pool.ledger.cause("reconfigured"):  # what the new budgets cannot hold was dropped by the change
+            resize(self.pool, config, now)
 
     def set_policy(self, config: CacheConfig) -> None:
         """A change that keeps the geometry and the budgets: the pool keeps its blocks; the policy keeps its state
@@ -183,13 +188,7 @@ class KVManager:
         parent = 0
         lids: list[int] = []
         hashes: list[int] = []
-        reusable = (len(seq.tokens) - 1) // bs
-        if seq.repositioned:
-            canon = next((i for i, q in enumerate(seq.pos) if q != i), len(seq.pos))
-            reusable = min(reusable, canon // bs)
-        if limit is not None:
-            reusable = min(reusable, limit)
-        for b in range(reusable):
+        for b in range(self.reusable_blocks(seq, limit)):
             toks = np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32)
             h = chain_hash(parent, toks)
             lid = self.pool.lookup(h, toks)
@@ -199,6 +198,16 @@ class KVManager:
             hashes.append(h)
             parent = h
         return lids, hashes
+
+    def reusable_blocks(self, seq: Sequence, limit: int | None = None) -> int:
+        """How many leading blocks of the sequence a cached prefix may give (at most `limit`): full blocks before its
+        last token, whose positions are still their indices."""
+        bs = self.config.block_size
+        reusable = (len(seq.tokens) - 1) // bs
+        if seq.repositioned:
+            canon = next((i for i, q in enumerate(seq.pos) if q != i), len(seq.pos))
+            reusable = min(reusable, canon // bs)
+        return reusable if limit is None else min(reusable, limit)
 
     def fits_admission(self, seq: Sequence, match: list[int], first: int) -> bool:
         """Room on the device tier for the blocks the sequence's first chunk of `first` tokens writes.
@@ -239,19 +248,57 @@ class KVManager:
 
     def take_prefix(self, seq: Sequence, lids: list[int], hashes: list[int], now: float) -> None:
         """Reference the matched blocks and count the reuse."""
-        bs = self.config.block_size
         for lid in lids:
             self.pool.incref(lid)
         seq.blocks, seq.hashes = list(lids), list(hashes)
         seq.table_version += 1
-        if seq.blocks:
-            self.events.record_prefix_hit(now - self.pool.last_of(seq.blocks), now - self.pool.born_of(seq.blocks))
-        seq.num_cached = len(seq.blocks) * bs
+        self.count_reuse(seq, len(seq.blocks) * self.config.block_size, seq.blocks, now)
+
+    def count_reuse(self, seq: Sequence, cached: int, lids: list[int], now: float) -> None:
+        """The sequence starts with `cached` tokens from the prefix cache, held in `lids` (their ages recorded)."""
+        if lids:
+            self.events.record_prefix_hit(now - self.pool.last_of(lids), now - self.pool.born_of(lids))
+        seq.num_cached = cached
         seq.canonical = seq.num_cached
         if seq.first_token_at is None and seq.preemptions == 0:  # count a prompt once, not at each recompute
             seq.prefix_reused = seq.num_cached
             self.counters.prompt_tokens += len(seq.tokens)
             self.counters.prompt_reused += seq.num_cached
+
+    def chain(self, seq: Sequence, n: int) -> list[int]:
+        """Chain hashes of the sequence's first n blocks, from its tokens."""
+        bs, parent, out = self.config.block_size, 0, []
+        for b in range(n):
+            parent = chain_hash(parent, np.asarray(seq.tokens[b * bs:(b + 1) * bs], dtype=np.int32))
+            out.append(parent)
+        return out
+
+    def explain_misses(self, seq: Sequence) -> None:
+        """A sequence holding no blocks was just admitted with its cached prefix (take_prefix): count the lookup, and
+        give each token it did not serve one reason (engine/kv/misses.py)."""
+        hashes = self.chain(seq, self.reusable_blocks(seq))
+        pool = self.pool
+
+        def reason(b: int) -> str:
+            r = pool.ledger.classify(hashes[b], hashes[b - 1] if b else 0, pool.by_hash.__contains__)
+            return "cold" if r == "cached" else r  # cached, not served: a collision's tokens differ
+
+        self.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in pool.by_hash)
+
+    def count_misses(self, seq: Sequence, reusable: int, reason, cached) -> None:
+        """explain_misses' counting, given each block's reason and whether it is cached (KV-cache groups: over
+        every group, engine/kv/grouped.py)."""
+        from engine.kv.misses import counter_name, explain_prompt
+
+        c = self.counters
+        c.lookup_tokens += len(seq.tokens)
+        c.lookup_served += seq.num_cached
+        readmitted = not (seq.first_token_at is None and seq.preemptions == 0)
+        why = explain_prompt(len(seq.tokens), seq.num_cached, self.config.block_size, reusable, readmitted, reason,
+                             cached)
+        for r, n in why.items():
+            setattr(c, counter_name(r), getattr(c, counter_name(r)) + n)
+            seq.why_missed[r] = seq.why_missed.get(r, 0) + n
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
         """Register the blocks that became full and canonical since `old` tokens were cached."""

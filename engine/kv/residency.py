@@ -16,6 +16,7 @@ import numpy as np
 
 from engine.config import CacheConfig
 from engine.kv.block_pool import NO_HASH, BlockPool, Tier, blocks_for
+from engine.kv.misses import READ_REASON_OF_WHY, counter_name
 from engine.sequence import Sequence
 
 DEVICE, HOST = int(Tier.DEVICE), int(Tier.HOST)  # plain ints: enum attribute lookups are slow in hot loops
@@ -41,6 +42,8 @@ class KVCounters(Protocol):
     preemptions: int
     prompt_tokens: int
     prompt_reused: int
+    lookup_tokens: int
+    lookup_served: int
 
 
 class Residency:
@@ -170,6 +173,7 @@ class Residency:
         table = seq.table()
         tiers = p.tier[table]
         host_rows = np.flatnonzero(tiers == HOST)
+        whys = p._meta("why", table[host_rows]) if len(host_rows) else None  # why each went to the host tier
         minimal = minimal or self.streams()
         group = 1 if minimal else 1 + self.config.prefetch_depth
         promote = host_rows[host_rows >= seq.num_cached // bs] if minimal else host_rows
@@ -204,6 +208,34 @@ class Residency:
         missed[host_rows] = True
         self.counters.read_tokens_missed += int(keys[missed].sum())
         self.counters.read_tokens_streamed += int(keys[now_host].sum())
+        if missed.any():
+            self.count_read_reasons(seq, keys, now_host, host_rows, whys)
+
+    def count_read_reasons(self, seq: Sequence, keys: np.ndarray, now_host: np.ndarray, host_rows: np.ndarray,
+                           whys: np.ndarray | None) -> None:
+        """Each missed key's reason (engine/kv/misses.py): read where it sits on the host tier with host_reads stream
+        or compute, `streamed`; otherwise (promoted for the step, or left on the host tier for want of device room)
+        by why its block went to the host tier."""
+        out: dict[str, int] = {}
+        rows, codes = host_rows[~now_host[host_rows]], (whys[~now_host[host_rows]] if whys is not None else None)
+        if now_host.any():
+            if self.streams():
+                out["streamed"] = int(keys[now_host].sum())
+            else:
+                here = np.flatnonzero(now_host)
+                rows = np.concatenate([rows, here])
+                now_codes = self.pool._meta("why", seq.table()[here])
+                codes = now_codes if codes is None else np.concatenate([codes, now_codes])
+        if codes is not None and len(rows):
+            for code in np.unique(codes).tolist():
+                reason = READ_REASON_OF_WHY[code]
+                out[reason] = out.get(reason, 0) + int(keys[rows[codes == code]].sum())
+        mine = seq.why_missed
+        for reason, n in out.items():
+            if n:
+                name = counter_name(reason)
+                setattr(self.counters, name, getattr(self.counters, name) + n)
+                mine[reason] = mine.get(reason, 0) + n
 
     def ensure_writable(self, seq: Sequence, bi: int, now: float) -> None:
         """Copy-on-write of block bi if shared; forget its hash if cached (its content is about to change)."""

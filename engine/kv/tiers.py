@@ -115,7 +115,8 @@ class TierPool:
     array copies (a random gather of a million entries would cost ten times more).
     """
 
-    META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash", "parent", "kerr", "verr", "err_born")
+    META = ("lid", "ref", "fill", "owner", "last", "heat", "born", "hash", "parent", "kerr", "verr", "err_born", "why",
+            "stores", "gone_t", "gone_by")
 
     def __init__(self, tier: Tier, capacity: int, k: Parts, v: Parts, block_size: int, universe: int,
                  null_slot: int | None = None):
@@ -141,6 +142,12 @@ class TierPool:
         self.verr = np.full(n, np.nan, dtype=np.float32)
         self.err_born = np.full(n, np.nan, dtype=np.float64)
         self.tokens = np.zeros((n, block_size), dtype=np.int32)
+        # Why the block went to the host tier (engine/kv/misses.py WHY_*), and its hash's earlier lives: times stored
+        # before this store, when and why (GONE_*) its last copy left the pool (NaN / 0: never).
+        self.why = np.zeros(n, dtype=np.int8)
+        self.stores = np.zeros(n, dtype=np.int32)
+        self.gone_t = np.full(n, np.nan, dtype=np.float64)
+        self.gone_by = np.zeros(n, dtype=np.int8)
         self.free_slots = list(range(n - 1, -1, -1))  # stack: lowest slot first
         self.cached = IndexedSet(max(n, 1))  # slots holding ref-0 hashed blocks
 

@@ -88,12 +88,11 @@ class Engine:
         self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
         # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
         self.kv_groups = kv_groups(self.spec, self.options.kv_groups)
-        self.grouped = len(self.kv_groups) > 1 and self.kv_groups[0].window is None
+        self.grouped = any(g.window for g in self.kv_groups)  # some group drops what left its window
         if self.grouped:
             self.kv = GroupedKV(self.spec, self.device, config, self.telemetry, self.counters, self.kv_groups,
                                 self.context_limit, self.options.max_batched_tokens)
-        else:  # one pool for every layer (a model whose layers all slide keeps its window as a mask, for now)
-            self.kv_groups = kv_groups(self.spec, "off")
+        else:  # one pool for every layer, every key kept
             self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit)
@@ -477,7 +476,8 @@ class Engine:
                 if s.done:
                     assert not s.blocks, f"finished seq {s.id} holds blocks"
                     continue
-                assert len(s.blocks) == blocks_for(s.num_cached, self.config.block_size) or s.state == SeqState.RUNNING, (
+                want = blocks_for(s.num_cached, self.config.block_size) - s.base  # base: a window group's dropped
+                assert len(s.blocks) == want or s.state == SeqState.RUNNING, (
                     f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
                 assert len(s.blocks) == len(s.hashes)
 

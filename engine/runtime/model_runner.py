@@ -109,7 +109,7 @@ class ModelRunner:
         try:
             for g, (grp, m) in enumerate(zip(kv.groups, kv.mgrs)):
                 self._ns = f"g{g}." if g else ""
-                views = sched if g == 0 else [(kv.view(seq, g), n) for seq, n in sched]
+                views = [(kv.view(seq, g), n) for seq, n in sched]
                 b, store, w = self.build(m.pool, views, layer_ids=grp.layers, group=g)
                 batch = batch or b
                 parts.append(KVPart(grp.layers, b.groups, store))

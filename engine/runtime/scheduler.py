@@ -121,6 +121,7 @@ class Scheduler:
                 return  # wait for device room; running sequences will finish or shift
             if fresh:
                 self.kv.take_prefix(seq, *match, now)
+                self.kv.explain_misses(seq)
             self.waiting.remove(sid)
             self.add_running(seq)
             promised += self.kv.still_needs(seq, self.peak(seq))

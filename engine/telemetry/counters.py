@@ -21,6 +21,21 @@ class Counters:
     # tier when the step began (promoted since, or read there) or written to the host tier
     read_tokens_streamed: int = 0  # of those, keys read from the host tier where they are (host_reads=stream, or no
     # room), or attended there with host_reads=compute
+    # Why tokens missed (engine/kv/misses.py). Every admission of a sequence holding no blocks looks its tokens up in
+    # the prefix cache (a first admission's are the prompt; after a preemption, what it had computed):
+    lookup_tokens: int = 0  # tokens looked up
+    lookup_served: int = 0  # of those, served from cached blocks; the rest have one reason each:
+    miss_cold: int = 0  # no block with this chained hash was ever stored (or it was forgotten: the ledger's bound)
+    miss_evicted: int = 0  # stored, then evicted
+    miss_partial: int = 0  # in the block holding the last token: a block-size cost
+    miss_diverged: int = 0  # never stored, but a block with the same parent was
+    miss_reconfigured: int = 0  # stored, then dropped by a config change
+    miss_preempted: int = 0  # computed before, dropped by a preemption
+    # read_tokens_missed, by reason:
+    read_miss_demoted_idle: int = 0  # promoted for the step; its block had been demoted for idling
+    read_miss_capacity: int = 0  # promoted for the step; its block had gone to the host tier for room
+    read_miss_promoted: int = 0  # promoted for the step; a re-lay or budget change had put its block there
+    read_miss_streamed: int = 0  # read where it sits on the host tier
     streamed_bytes: int = 0  # bytes of host blocks copied as stored to the compute device's staging, a layer ahead
     promote_stall_s: float = 0.0  # seconds steps waited on copies of their blocks to the device tier
     evictions: int = 0

@@ -29,6 +29,14 @@ class TierSnapshot:
     # and layers); NaN where free or not measured. None in snapshots built without them (read as no data).
     kerr: np.ndarray | None = None
     verr: np.ndarray | None = None
+    # A block's history (engine/kv/misses.py), None in snapshots built without it: why it went to the host tier
+    # (int8 WHY_*: 0 none, 1 idle demotion, 2 room, 3 a re-lay or budget change), how many times its hash was stored
+    # before (int32, 0 where free or unhashed), seconds since its previous copy left the cache (float32, NaN: never)
+    # and why (int8 GONE_*: 0 never, 1 evicted, 2 reconfigured).
+    why: np.ndarray | None = None
+    stores: np.ndarray | None = None
+    gone_age: np.ndarray | None = None
+    gone_by: np.ndarray | None = None
 
     @property
     def used(self) -> int:
@@ -49,6 +57,8 @@ class SeqTable:
     labels: tuple[str, ...]
     block_tier: tuple[np.ndarray, ...]  # per sequence: tier of each of its blocks
     block_slot: tuple[np.ndarray, ...]  # per sequence: slot of each of its blocks
+    # per sequence: its missed tokens by reason (engine/kv/misses.py), {} none; () in files from before reasons
+    why_missed: tuple[dict, ...] = ()
 
 
 @dataclass(frozen=True)

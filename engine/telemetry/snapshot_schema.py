@@ -33,6 +33,10 @@ COLOUR_MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
 TIER_DTYPES = {"state": "|u1", "owner": "<i4", "ref": "<i4", "fill": "<i4", "heat": "<f4", "age": "<f4",
                "hashed": "|b1"}
 TIER_OPTIONAL = {"kerr": "<f4", "verr": "<f4"}  # files from before the K/V error existed have none: no data
+# A block's history (engine/kv/misses.py): files from before reasons have none (None: no data). (dtype, lo, hi)
+TIER_HISTORY = {"why": ("|i1", 0, 3), "stores": ("<i4", 0, None), "gone_age": ("<f4", None, None),
+                "gone_by": ("|i1", 0, 2)}
+WHY_REASONS_MAX = 16  # reasons a sequence's why_missed may name (engine/kv/misses.py has 10)
 SEQ_DTYPES = {"id": "<i4", "state": "|i1", "tokens": "<i4", "generated": "<i4", "blocks_device": "<i4",
               "blocks_host": "<i4", "tokens_per_s": "<f4", "ttft": "<f4", "prefix_reused": "<i4"}
 TABLE_DTYPES = {"block_tier": "|i1", "block_slot": "<i8"}
@@ -137,7 +141,8 @@ def _tiers(x: Any, block_size: int, at: str = "tiers") -> tuple[TierSnapshot, ..
     out = []
     for i, t in enumerate(_list(x, at, len(TIER_NAMES))):
         where = f"{at}[{i}]"
-        t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), tuple(TIER_OPTIONAL), closed=True)
+        t = _obj(t, where, ("name", "capacity", "block_bytes", *TIER_DTYPES), (*TIER_OPTIONAL, *TIER_HISTORY),
+                 closed=True)
         name = _str(t["name"], f"{where}.name", (TIER_NAMES[i],))
         cap = _int(t["capacity"], f"{where}.capacity", 0, MAX_BLOCKS)
         block_bytes = _int(t["block_bytes"], f"{where}.block_bytes", 0, 1 << 40)
@@ -162,13 +167,24 @@ def _tiers(x: Any, block_size: int, at: str = "tiers") -> tuple[TierSnapshot, ..
                 raise _Bad(f"{where}.{field}", f"{len(a):,} values, expected {cap:,} (the tier's capacity)")
             _floats(a, f"{where}.{field}", lo=0.0, nan_ok=True)  # NaN: not measured
             arrays[field] = a
+        for field, (dt, lo, hi) in TIER_HISTORY.items():
+            if t.get(field) is None:
+                continue
+            a = _array(t[field], f"{where}.{field}", dt, max_len=MAX_BLOCKS)
+            if len(a) != cap:
+                raise _Bad(f"{where}.{field}", f"{len(a):,} values, expected {cap:,} (the tier's capacity)")
+            if a.dtype.kind == "f":
+                _floats(a, f"{where}.{field}", nan_ok=True)
+            else:
+                _ints(a, f"{where}.{field}", lo, hi)
+            arrays[field] = a
         out.append(TierSnapshot(name=name, capacity=cap, block_bytes=block_bytes, **arrays))
     return tuple(out)
 
 
 def _seqs(x: Any, capacities: tuple[int, ...]) -> SeqTable:
-    names = tuple(f.name for f in dataclasses.fields(SeqTable))
-    s = _obj(x, "seqs", names, closed=True)
+    names = tuple(f.name for f in dataclasses.fields(SeqTable) if f.name != "why_missed")
+    s = _obj(x, "seqs", names, ("why_missed",), closed=True)
     cols = {}
     n = None
     for field, dt in SEQ_DTYPES.items():
@@ -195,7 +211,19 @@ def _seqs(x: Any, capacities: tuple[int, ...]) -> SeqTable:
         _ints(tier, f"seqs.block_tier[{i}]", 0, len(capacities) - 1, " (tier ids: 0 device, 1 host)")
         for k, cap in enumerate(capacities):
             _ints(slot[tier == k], f"seqs.block_slot[{i}]", 0, cap - 1, f" (slots of tier {k}: its capacity - 1)")
-    return SeqTable(**cols, labels=labels, **tables)
+    why = ()
+    if s.get("why_missed") is not None:
+        why = tuple(_reasons(v, f"seqs.why_missed[{i}]") for i, v in enumerate(_list(s["why_missed"], "seqs.why_missed",
+                                                                                     n)))
+    return SeqTable(**cols, labels=labels, **tables, why_missed=why)
+
+
+def _reasons(x: Any, where: str) -> dict:
+    """A sequence's why_missed: reason -> tokens, at most WHY_REASONS_MAX reasons."""
+    d = _obj(x, where)
+    if len(d) > WHY_REASONS_MAX:
+        raise _Bad(where, f"{len(d):,} reasons, more than {WHY_REASONS_MAX}")
+    return {_clip(k, 40): _int(v, f"{where}.{_clip(k, 40)}", 0) for k, v in d.items()}
 
 
 def _counters(x: Any) -> dict:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import numpy as np
 import psutil
 
+from engine.kv.misses import WHY_FIELDS
 from engine.telemetry.counters import Counters
 from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 
@@ -49,6 +50,7 @@ class _Totals(NamedTuple):
     promotions: int
     demotions: int
     generated: int
+    why: tuple[int, ...]  # the WHY_FIELDS counters (engine/kv/misses.py)
 
 
 class SeriesPoint(NamedTuple):
@@ -243,7 +245,8 @@ class Telemetry:
         c = self.counters
         now = sample.t
         self.history.append(_Totals(now, c.read_tokens, c.read_tokens_missed, c.prompt_tokens, c.prompt_reused,
-                                    c.evictions, c.promotions, c.demotions, c.generated))
+                                    c.evictions, c.promotions, c.demotions, c.generated,
+                                    tuple(getattr(c, k) for k in WHY_FIELDS)))
         while self.history and now - self.history[0].t > WINDOW_S:
             self.history.popleft()
         if now - self._last_series >= SERIES_PERIOD_S:
@@ -274,7 +277,7 @@ class Telemetry:
         nan = float("nan")  # no data: nothing counted in the window (drawn as a gap, never as 0)
         if len(self.history) < 2:
             return {"device_hit_rate": nan, "prefix_hit_rate": nan, "evictions_per_s": nan, "promotions_per_s": nan,
-                    "demotions_per_s": nan, "tokens_per_s": nan}
+                    "demotions_per_s": nan, "tokens_per_s": nan, **{k: nan for k in WHY_FIELDS}}
         a, b = self.history[0], self.history[-1]
         dt = max(b.t - a.t, 1e-6)
         reads, misses = b.read_tokens - a.read_tokens, b.read_tokens_missed - a.read_tokens_missed
@@ -286,6 +289,8 @@ class Telemetry:
             "promotions_per_s": (b.promotions - a.promotions) / dt,
             "demotions_per_s": (b.demotions - a.demotions) / dt,
             "tokens_per_s": (b.generated - a.generated) / dt,
+            # tokens missed in the window, per reason (engine/kv/misses.py); lookup_tokens / read_tokens: their totals
+            **{k: y - x for k, x, y in zip(WHY_FIELDS, a.why, b.why)},
         }
 
     def snapshot(self, e: EngineState, tables: str | set[int] = "auto") -> Snapshot:
@@ -354,9 +359,15 @@ class Telemetry:
         bad = np.not_equal(t.err_born, t.born)
         bad |= state == 0
         no_data = np.where(bad, np.float32(np.nan), np.float32(0))  # added to both: branch-free
+        gone_age = np.empty(n, np.float32)
+        np.subtract(now, t.gone_t, out=gone_age, casting="unsafe")
+        free = state == 0
         return TierSnapshot(name=t.tier.name.lower(), capacity=t.capacity, block_bytes=pool.block_bytes, state=state,
                             owner=t.owner.copy(), ref=ref, fill=t.fill.copy(), heat=heat, age=age,
-                            hashed=t.hash.view(np.int64) != 0, kerr=t.kerr + no_data, verr=t.verr + no_data)
+                            hashed=t.hash.view(np.int64) != 0, kerr=t.kerr + no_data, verr=t.verr + no_data,
+                            why=np.where(free, 0, t.why).astype(np.int8), stores=np.where(free, 0, t.stores),
+                            gone_age=np.where(free, np.float32(np.nan), gone_age),
+                            gone_by=np.where(free, 0, t.gone_by).astype(np.int8))
 
     def _tables(self, seqs: "Mapping[int, Sequence]") -> tuple[list[np.ndarray], bool]:
         """Each sequence's block table as a numpy array, recopied only when the table changed; and whether
@@ -454,6 +465,7 @@ class Telemetry:
             labels=tuple(s.label for s in rows),
             block_tier=block_tier,
             block_slot=block_slot,
+            why_missed=tuple(dict(s.why_missed) for s in rows),
         )
 
     def memory(self, e: EngineState) -> dict:

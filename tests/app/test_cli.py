@@ -60,6 +60,21 @@ def test_info_prints_the_sizing_formula(tiny_llama, capsys):
     assert info["memory"]["gpu"]["available"] is False
 
 
+def test_info_on_a_model_whose_every_layer_slides_sizes_its_window(tiny_mistral, capsys):
+    """One window group (Mistral, window 24): each sequence holds min(context, 23 + chunk) tokens, not the context."""
+    args = ("info", "--model", tiny_mistral, "--batch", "4", "--context", "2000")
+    rc, out, err = run_cli(capsys, *args, "--json")
+    assert rc == 0, err
+    (group,) = json.loads(out)["kv_groups"]
+    assert group["window"] == 24 and group["tokens_per_sequence"] == 23 + 1024  # the default prompt chunk
+    assert group["bytes"] == 4 * (23 + 1024) * 2 * 2 * 16 * 2 * 4
+    rc, out, err = run_cli(capsys, *args)
+    assert rc == 0 and "every layer slides" in out and "sliding window 24 · 2 layers" in out
+    rc, out, err = run_cli(capsys, *args, "--kv-groups", "off", "--json")
+    (group,) = json.loads(out)["kv_groups"]
+    assert group["window"] is None and group["tokens_per_sequence"] == 2000
+
+
 def test_plain_kvscope_without_a_display_explains_headless():
     import os
 

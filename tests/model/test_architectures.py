@@ -801,17 +801,24 @@ def test_kshift_keys_equal_a_fresh_prefills(request, name):
         assert torch.equal(k_engine[li][:, :, rotary_dim:], old[:, :, rotary_dim:])  # Phi-4-mini: passed through
 
 
+@pytest.mark.parametrize("name", ["cohere2", "phi3"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_cohere2_grouped_context_shift_equals_the_window_cache_replay(cohere2, block_size):
+def test_grouped_context_shift_equals_the_window_cache_replay(request, name, block_size):
     """KV-cache groups on: Cohere 2's sliding layers (interleaved RoPE) drop keys for good, its NoPE full layer
-    keeps every key; replayed with masks per layer type."""
-    model, ref = cohere2
+    keeps every key; Phi-3's layers all slide (one window group, the sequence's own table starting at its window,
+    LongRoPE's factors); replayed with masks per layer type."""
+    model, ref = request.getfixturevalue(name)
     ps = prompts(33, [20, 9])
-    layer_inv = hf_layer_inv_freq(ref.model, model.spec.nope_layers)
+    with torch.inference_mode():
+        ref.model(torch.tensor([ps[0]]))  # tiny_phi3's prompts pass its original length: the long factors
+    layer_inv = [None if inv is None else inv.clone()
+                 for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
     windows = list(model.spec.sliding_window)
     eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    assert eng.grouped
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, True, windows) for p in ps]
+    assert eng.grouped and eng.kv.full == (name == "cohere2")
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, model.spec.rope_interleaved, windows) for p in ps]
+    every = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, model.spec.rope_interleaved) for p in ps]
+    assert want != every  # the kept first tokens stay dropped: not what one pool keeping every key gives
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
