@@ -20,13 +20,14 @@ from ui.block_map.groups import GroupMaps
 from ui.panels.controls import ControlsPanel
 from ui.panels.lists import EventsPanel, SequencesPanel
 from ui.panels.cost import CostPanel
+from ui.panels.why_missed import WhyMissedPanel
 from ui.panels.charts import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.panels.prompt import PromptPanel
 from ui.charts.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
-STATE_VERSION = 3  # dock layouts saved by older versions (another arrangement) are not restored
+STATE_VERSION = 4  # dock layouts saved by older versions (another arrangement) are not restored
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -68,6 +69,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.heat = HeatPanel()
         self.residency = ResidencyPanel()
         self.cost = CostPanel()
+        self.why = WhyMissedPanel()
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
@@ -81,7 +83,7 @@ class MainWindow(QtWidgets.QMainWindow):
         scroll.setMinimumWidth(self.controls.minimumSizeHint().width() + 12)  # room for the scroll bar
         widgets = {"Controls": scroll, "Prompt": self.prompt, "Sequences": self.seqs, "Events": self.events,
                    "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency,
-                   "Cost": self.cost}
+                   "Cost": self.cost, "Why missed": self.why}
         self.docks = {}
         for name, _ in dock_layout.DOCK_AREAS:
             d = QtWidgets.QDockWidget(name, self)
@@ -91,7 +93,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.resize(dock_layout.DEFAULT_SIZE)
         self.reset_layout()
         # Hidden tabs are not refreshed; one brought to the front is filled at once.
-        for name, panel in (("Heat", self.heat), ("Residency", self.residency), ("Cost", self.cost)):
+        for name, panel in (("Heat", self.heat), ("Residency", self.residency), ("Cost", self.cost),
+                            ("Why missed", self.why)):
             self.docks[name].visibilityChanged.connect(
                 lambda shown, panel=panel: shown and self.snapshot is not None and panel.update_snapshot(self.snapshot))
 
@@ -193,7 +196,7 @@ class MainWindow(QtWidgets.QMainWindow):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
             # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
-            for panel in (self.heat, self.residency, self.cost):
+            for panel in (self.heat, self.residency, self.cost, self.why):
                 if self._on_screen(panel):
                     panel.update_snapshot(snap)
         if every_panel or slot == 0:

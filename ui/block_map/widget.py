@@ -32,6 +32,30 @@ from ui.panels.kv_cost import ERROR_MEANING, error_legend, error_lines
 MODES = ("state", "owner", "heat", "ref", "fill", "age", "kv error")
 
 
+
+WHY_HOST = {1: "demoted after idling past demote_after_s", 2: "no device room (written there, demoted for room, "
+            "evicted or swapped out)", 3: "a re-lay or budget change"}
+GONE = {1: "evicted", 2: "dropped by a config change"}
+
+
+def history_lines(t, slot: int) -> list[str]:
+    """A block's history (engine/kv/misses.py): why it is on the host tier, and its hash's earlier lives."""
+    if t.stores is None or not int(t.state[slot]):
+        return []
+    out = []
+    if t.name == "host" and int(t.why[slot]) in WHY_HOST:
+        out.append(f"on the host tier: {WHY_HOST[int(t.why[slot])]}")
+    if bool(t.hashed[slot]):
+        n = int(t.stores[slot])
+        if n == 0:
+            out.append("history: first stored")
+        else:
+            by = GONE.get(int(t.gone_by[slot]))
+            ago = float(t.gone_age[slot])
+            last = f"; its last copy {by} {_fmt_age(ago)} ago, then re-stored" if by and ago == ago else ""
+            out.append(f"history: stored {n} time{'s' if n != 1 else ''} before{last}")
+    return out
+
 class BlockMap(QWidget):
     """Every block of both tiers, coloured by a mode; click a block to select its sequence."""
 
@@ -204,7 +228,7 @@ class BlockMap(QWidget):
                  f"heat: {float(t.heat[slot]):.3g}",
                  f"age: {_fmt_age(float(t.age[slot])) if st else '—'}",
                  f"hashed: {'yes' if bool(t.hashed[slot]) else 'no'}"]
-        return "<br>".join(lines + error_lines(t, slot, str(snap.config.get("kv_dtype", ""))))
+        return "<br>".join(lines + history_lines(t, slot) + error_lines(t, slot, str(snap.config.get("kv_dtype", ""))))
 
     # -- layout -----------------------------------------------------------------------------------
     def _aspect(self) -> float:

@@ -11,6 +11,7 @@ import time
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
+from engine.kv.misses import PROMPT_REASONS, READ_REASONS
 from engine.telemetry.snapshot import Snapshot
 from ui.palette import seq_color
 
@@ -138,6 +139,7 @@ class SequencesPanel(QtWidgets.QTableWidget):
         """engine_paused: the engine is paused, so no sequence runs (its state says "running": admitted) and
         none generates; they show "paused" and 0.0 tok/s."""
         s = snap.seqs
+        self._why = dict(zip((int(i) for i in s.id), s.why_missed)) if s.why_missed else {}
         order = self._order(s, engine_paused)
         self._updating = True
         if self.rowCount() != len(order):
@@ -172,6 +174,25 @@ class SequencesPanel(QtWidgets.QTableWidget):
                 self._rows.append(vals)
         self._mark_selected()
         self._updating = False
+
+    def why_text(self, sid: int) -> str:
+        """The hover of a sequence's row: its missed tokens by reason (engine/kv/misses.py)."""
+        why = getattr(self, "_why", {}).get(sid)
+        if why is None:
+            return f"sequence {sid}: no miss reasons recorded (a snapshot from before they were kept)"
+        prompt = {r: n for r, n in why.items() if r in PROMPT_REASONS and n}
+        reads = {r: n for r, n in why.items() if r in READ_REASONS and n}
+        line = lambda d: ", ".join(f"{r} {n:,}" for r, n in sorted(d.items(), key=lambda x: -x[1])) or "none"  # noqa
+        return (f"<b>sequence {sid}</b>: why it missed<br>prompt tokens not served by the prefix cache: "
+                f"{line(prompt)}<br>keys not read straight from the device tier: {line(reads)}")
+
+    def viewportEvent(self, e: QtCore.QEvent) -> bool:
+        if e.type() == QtCore.QEvent.ToolTip:
+            row = self.rowAt(e.pos().y())
+            if 0 <= row < len(self._ids) and self.columnAt(e.pos().x()) != self.LABEL:
+                QtWidgets.QToolTip.showText(e.globalPos(), self.why_text(self._ids[row]), self.viewport())
+                return True
+        return super().viewportEvent(e)
 
     def _mark_selected(self) -> None:
         """Highlight the selected sequence's row, wherever it is now, without scrolling (the user may be
