@@ -56,6 +56,8 @@ def _encode(engine, text: str, chat: bool) -> list[int]:
 
 
 def _stats(engine, seq) -> dict:
+    from engine.kv.misses import seq_summary as seq_why_missed
+
     ttft = seq.ttft
     decode_s = (seq.finished_at or engine.clock()) - (seq.first_token_at or seq.arrival)
     return {
@@ -67,8 +69,8 @@ def _stats(engine, seq) -> dict:
         "decode_tokens_per_s": (len(seq.output) - 1) / decode_s if len(seq.output) > 1 and decode_s > 0 else None,
         "context_shifts": seq.shifts,
         "preemptions": seq.preemptions,
-        # engine/kv/misses.py: this sequence's missed tokens by reason (prompt lookups and key reads)
-        "why_missed": dict(seq.why_missed),
+        # engine/kv/misses.py: this sequence's missed tokens by reason (its prompt lookups and its key reads)
+        "why_missed": seq_why_missed(seq.why_missed),
     }
 
 
@@ -93,7 +95,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
                      "evictions", "preemptions", "cow_copies", "context_shifts", "steps")},
         "forward_s": c["forward_s"],
         "bookkeeping_s": c["bookkeeping_s"],
-        "why_missed": why_missed(c),  # engine/kv/misses.py: every missed token's reason, adding up to the misses
+        # engine/kv/misses.py: every sequence's, adding up to the engine's lookups and key reads missed
+        "engine_why_missed": why_missed(c),
         # KV-cache groups (engine/kv/groups.py): each one's pool; device_blocks etc. above are the first's. [] with
         # one pool for every layer.
         "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,

@@ -161,6 +161,11 @@ def summary(counters) -> dict:
             "reads": {r: get(counter_name(r), 0) for r in READ_REASONS}}
 
 
+def seq_summary(why: dict[str, int]) -> dict:
+    """A sequence's why_missed as summary() lays reasons out: {"prompt": {...}, "reads": {...}}, every reason."""
+    return {"prompt": {r: why.get(r, 0) for r in PROMPT_REASONS}, "reads": {r: why.get(r, 0) for r in READ_REASONS}}
+
+
 def top(reasons: dict[str, int], n: int = 2) -> str:
     """The n largest reasons as shares of their sum ("evicted 62%, cold 30%"); "-" when nothing missed."""
     total = sum(reasons.values())

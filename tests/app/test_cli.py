@@ -230,6 +230,18 @@ def test_a_run_that_cannot_progress_says_so_and_prints_no_answer(tiny_llama, tmp
     assert "two.jsonl:1:" in err and "two.jsonl:2:" in err
 
 
+def test_generate_json_says_why_its_tokens_missed(tiny_llama, capsys):
+    rc, out, err = run_cli(capsys, "generate", "--model", tiny_llama, "--json", "hello there, how are you today?",
+                           "--block-size", "4", "--max-new-tokens", "4")
+    assert rc == 0, err
+    stats = json.loads(out)["stats"]
+    engine = stats["engine_why_missed"]
+    assert engine["lookup_tokens"] == stats["prompt_tokens"] == engine["lookup_missed"]  # nothing cached before
+    assert sum(engine["prompt"].values()) == engine["lookup_missed"] and engine["prompt"]["partial"] > 0
+    assert sum(engine["reads"].values()) == engine["read_tokens_missed"] == stats["read_tokens_missed"]
+    assert stats["why_missed"] == {"prompt": engine["prompt"], "reads": engine["reads"]}  # the one request's
+
+
 def test_help_lists_every_subcommand_and_every_sampling_flag_says_what_it_does(capsys):
     from app.cli import SUBCOMMANDS
 
