@@ -327,16 +327,23 @@ class GroupedKV:
             p = m.pool
             return p.ledger.classify(hashes[b], hashes[b - 1] if b else 0, p.by_hash.__contains__)
 
-        def reason(b: int) -> str:
+        def first_gap(b: int) -> tuple[str, KVManager, int]:
+            """The reason of the first block a prefix ending with block b lacks, its group's manager and index."""
             if self.full and (r := where(m0, b)) != "cached":
-                return r
+                return r, m0, b
             for _, grp, m in self.windows():
                 for x in range(max(0, (b + 1) * bs - grp.window + 1) // bs, b + 1):
                     if (r := where(m, x)) != "cached":
-                        return r
-            return "cold"  # cached everywhere, not served: a collision's tokens differ
+                        return r, m, x
+            return "cold", m0, b  # cached everywhere, not served: a collision's tokens differ
 
-        m0.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in m0.pool.by_hash)
+        def detail(b: int) -> dict:
+            _, m, x = first_gap(b)
+            return {**m.pool.ledger.detail(hashes[x], m.pool.now), **({"group": self.mgrs.index(m)} if m is not m0
+                                                                      else {})}
+
+        m0.count_misses(seq, len(hashes), lambda b: first_gap(b)[0], lambda b: hashes[b] in m0.pool.by_hash,
+                        detail)
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
         if self.full:

@@ -283,11 +283,15 @@ class KVManager:
             r = pool.ledger.classify(hashes[b], hashes[b - 1] if b else 0, pool.by_hash.__contains__)
             return "cold" if r == "cached" else r  # cached, not served: a collision's tokens differ
 
-        self.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in pool.by_hash)
+        def detail(b: int) -> dict:
+            return pool.ledger.detail(hashes[b], pool.now)
 
-    def count_misses(self, seq: Sequence, reusable: int, reason, cached) -> None:
-        """explain_misses' counting, given each block's reason and whether it is cached (KV-cache groups: over
-        every group, engine/kv/grouped.py)."""
+        self.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in pool.by_hash, detail)
+
+    def count_misses(self, seq: Sequence, reusable: int, reason, cached, detail) -> None:
+        """explain_misses' counting, given each block's reason, whether it is cached and its removal's details
+        (KV-cache groups: over every group, engine/kv/grouped.py). One "lookup" event says what the lookup served and
+        why its first missed block missed (a debug record per prefix lookup)."""
         from engine.kv.misses import counter_name, explain_prompt
 
         c = self.counters
@@ -299,6 +303,12 @@ class KVManager:
         for r, n in why.items():
             setattr(c, counter_name(r), getattr(c, counter_name(r)) + n)
             seq.why_missed[r] = seq.why_missed.get(r, 0) + n
+        m = seq.num_cached // self.config.block_size
+        first = {}
+        if why and not readmitted and m < reusable:
+            first = {"first_miss_block": m, "first_miss": reason(m), **detail(m)}
+        self.events.emit("lookup", seq=seq.id, tokens=len(seq.tokens), served=seq.num_cached,
+                         **{r: n for r, n in why.items() if n}, **first)
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
         """Register the blocks that became full and canonical since `old` tokens were cached."""

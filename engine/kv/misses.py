@@ -112,6 +112,17 @@ class HashLedger:
             return gone[1]
         return "diverged" if parent and parent in self.parents else "cold"  # no sibling shares an empty prefix
 
+    def detail(self, h: int, now: float) -> dict:
+        """What a lookup event says of a missed block's hash: how long ago it left and, evicted, by which policy at
+        what occupancy of which tier; {} if it is not recorded as removed."""
+        gone = self.removed.get(h)
+        if gone is None:
+            return {}
+        out = {"gone_s_ago": round(now - gone[0], 3)}
+        for k, v in gone[2].items():
+            out[k] = round(v, 3) if isinstance(v, float) else v
+        return out
+
     def history(self, h: int) -> dict:
         """For a block's hover: times stored, and the last removal (t, cause, detail) while not stored."""
         gone = self.removed.get(h)

@@ -87,6 +87,11 @@ def test_evicted_and_reconfigured_blocks_are_named(llama):
     assert why.get("evicted", 0) > 0 and set(why) <= {"evicted", "partial", "cold"}
     h = eng.kv.chain(eng.seqs[sid], 1)[0]
     assert eng.pool.ledger.history(h)["stores"] >= 1
+    # The lookup's record: what it served, and why its first missed block missed (policy, occupancy, how long ago).
+    (look,) = [e.fields for e in eng.take_events() if e.kind == "lookup" and e.fields["seq"] == sid]
+    assert look["tokens"] == 40 and look["served"] == eng.seqs[sid].prefix_reused
+    assert look["first_miss"] == "evicted" and look["policy"] == "lru" and look["tier"] == 0
+    assert 0 < look["occupancy"] <= 1 and look["gone_s_ago"] >= 0 and look["evicted"] == why["evicted"]
     # A prefix-cache reset is a config change: the next lookup says so.
     eng2 = Engine(llama, CacheConfig(block_size=bs))
     run_one(eng2, a)

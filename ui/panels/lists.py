@@ -261,7 +261,7 @@ class EventsPanel(QtWidgets.QWidget):
     """Evictions, migrations, preemptions, context shifts, config changes and errors, newest first."""
 
     KINDS = ("all", "evict", "promote", "demote", "preempt", "context_shift", "config", "config_error", "error",
-             "cow", "request", "finish", "seq_cp", "workload")
+             "cow", "request", "finish", "seq_cp", "workload", "lookup")
     MAX = 3000
     SHOWN = 400
 
