@@ -47,7 +47,7 @@ WHY_FIELDS = ("lookup_tokens", "lookup_served", "read_tokens", "read_tokens_miss
               *(f"{'read_miss' if r in READ_REASONS else 'miss'}_{r.replace('-', '_')}"
                 for r in PROMPT_REASONS + READ_REASONS))
 
-LEDGER_CAP = 1 << 17  # hashes remembered per pool (oldest forgotten first: a forgotten hash reads as never stored)
+LEDGER_CAP = 1 << 16  # hashes remembered per pool (oldest forgotten first: a forgotten hash reads as never stored)
 
 
 def counter_name(reason: str) -> str:

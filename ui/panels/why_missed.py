@@ -11,7 +11,7 @@ import math
 
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name
+from engine.kv.misses import LEDGER_CAP, PROMPT_REASONS, READ_REASONS, counter_name
 from engine.telemetry.snapshot import Snapshot
 
 COLOURS = {"cold": "#7986cb", "evicted": "#e57373", "partial": "#ffb74d", "diverged": "#ba68c8",
@@ -19,8 +19,8 @@ COLOURS = {"cold": "#7986cb", "evicted": "#e57373", "partial": "#ffb74d", "diver
            "demoted-idle": "#64b5f6", "capacity": "#ef5350", "promoted": "#aed581", "streamed": "#ffd54f"}
 
 MEANING = {
-    "cold": "no block with this chained hash was ever stored (or the ledger forgot it: it keeps the newest 131,072 "
-            "hashes per pool)",
+    "cold": "no block with this chained hash was ever stored (or the ledger forgot it: it keeps the newest "
+            f"{LEDGER_CAP:,} hashes per pool)",
     "evicted": "its block was stored, then evicted (by the eviction policy, to make room)",
     "partial": "in the block holding the prompt's last token: a tail never filled, or a full last block, which the "
                "cache never serves because the last token is always computed (what the block size costs)",
