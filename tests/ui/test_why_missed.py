@@ -38,8 +38,8 @@ def test_the_bars_are_the_engines_counts_and_no_data_before_any(qtbot, engine_af
     qtbot.addWidget(panel)
     fresh = Engine(load_model(tiny_llama), CacheConfig(block_size=4)).snapshot()
     panel.update_snapshot(fresh)
-    assert panel.texts() == ["prompt tokens, last 5 s: no data", "key reads, last 5 s: no data",
-                             "prompt tokens, since start: no data", "key reads, since start: no data"]
+    assert panel.texts() == ["prompt · last 5 s: no data", "keys · last 5 s: no data",
+                             "prompt · since start: no data", "keys · since start: no data"]
     eng = engine_after_misses
     snap = eng.snapshot()
     panel.update_snapshot(snap)
@@ -53,9 +53,9 @@ def test_the_bars_are_the_engines_counts_and_no_data_before_any(qtbot, engine_af
     lines = panel.texts()
     want_p = ", ".join(f"{r} {n:,}" for r, n in prompt.items())
     want_r = ", ".join(f"{r} {n:,}" for r, n in reads.items())
-    assert lines[2] == f"prompt tokens, since start: {c.lookup_tokens - c.lookup_served:,} missed of " \
+    assert lines[2] == f"prompt · since start: {c.lookup_tokens - c.lookup_served:,} missed of " \
                        f"{c.lookup_tokens:,} ({want_p})"
-    assert lines[3] == f"key reads, since start: {c.read_tokens_missed:,} missed of {c.read_tokens:,} ({want_r})"
+    assert lines[3] == f"keys · since start: {c.read_tokens_missed:,} missed of {c.read_tokens:,} ({want_r})"
     painted = [tip for _, tip in panel._hits if "missed" in tip]
     assert len(painted) >= len(prompt) + len(reads)  # a segment per reason since start (and the last 5 s's)
 

@@ -35,16 +35,16 @@ MEANING = {
 }
 
 BARS = (  # (title, reasons, total counter, served counter or None, missed counter)
-    ("prompt tokens", PROMPT_REASONS, "lookup_tokens", "lookup_served", None),
-    ("key reads", READ_REASONS, "read_tokens", None, "read_tokens_missed"),
+    ("prompt", PROMPT_REASONS, "lookup_tokens", "lookup_served", None),
+    ("keys", READ_REASONS, "read_tokens", None, "read_tokens_missed"),
 )
 SCOPES = (("last 5 s", "windowed"), ("since start", "counters"))
 
 TIP = ("Why tokens missed. Prompt tokens: every admission of a sequence holding no blocks looks its tokens up in "
        "the prefix cache; each token not served has one reason. Key reads: each key attention read not straight "
        "from the device tier (its block was on the host tier when the step began, or is there now) has one reason. "
-       "The bar is the misses as a share of the tokens looked up (keys read); its segments, by reason, add up to it. "
-       "Hover a segment for what it counts.")
+       "Each bar is the misses, split by reason (the segments add up to them); its text, the misses as a share of "
+       "the tokens looked up (keys read). Hover a segment for what it counts.")
 
 
 def _num(d: dict, k: str) -> float:
@@ -73,7 +73,6 @@ class WhyMissedPanel(QtWidgets.QWidget):
     """Four stacked bars (prompt tokens and key reads, last 5 s and since start) and the reasons' legend."""
 
     ROW_H = 22
-    LABEL_W = 150
 
     def __init__(self):
         super().__init__()
@@ -91,7 +90,7 @@ class WhyMissedPanel(QtWidgets.QWidget):
         """Each bar as one line (what the panel shows; tests read it)."""
         out = []
         for b in self._bars:
-            head = f"{b['title']}, {b['scope']}: "
+            head = f"{b['title']} · {b['scope']}: "
             if math.isnan(b["missed"]):
                 out.append(head + "no data")
             elif b["missed"] == 0:
@@ -108,13 +107,14 @@ class WhyMissedPanel(QtWidgets.QWidget):
         text, dim = pal.color(QtGui.QPalette.WindowText), QtGui.QColor("#8a919c")
         fm = p.fontMetrics()
         w = self.width()
-        x0, bar_w = self.LABEL_W, max(40, w - self.LABEL_W - 10)
+        label_w = min(max(fm.horizontalAdvance(f"{t} · {s}") for t, *_ in BARS for s, _ in SCOPES) + 10, w // 2)
+        x0, bar_w = label_w, max(40, w - label_w - 6)
         y = 6
         self._hits = []
         for b in self._bars:
             p.setPen(text)
-            label = fm.elidedText(f"{b['title']}, {b['scope']}", QtCore.Qt.ElideRight, self.LABEL_W - 8)
-            p.drawText(QtCore.QRectF(4, y, self.LABEL_W - 8, self.ROW_H), QtCore.Qt.AlignVCenter, label)
+            label = fm.elidedText(f"{b['title']} · {b['scope']}", QtCore.Qt.ElideRight, label_w - 8)
+            p.drawText(QtCore.QRectF(4, y, label_w - 8, self.ROW_H), QtCore.Qt.AlignVCenter, label)
             frame = QtCore.QRectF(x0, y + 3, bar_w, self.ROW_H - 6)
             p.setPen(dim)
             p.drawRect(frame)
@@ -122,20 +122,20 @@ class WhyMissedPanel(QtWidgets.QWidget):
                 p.drawText(frame, QtCore.Qt.AlignCenter, "no data" if math.isnan(b["missed"]) else
                            f"no misses of {int(b['total']):,}")
             else:
-                # The bar's length is the miss share; its segments split it by reason.
+                # The bar is the misses; its segments split them by reason.
                 share = b["missed"] / b["total"]
                 x = x0
                 for reason, n in b["segments"]:
-                    seg = bar_w * share * n / b["missed"]
+                    seg = bar_w * n / b["missed"]
                     r = QtCore.QRectF(x, y + 3, max(seg, 1.0), self.ROW_H - 6)
                     p.fillRect(r, QtGui.QColor(COLOURS[reason]))
-                    self._hits.append((r, f"<b>{reason}</b>: {n:,} of {int(b['missed']):,} missed "
-                                          f"({100 * n / b['missed']:.1f} %) in {b['title']}, {b['scope']}<br>"
-                                          f"{MEANING[reason]}"))
+                    what = "prompt tokens" if b["title"] == "prompt" else "keys"
+                    self._hits.append((r, f"<b>{reason}</b>: {n:,} of the {int(b['missed']):,} {what} missed, "
+                                          f"{b['scope']} ({100 * n / b['missed']:.1f} %)<br>{MEANING[reason]}"))
                     x += seg
-                p.setPen(text)
+                p.setPen(QtGui.QColor("#101216"))  # dark on the segments' light colours
                 p.drawText(frame.adjusted(0, 0, -4, 0), QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter,
-                           f"{100 * share:.1f} % missed")
+                           f"{int(b['missed']):,} missed ({100 * share:.1f} %)")
             y += self.ROW_H
         # Legend: every reason, in its colour.
         y += 6
