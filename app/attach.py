@@ -134,7 +134,10 @@ def _summary(session) -> dict:
     return {"sources": [{**st.__dict__, "events": a.events, "stored_blocks": a.stored_blocks,
                          "removed_blocks": a.removed_blocks, "bad_events": a.bad_events}
                         for st, a in zip(session.statuses(), act)],
-            "caches": {session.cluster.group_label(k): len(g) for k, g in session.cluster.groups.items()}}
+            "caches": {session.cluster.group_label(k): len(g) for k, g in session.cluster.groups.items()},
+            # engine/attach/restores.py: stores of hashes each cache removed before, and what more blocks would buy
+            "re_stores": {session.cluster.group_label(k): g.restores.summary()
+                          for k, g in session.cluster.groups.items()}}
 
 
 class Stopped(KeyboardInterrupt):
@@ -282,9 +285,20 @@ def _summary_text(res: dict) -> str:
                      f"{s['malformed'] + s['bad_events']:,}; gaps {s['gaps']:,} ({s['recovered']:,} batches "
                      f"recovered, {s['lost']:,} lost); history {s['history']:,} got, {s['history_missing']:,} gone; "
                      f"behind {s['behind_s']:.1f} s ({s['queued']:,} frames queued, {s['shed']:,} shed)")
+    from engine.attach.restores import curve_text
+
     for label, n in res["caches"].items():
         lines.append(f"  {label}: {n:,} blocks resident")
+        rs = res.get("re_stores", {}).get(label)
+        if rs and rs["stores"]:
+            lines.append(f"    re-stored {rs['re_stores']:,} of {rs['stores']:,} stores "
+                         f"({100 * rs['re_store_share']:.1f} %), gap p50 {_secs(rs['gap_p50_s'])}; {curve_text(rs)} "
+                         "(a lower bound: events show no lookup that hit)")
     return "\n".join(lines) if lines else "no events received"
+
+
+def _secs(x: float) -> str:
+    return "—" if x != x else f"{x:.1f} s"
 
 
 def attach_advice(problem: str) -> str:

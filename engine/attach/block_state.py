@@ -22,6 +22,8 @@ import math
 import msgspec
 import numpy as np
 
+from engine.attach.restores import ReStores
+
 MIN_CELLS = 1024
 KEEP_TOKENS = 8  # token ids a tooltip shows per block
 _M64 = (1 << 64) - 1
@@ -73,6 +75,7 @@ class BlockTable:
         self.on_evict = None  # f(lifetime_s, idle_s) for every 8th removed block
         self.on_reuse = None  # f(gap_s) for about every 8th touch of a resident block
         self.spec: tuple[str, int | None] | None = None  # the KV-cache group's kind and sliding window (vLLM)
+        self.restores = ReStores()  # stores of hashes removed before: prefills recomputed after an eviction
         self._alloc(cells)
 
     # -- storage --------------------------------------------------------------------------------------
@@ -167,6 +170,7 @@ class BlockTable:
         self.meta_at[cell] = meta
         self.index[h] = cell
         self.stored += 1
+        self.restores.stored(h, t, self.removed)
         if len(self.index) > self.high_water:
             self.high_water = len(self.index)
         return cell
@@ -182,6 +186,7 @@ class BlockTable:
         self._occ[cell] = 0
         self.hash_at[cell] = self.phash_at[cell] = self.tok_at[cell] = self.meta_at[cell] = None
         self.removed += 1
+        self.restores.removed(h, t, self.removed)
         return self._fam[cell]
 
     def resident_families(self) -> list[int]:

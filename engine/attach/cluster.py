@@ -54,6 +54,7 @@ class GroupView:
     stored: int
     removed: int
     removed_unknown: int
+    restores: dict | None = None  # engine/attach/restores.py ReStores.summary(): re-stores and their curve
 
 
 @dataclass(frozen=True)
@@ -369,14 +370,14 @@ class ClusterState:
             for key in self.sorted_keys():
                 g = self.groups[key]
                 raw.append((key, self.group_label(key), len(g), g.block_size, g.a["occ"].astype(bool),
-                            g.values(mode, now), g.stored, g.removed, g.removed_unknown))
+                            g.values(mode, now), g.stored, g.removed, g.removed_unknown, g.restores.summary()))
             act = tuple(SourceActivity(**a) for a in self._act)
             families = len(self.family_tokens)
         top_fams = self._top_families(raw) if mode == "family" else ()
         top = max((codes.peak(r[5], r[4]) for r in raw if r[2]), default=0.0)
         rng = self._ranges.update(mode, top) if mode in codes.LOG_MODES or mode == "depth" else (0.0, 0.0)
-        views = tuple(GroupView(key, label, n, bs, codes.to_codes(mode, values, occ, *rng), st, rm, ru)
-                      for key, label, n, bs, occ, values, st, rm, ru in raw)
+        views = tuple(GroupView(key, label, n, bs, codes.to_codes(mode, values, occ, *rng), st, rm, ru, rs)
+                      for key, label, n, bs, occ, values, st, rm, ru, rs in raw)
         return ClusterSnapshot(now, mode, views, act, families, rng, top_fams)
 
     def _top_families(self, raw, k: int = 6) -> tuple:

@@ -273,6 +273,9 @@ class AttachMap(QWidget):
             cap = self.capacity_fn(g.key) if self.capacity_fn else None
             n = g.resident
             count = f"{n:,} block{'' if n == 1 else 's'}"
+            rs = g.restores or {}
+            if rs.get("re_stores"):  # engine/attach/restores.py: stores of a hash this cache removed before
+                count += f" · {rs['re_stores']:,} re-stored ({100 * rs['re_store_share']:.1f} % of stores)"
             # More resident than the server holds: removals this session did not see (lost events, stores
             # counted twice across a restart); the server itself never holds more than num_gpu_blocks.
             over = f", {n - cap:,} over: removals not seen" if cap and n > cap else ""
