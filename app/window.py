@@ -17,6 +17,9 @@ def add_window_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--screenshot", metavar="OUT.png", help="with --headless: write the window and its snapshot JSON")
     p.add_argument("--run-for", type=float, default=20.0, metavar="SECONDS", help="with --headless: run this long first")
     p.add_argument("--open-snapshot", metavar="FILE.json", help="show a saved snapshot, read-only")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="two saved snapshots side by side (block maps, why missed) with every counter's A, B and "
+                        "delta")
     p.add_argument("--no-workload", action="store_true", help="start without the built-in demo workload")
     p.add_argument("--replay", metavar="TRACE.jsonl",
                    help="replay your own requests (a JSONL trace, the bench --trace format) instead of the demo, "
@@ -61,6 +64,16 @@ def run_window(args: argparse.Namespace) -> int:
     _style(app)
     from ui.main_window import MainWindow, open_snapshot_window, snapshot_path
 
+    if getattr(args, "compare", None):
+        try:
+            win = compare_window(*args.compare)
+            win.refresh_all()
+        except snapshot_io.SnapshotFileError as e:
+            print(f"kvscope: error: {e}", file=sys.stderr)
+            return 2
+        args.open_snapshot = " and ".join(args.compare)  # what a drawing error names
+        return _show(app, win, args, runner=None)
+
     if args.open_snapshot:
         try:
             path = snapshot_path(args.open_snapshot)  # a screenshot's PNG: the JSON saved beside it
@@ -88,6 +101,21 @@ def run_window(args: argparse.Namespace) -> int:
         return rc
     finally:
         stop_engine_thread(runner, rc)
+
+
+def compare_window(path_a: str, path_b: str):
+    """The compare window on two snapshot files (or the JSONs beside two screenshots' PNGs); SnapshotFileError
+    naming the file that is not one."""
+    from engine.telemetry import snapshot_io
+    from ui.compare import CompareWindow
+    from ui.main_window import snapshot_path
+
+    loaded = [snapshot_io.load(snapshot_path(p)) for p in (path_a, path_b)]
+    names = tuple(os.path.basename(p) for p in (path_a, path_b))
+    if names[0] == names[1]:
+        names = ("A: " + names[0], "B: " + names[1])
+    return CompareWindow(loaded[0][0], loaded[1][0], names,
+                         tuple(str(extra.get("caption", "")) for _, extra in loaded))
 
 
 def stop_engine_thread(runner, rc: int, timeout_s: float = 60.0) -> None:

@@ -131,6 +131,7 @@ class MainWindow(QtWidgets.QMainWindow):
         act.triggered.connect(self._save_dialog)
         file.addAction(act)
         file.addAction("Open snapshot…", self._open_dialog)
+        file.addAction("Compare…", self._compare_dialog)
         from ui.attach.dialog import open_attach_window  # File > Attach…: vLLM / SGLang servers, read-only
 
         file.addAction("&Attach to vLLM / SGLang…", lambda: open_attach_window(self))
@@ -327,6 +328,39 @@ class MainWindow(QtWidgets.QMainWindow):
                 return
             win.show()
             self._children = getattr(self, "_children", []) + [win]
+
+    def _compare_dialog(self) -> None:
+        """Two snapshot files side by side; one file: it (A) beside what this window shows now (B)."""
+        paths, _ = QtWidgets.QFileDialog.getOpenFileNames(self, "Compare snapshots (one: with this window's)", "",
+                                                          "KV Scope snapshot (*.json)")
+        if not paths:
+            return
+        if len(paths) > 2:
+            QtWidgets.QMessageBox.warning(self, "Compare", f"{len(paths)} files chosen: choose one or two")
+            return
+        try:
+            win = self.compare_with(paths)
+        except snapshot_io.SnapshotFileError as e:
+            QtWidgets.QMessageBox.warning(self, "Compare", str(e))
+            return
+        win.show()
+        self._children = getattr(self, "_children", []) + [win]
+
+    def compare_with(self, paths: list[str]):
+        """The compare window (ui/compare.py) on two files, or on one file and this window's snapshot (B: now)."""
+        import os
+
+        from ui.compare import CompareWindow
+
+        loaded = [snapshot_io.load(snapshot_path(p)) for p in paths]
+        if len(loaded) == 1:
+            if self.snapshot is None:
+                raise snapshot_io.SnapshotFileError("this window has drawn no snapshot yet: choose two files")
+            loaded.append((self.snapshot, {"caption": self.caption()}))
+            names = (os.path.basename(paths[0]), "this window")
+        else:
+            names = tuple(os.path.basename(p) for p in paths)
+        return CompareWindow(loaded[0][0], loaded[1][0], names, tuple(str(x.get("caption", "")) for _, x in loaded))
 
     def closeEvent(self, event) -> None:
         if self.settings is not None:
