@@ -19,6 +19,7 @@ from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 from engine.telemetry.snapshot_fields import (_array, _Bad, _bool, _clip, _floats, _int, _ints, _list, _num, _obj, _plain,
                                     _rest, _str)
 from engine.telemetry.counters import Counters
+from engine.telemetry.health import HealthTargets
 from engine.telemetry.snapshotter import MARK_KINDS
 
 MAX_BLOCKS = 1 << 26  # slots per tier
@@ -352,6 +353,11 @@ def _extra(x: Any) -> dict:
             if len(a) != len(r["t"]):
                 raise _Bad(f"extra.rates.{_clip(k, 40)}", f"{len(a):,} points, expected {len(r['t']):,} (as extra.rates.t)")
             _floats(a, f"extra.rates.{_clip(k, 40)}", nan_ok=(k != "t"))  # NaN: no data (a gap in the line)
+    if "health_targets" in e:  # the health strip's targets when it was saved (engine/telemetry/health.py)
+        try:
+            HealthTargets.from_dict(_obj(e["health_targets"], "extra.health_targets"))
+        except ValueError as why:
+            raise _Bad("extra.health_targets", str(why)) from None
     if "colour_mode" in e:
         _str(e["colour_mode"], "extra.colour_mode", COLOUR_MODES)
     if "selected" in e:
