@@ -71,6 +71,8 @@ def _stats(engine, seq) -> dict:
 
 
 def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
+    from engine.telemetry.health import report
+
     c = engine.counters.as_dict()
     return {
         "config": engine.config.as_dict(),
@@ -89,6 +91,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
                      "evictions", "preemptions", "cow_copies", "context_shifts", "steps")},
         "forward_s": c["forward_s"],
         "bookkeeping_s": c["bookkeeping_s"],
+        # Cache health (engine/telemetry/health.py): the MemOS targets with their grades, and the checklist.
+        "health": report(engine.health()),
         # KV-cache groups (engine/kv/groups.py): each one's pool; device_blocks etc. above are the first's. [] with
         # one pool for every layer.
         "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,

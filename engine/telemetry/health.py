@@ -339,7 +339,8 @@ class Health:
                 tokens[tier] += k
                 cap[tier] += n * bs
                 per[("device", "host")[tier]] = k / (n * bs) if n else math.nan
-            groups.append({"title": self.titles[g] if g < len(self.titles) else "", **per})
+            if len(self.titles) > 1:  # KV-cache groups: each pool's own
+                groups.append({"title": self.titles[g], **per})
         self.util.append(_Util(now, tuple(tokens), tuple(cap)))
         while self.util and now - self.util[0].t > WINDOW_S:
             self.util.popleft()
@@ -520,6 +521,32 @@ def leak_input(pools, seqs) -> list:
         out.append(([t.lid[: t.capacity].copy() for t in pool.tiers], [t.ref[: t.capacity].copy() for t in pool.tiers],
                     pool.serial.copy(), flat, pool.n_lids))
     return out
+
+
+def report(summary: dict, targets: HealthTargets | None = None) -> dict:
+    """A health summary for `generate --json` and `bench --json`: the figures, the targets and each target's grade
+    over the last window and since start, NaN as null (no data)."""
+    targets = targets or HealthTargets()
+    return json_safe({**summary, "targets": targets.as_dict(), "grades": grades(summary, targets)})
+
+
+def one_line(summary: dict, targets: HealthTargets | None = None) -> str:
+    """The targets since start and the checklist in one line (`bench` prints one per config)."""
+    targets = targets or HealthTargets()
+    g = grades(summary, targets)
+    pct = lambda x: "no data" if x is None or not math.isfinite(x) else f"{100 * x:.1f} %"  # noqa: E731
+    parts = [f"{label} {pct(summary.get(name, {}).get('all', math.nan))} ({targets.describe(name)}: "
+             f"{g[name]['all']})" for name, label in (("prefix_hit_rate", "prefix hit"),
+                                                      ("block_utilization", "block util (device)"),
+                                                      ("eviction_rate", "eviction rate"))]
+    lk = summary.get("leaks", {})
+    lw = summary.get("lock_wait", {}).get("step", {})
+    p99 = lw.get("p99_s", math.nan)
+    parts.append(f"leaks {lk.get('blocks', 0) if lk.get('checks') else 'not checked'}")
+    parts.append(f"step lock wait p99 {'no data' if not math.isfinite(p99) else f'{1e3 * p99:.2f} ms'}")
+    parts.append(f"bandwidth {pct(summary.get('bandwidth', {}).get('minute', math.nan))} of peak")
+    parts.append(f"throughput drops {summary.get('throughput', {}).get('drops', 0)}")
+    return ", ".join(parts)
 
 
 def json_safe(x):
