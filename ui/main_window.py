@@ -351,6 +351,12 @@ class MainWindow(QtWidgets.QMainWindow):
             win.show()
             self._children = getattr(self, "_children", []) + [win]
 
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        bar = self.menuBar()
+        menus = max((bar.actionGeometry(a).right() for a in bar.actions()), default=0)
+        self.health.set_room(self.width() - menus - 16)
+
     def closeEvent(self, event) -> None:
         if self.settings is not None:
             self.settings.setValue("geometry", self.saveGeometry())

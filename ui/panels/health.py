@@ -17,6 +17,7 @@ from engine.telemetry.health import MEANING, HealthTargets, grades
 
 GRADE_COLOURS = {"green": "#66bb6a", "amber": "#ffb300", "red": "#ef5350", "none": "#78909c"}
 TEXT, DIM, BOX, EDGE = "#c8ccd4", "#8a9099", "#1b1e23", "#2f353e"
+PAD = 24  # a chip's dot and margins: 18 px before its text, 6 after
 CHIPS = ("prefix_hit_rate", "block_utilization", "eviction_rate", "checklist")
 TITLES = {"prefix_hit_rate": "prefix hit", "block_utilization": "block util", "eviction_rate": "evictions",
           "checklist": "checks"}
@@ -63,6 +64,8 @@ class HealthStrip(QtWidgets.QWidget):
         self.health: dict = {}
         self._segs: dict[str, list[tuple[str, str]]] = {}
         self._rects: dict[str, QtCore.QRectF] = {}
+        self._natural = 0
+        self.room = 1200
         self._font = QtGui.QFont(self.font())
         self._font.setPointSize(8)
         self._bold = QtGui.QFont(self._font)
@@ -75,7 +78,14 @@ class HealthStrip(QtWidgets.QWidget):
         self._build()
 
     def sizeHint(self) -> QtCore.QSize:
-        return QtCore.QSize(1200, self.height())
+        """Every chip whole, as far as the menu bar it sits in has room right of its menus."""
+        return QtCore.QSize(max(min(self.natural_width(), self.room), 200), self.height())
+
+    def set_room(self, px: int) -> None:
+        """The width the menu bar has right of its menus (the window says so when it is resized)."""
+        if px != self.room:
+            self.room = px
+            self.updateGeometry()
 
     def minimumSizeHint(self) -> QtCore.QSize:
         return QtCore.QSize(200, self.height())
@@ -100,6 +110,10 @@ class HealthStrip(QtWidgets.QWidget):
     def text(self, name: str) -> str:
         return "".join(t for t, _ in self._segs[name])
 
+    def _target(self, name: str) -> str:
+        """The target as the strip writes it, tight: "≥75%" (the tooltip says "≥ 75 %")."""
+        return self.targets.describe(name).replace(" ", "")
+
     def _build(self) -> None:
         h, g = self.health, grades(self.health, self.targets)
         c = lambda name, k: GRADE_COLOURS[g[name][k]]  # noqa: E731
@@ -111,13 +125,13 @@ class HealthStrip(QtWidgets.QWidget):
                     (" all", DIM)]
 
         for name in ("prefix_hit_rate", "eviction_rate"):
-            segs[name] = [(TITLES[name] + " ", TEXT), (self.targets.describe(name) + "  ", DIM),
+            segs[name] = [(TITLES[name] + " ", TEXT), (self._target(name) + "  ", DIM),
                           *values(name, h.get(name, {}))]
         u = h.get("block_utilization", {})
         host = u.get("tiers", {}).get("host", {})
         host_grade = GRADE_COLOURS[self.targets.grade("block_utilization", host.get("w", math.nan))]
         segs["block_utilization"] = [
-            (TITLES["block_utilization"] + " ", TEXT), (self.targets.describe("block_utilization") + "  ", DIM),
+            (TITLES["block_utilization"] + " ", TEXT), (self._target("block_utilization") + "  ", DIM),
             ("dev ", DIM), *values("block_utilization", u), (" · host ", DIM), (pct(host.get("w")), host_grade)]
         leaks = h.get("leaks", {})
         lock = h.get("lock_wait", {}).get("step", {})
@@ -125,7 +139,6 @@ class HealthStrip(QtWidgets.QWidget):
         drops = h.get("throughput", {}).get("drops")
         n_leaks = leaks.get("blocks", 0)
         segs["checklist"] = [
-            (TITLES["checklist"] + "  ", TEXT),
             ("leaks " + (str(n_leaks) if leaks.get("checks") else "no data"),
              GRADE_COLOURS["red" if n_leaks else "green" if leaks.get("checks") else "none"]),
             (" · evict " + ("stalled" if h.get("eviction_check", {}).get("warning") else "ok" if h else "no data"),
@@ -134,7 +147,11 @@ class HealthStrip(QtWidgets.QWidget):
             (f" · BW {pct(bw.get('w'), short=True)}", TEXT),
             (f" · drops {drops if drops is not None else 'no data'}",
              GRADE_COLOURS["amber" if drops else "green" if drops is not None else "none"])]
+        grown = self._segs and abs(self._natural - self.natural_width(segs)) > 24
         self._segs = segs
+        if grown:  # the menu bar gives the strip room again (a change of a few pixels re-lays out nothing)
+            self._natural = self.natural_width()
+            self.updateGeometry()
         self.update()
 
     # -- painting -------------------------------------------------------------------------------
@@ -142,17 +159,19 @@ class HealthStrip(QtWidgets.QWidget):
         fm, fb = QtGui.QFontMetrics(self._font), QtGui.QFontMetrics(self._bold)
         x, out = 4.0, {}
         for name in CHIPS:
-            w = 20 + sum((fb if i == 0 else fm).horizontalAdvance(t) for i, (t, _) in enumerate(self._segs[name]))
+            w = PAD + sum((fb if i == 0 and name != "checklist" else fm).horizontalAdvance(t)
+                          for i, (t, _) in enumerate(self._segs[name]))
             w = min(w, max(self.width() - x - 4, 40))
             out[name] = QtCore.QRectF(x, 3, w, self.height() - 6)
-            x += w + 5
+            x += w + 4
         return out
 
-    def natural_width(self) -> int:
+    def natural_width(self, segs: dict | None = None) -> int:
         """The width every chip needs whole."""
         fm, fb = QtGui.QFontMetrics(self._font), QtGui.QFontMetrics(self._bold)
-        return int(4 + sum(25 + sum((fb if i == 0 else fm).horizontalAdvance(t) for i, (t, _) in enumerate(segs))
-                           for segs in self._segs.values()))
+        segs = self._segs if segs is None else segs
+        return int(4 + sum(PAD + 4 + sum((fb if i == 0 and name != "checklist" else fm).horizontalAdvance(t)
+                                         for i, (t, _) in enumerate(chip)) for name, chip in segs.items()))
 
     def paintEvent(self, event) -> None:
         p = QtGui.QPainter(self)
@@ -174,7 +193,7 @@ class HealthStrip(QtWidgets.QWidget):
             x = r.left() + 18
             y = r.center().y() + fm.ascent() / 2 - 1
             for i, (text, colour) in enumerate(self._segs[name]):
-                font = self._bold if i == 0 else self._font
+                font = self._bold if i == 0 and name != "checklist" else self._font
                 p.setFont(font)
                 p.setPen(QtGui.QColor(colour))
                 p.drawText(QtCore.QPointF(x, y), text)
