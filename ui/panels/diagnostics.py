@@ -56,23 +56,26 @@ def rows(h: dict) -> list[tuple[str, str, str, str]]:
     ec = h.get("eviction_check", {})
     full = "; ".join(f"{f['title'] or 'device tier'} full for {f['full_s']:.0f} s"
                      + (" with blocks wanted" if f.get("pressure") else "") for f in ec.get("full", []))
-    found = (f"device tier: {d.get('allocated', 0):,} allocated, {d.get('to_host', 0):,} evicted to host, "
-             f"{d.get('dropped', 0):,} dropped; host tier: {ho.get('allocated', 0):,} allocated, "
+    found = (f"device: {d.get('allocated', 0):,} allocated, {d.get('to_host', 0):,} evicted to host, "
+             f"{d.get('dropped', 0):,} dropped · host: {ho.get('allocated', 0):,} allocated, "
              f"{ho.get('dropped', 0):,} dropped" + (f"; {full}" if full else "")
              + (f"; warning: {ec['warning']}" if ec.get("warning") else ""))
     out.append(("evictions", "amber" if ec.get("warning") else "green", found, MEANING["eviction_check"]))
     lw = h.get("lock_wait", {})
-    parts = [f"{who}: p99 {ms(lw.get(who, {}).get('p99_s'))}, max {ms(lw.get(who, {}).get('max_s'))} "
+    parts = [f"{who} p99 {ms(lw.get(who, {}).get('p99_s'), True)}, max {ms(lw.get(who, {}).get('max_s'), True)} "
              f"({lw.get(who, {}).get('n', 0):,})" for who in ("step", "snapshot")]
     if lw.get("gave_up"):
         parts.append(f"{lw['gave_up']} snapshots gave up waiting")
     grade = "none" if not lw.get("step", {}).get("n") else "green"
-    out.append(("lock wait", grade, "; ".join(parts), MEANING["lock_wait"]))
+    out.append(("lock wait", grade, " · ".join(parts), MEANING["lock_wait"]))
     bw = h.get("bandwidth", {})
-    found = (f"{pct(bw.get('w'))} over 5 s, {pct(bw.get('minute'))} over the minute (median of decode steps) of "
-             f"{_gb(bw.get('peak_bytes_per_s'))} ({bw.get('peak', 'no data')}); last step read "
-             f"{_mb(bw.get('last_bytes'))} in {ms(bw.get('last_step_s'))}, weights {_mb(bw.get('weights_bytes'))}")
-    out.append(("bandwidth", "none" if not bw.get("steps") else "green", found, MEANING["bandwidth"]))
+    peak = bw.get("peak", "")
+    source = "memcpy" if "memcpy" in peak else "NVML peak" if "NVML" in peak else "device copy" if peak else "no data"
+    found = (f"{pct(bw.get('w'))} over 5 s, {pct(bw.get('minute'))} over a minute of {_gb(bw.get('peak_bytes_per_s'))} "
+             f"({source}); last decode step {_mb(bw.get('last_bytes'))} in {ms(bw.get('last_step_s'), True)}")
+    meaning = (f"{MEANING['bandwidth']}; medians of the decode steps; the peak: {peak or 'not measured'}; weights "
+               f"{_mb(bw.get('weights_bytes'))} a step")
+    out.append(("bandwidth", "none" if not bw.get("steps") else "green", found, meaning))
     tp = h.get("throughput", {})
     drops = tp.get("last_drops", [])
     found = f"{_num(tp.get('tokens_per_s'))} tokens/s over 5 s, minute median {_num(tp.get('median_minute'))}"

@@ -64,7 +64,6 @@ class HealthStrip(QtWidgets.QWidget):
         self.health: dict = {}
         self._segs: dict[str, list[tuple[str, str]]] = {}
         self._rects: dict[str, QtCore.QRectF] = {}
-        self._natural = 0
         self.room = 1200
         self._font = QtGui.QFont(self.font())
         self._font.setPointSize(8)
@@ -78,8 +77,8 @@ class HealthStrip(QtWidgets.QWidget):
         self._build()
 
     def sizeHint(self) -> QtCore.QSize:
-        """Every chip whole, as far as the menu bar it sits in has room right of its menus."""
-        return QtCore.QSize(max(min(self.natural_width(), self.room), 200), self.height())
+        """All the room the menu bar has right of its menus (the chips start there)."""
+        return QtCore.QSize(max(self.room, 200), self.height())
 
     def set_room(self, px: int) -> None:
         """The width the menu bar has right of its menus (the window says so when it is resized)."""
@@ -147,11 +146,7 @@ class HealthStrip(QtWidgets.QWidget):
             (f" · BW {pct(bw.get('w'), short=True)}", TEXT),
             (f" · drops {drops if drops is not None else 'no data'}",
              GRADE_COLOURS["amber" if drops else "green" if drops is not None else "none"])]
-        grown = self._segs and abs(self._natural - self.natural_width(segs)) > 24
         self._segs = segs
-        if grown:  # the menu bar gives the strip room again (a change of a few pixels re-lays out nothing)
-            self._natural = self.natural_width()
-            self.updateGeometry()
         self.update()
 
     # -- painting -------------------------------------------------------------------------------
