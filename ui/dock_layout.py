@@ -1,8 +1,8 @@
 """The inspector window's default dock arrangement, and how it shares a window of any size from 1280 x 720 up.
 
 The right column (Controls over Prompt) runs the full height; the left (Sequences over Events) and the block
-map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, Diagnostics tabbed), which share the width left of the right
-column. Sizes follow the window: side columns as wide as their contents want, the charts a good third of the
+map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, Diagnostics tabbed), which share the width left
+of the right column. Sizes follow the window: side columns as wide as their contents want, the charts a good third of the
 height, the prompt what the controls leave.
 """
 
