@@ -254,6 +254,8 @@ class Health:
         self.batches: collections.deque = collections.deque()  # (t, batch) per step, the last minute
         self.drops: collections.deque = collections.deque(maxlen=DROPS_KEPT)
         self.n_drops = 0
+        self.drop_checks = 0  # checks made (each needs DROP_MIN_HISTORY_S of history)
+        self.steps = 0
         self._in_drop = False
         self._drop_check_t = -math.inf
         # leaks
@@ -279,6 +281,7 @@ class Health:
     def after_step(self, s) -> None:
         """A StepSample (engine/telemetry/snapshotter.py), under the engine lock."""
         now = s.t
+        self.steps += 1
         self.locks.end_step()
         self._batches.append(s.batch)
         self.batches.append((now, s.batch))
@@ -388,6 +391,7 @@ class Health:
         recent = [b for t, _, b in pts if now - t <= WINDOW_S and math.isfinite(b)]
         if median <= 0 or not batches or not recent:
             return
+        self.drop_checks += 1
         dropped = cur < (1 - DROP) * median and float(np.median(recent)) >= DROP_BATCH * float(np.median(batches))
         if dropped and not self._in_drop:
             self.n_drops += 1
@@ -495,7 +499,7 @@ class Health:
                                          "to_host": self.to_host},
                               "host": {"allocated": self.allocated[1], "dropped": self.dropped[1]}},
             "leaks": dict(self.leaks),
-            "eviction_check": {"full": full, "warnings": self.warnings, "warning": self.warning},
+            "eviction_check": {"full": full, "warnings": self.warnings, "warning": self.warning, "steps": self.steps},
             "lock_wait": self.locks.summary(),
             "bandwidth": {"peak_bytes_per_s": self.peak_bps, "peak": self.peak_how, "weights_bytes": self.weights_bytes,
                           "steps": len(self.bw), "w": self._bw_recent(WINDOW_S), "minute": self._bw_recent(MINUTE_S),
@@ -503,7 +507,7 @@ class Health:
                           "last": bw_last[1] if bw_last else nan},
             "throughput": {"tokens_per_s": tps[-1] if tps else nan,
                            "median_minute": float(np.median(tps)) if tps else nan,
-                           "drops": self.n_drops, "last_drops": list(self.drops)},
+                           "drops": self.n_drops, "checks": self.drop_checks, "last_drops": list(self.drops)},
         }
 
 

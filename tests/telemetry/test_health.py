@@ -36,6 +36,7 @@ def test_nothing_counted_is_no_data(llama_model):
         assert math.isnan(h[name]["w"]) and math.isnan(h[name]["all"]), name
     assert math.isnan(h["lock_wait"]["step"]["p99_s"]) and h["lock_wait"]["step"]["n"] == 0
     assert math.isnan(h["bandwidth"]["last"]) and math.isnan(h["throughput"]["tokens_per_s"])
+    assert h["throughput"]["checks"] == 0 and h["eviction_check"]["steps"] == 0 and h["leaks"]["checks"] == 0
     assert grades(h, HealthTargets()) == {k: {"w": "none", "all": "none"} for k in
                                           ("prefix_hit_rate", "block_utilization", "eviction_rate")}
 
@@ -186,7 +187,7 @@ def test_a_throughput_drop_is_marked_with_the_findings(llama_model):
         eng.add_request(p, SamplingParams(max_new_tokens=240, ignore_eos=True))
     for _ in range(180):  # 36 s at 5 steps a second: 20 tokens/s from 4 sequences
         _step(eng, 0.2)
-    assert eng.telemetry.health.n_drops == 0
+    assert eng.telemetry.health.n_drops == 0 and eng.telemetry.health.drop_checks > 0
     for _ in range(12):  # the same batch, a step every 0.6 s: a third of the throughput
         _step(eng, 0.6)
     snap = eng.snapshot()

@@ -60,7 +60,10 @@ def rows(h: dict) -> list[tuple[str, str, str, str]]:
              f"{d.get('dropped', 0):,} dropped · host: {ho.get('allocated', 0):,} allocated, "
              f"{ho.get('dropped', 0):,} dropped" + (f"; {full}" if full else "")
              + (f"; warning: {ec['warning']}" if ec.get("warning") else ""))
-    out.append(("evictions", "amber" if ec.get("warning") else "green", found, MEANING["eviction_check"]))
+    grade = "amber" if ec.get("warning") else "green" if ec.get("steps") else "none"
+    if not ec.get("steps"):
+        found = "no data (no step yet)"
+    out.append(("evictions", grade, found, MEANING["eviction_check"]))
     lw = h.get("lock_wait", {})
     parts = [f"{who} p99 {ms(lw.get(who, {}).get('p99_s'), True)}, max {ms(lw.get(who, {}).get('max_s'), True)} "
              f"({lw.get(who, {}).get('n', 0):,})" for who in ("step", "snapshot")]
@@ -85,10 +88,11 @@ def rows(h: dict) -> list[tuple[str, str, str, str]]:
         found += (f"; {tp.get('drops', 0)} drop(s), the last -{100 * last['drop']:.0f} % "
                   f"({_num(last['tokens_per_s'])} vs {_num(last['median_tokens_per_s'])}): "
                   + "; ".join(f"{k}: {v}" for k, v in f.items()))
-    else:
+    elif tp.get("checks"):
         found += "; no drop"
-    median = tp.get("median_minute")
-    grade = "amber" if drops else "green" if median is not None and math.isfinite(median) else "none"
+    else:
+        found += "; drops: no data (not checked yet: 30 s of history needed)"
+    grade = "amber" if drops else "green" if tp.get("checks") else "none"
     out.append(("throughput", grade, found, MEANING["throughput"]))
     return out
 

@@ -135,13 +135,15 @@ class HealthStrip(QtWidgets.QWidget):
         leaks = h.get("leaks", {})
         lock = h.get("lock_wait", {}).get("step", {})
         bw = h.get("bandwidth", {})
-        drops = h.get("throughput", {}).get("drops")
+        tp = h.get("throughput", {})
+        drops = tp.get("drops") if tp.get("checks") or tp.get("drops") else None  # None: not checked yet
+        stepped = bool(h.get("eviction_check", {}).get("steps"))
         n_leaks = leaks.get("blocks", 0)
         segs["checklist"] = [
             ("leaks " + (str(n_leaks) if leaks.get("checks") else "no data"),
              GRADE_COLOURS["red" if n_leaks else "green" if leaks.get("checks") else "none"]),
-            (" · evict " + ("stalled" if h.get("eviction_check", {}).get("warning") else "ok" if h else "no data"),
-             GRADE_COLOURS["amber" if h.get("eviction_check", {}).get("warning") else "green" if h else "none"]),
+            (" · evict " + ("stalled" if h.get("eviction_check", {}).get("warning") else "ok" if stepped else "no data"),
+             GRADE_COLOURS["amber" if h.get("eviction_check", {}).get("warning") else "green" if stepped else "none"]),
             (f" · lock {ms(lock.get('p99_s'), short=True)}", TEXT),
             (f" · BW {pct(bw.get('w'), short=True)}", TEXT),
             (f" · drops {drops if drops is not None else 'no data'}",
