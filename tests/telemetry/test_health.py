@@ -263,3 +263,30 @@ def test_targets_grade_and_refuse_bad_values():
         with pytest.raises(ValueError):
             HealthTargets.from_dict(bad)
     assert np.isclose(HealthTargets.from_dict({"eviction_rate": 0.1}).eviction_rate, 0.1)
+
+
+def test_kv_cache_groups_count_every_pool(tiny_gemma3):
+    """Gemma 3's sliding-window layers keep a pool of their own (engine/kv/grouped.py): utilization counts both pools'
+    blocks, and a leak in the window group's pool is found and named with its group."""
+    from engine.model.loader import load_model
+
+    eng = _engine(load_model(tiny_gemma3), device_budget_mb=1.0)
+    assert eng.grouped
+    sid = eng.add_request(prompts(14, [41])[0], SamplingParams(max_new_tokens=20, ignore_eos=True))
+    while eng.seqs[sid].first_token_at is None:
+        _step(eng)
+    _step(eng)
+    seq = eng.seqs[sid]
+    win = seq.groups[0]
+    assert win.base > 0  # the window group let go of blocks that left the window
+    h = eng.snapshot().health["block_utilization"]
+    tokens = seq.num_cached + (seq.num_cached - win.base * 4)
+    blocks = len(seq.blocks) + len(win.blocks)
+    assert (h["tiers"]["device"]["tokens"], h["tiers"]["device"]["capacity_tokens"]) == (tokens, blocks * 4)
+    assert [g["title"] for g in h["groups"]] == [g.title for g in eng.kv_groups]
+    eng.kv.pools[1].incref(win.blocks[-1])
+    eng.check_health()
+    leaks = eng.check_health()
+    assert leaks["blocks"] == 1 and leaks["named"][0][:2] == [1, win.blocks[-1]]
+    msg = next(e for e in eng.take_events() if e.kind == "error").fields["message"]
+    assert f"group {eng.kv_groups[1].title} block {win.blocks[-1]} " in msg
