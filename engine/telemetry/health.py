@@ -45,6 +45,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from engine.sequence import cached_table
+
 WINDOW_S = 5.0  # as engine/telemetry/snapshotter.py's windowed rates
 UTIL_PERIOD_S = 1.0  # block utilization is sampled at most this often (a pass over every slot)
 LEAK_CHECK_S = 3.0  # how often the window's runner checks for leaks (app/runner.py)
@@ -520,7 +522,7 @@ def leak_input(pools, seqs) -> list:
         for s in seqs.values():
             t = s if g == 0 else (s.groups[g - 1] if len(s.groups) >= g else None)
             if t is not None and t.blocks:
-                tables.append(np.asarray(t.blocks, dtype=np.int64))
+                tables.append(cached_table(t))  # kept as an array until the table changes
         flat = np.concatenate(tables) if tables else np.zeros(0, np.int64)
         out.append(([t.lid[: t.capacity].copy() for t in pool.tiers], [t.ref[: t.capacity].copy() for t in pool.tiers],
                     pool.serial.copy(), flat, pool.n_lids))
