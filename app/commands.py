@@ -76,6 +76,7 @@ def _stats(engine, seq) -> dict:
 
 def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
     from engine.kv.misses import summary as why_missed
+    from engine.telemetry.health import report
 
     c = engine.counters.as_dict()
     return {
@@ -97,6 +98,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
         "bookkeeping_s": c["bookkeeping_s"],
         # engine/kv/misses.py: every sequence's, adding up to the engine's lookups and key reads missed
         "engine_why_missed": why_missed(c),
+        # Cache health (engine/telemetry/health.py): the MemOS targets with their grades, and the checklist.
+        "health": report(engine.health()),
         # KV-cache groups (engine/kv/groups.py): each one's pool; device_blocks etc. above are the first's. [] with
         # one pool for every layer.
         "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,

@@ -60,6 +60,7 @@ class RunResult:
     counters: dict = field(default_factory=dict)
     residency: dict[str, np.ndarray] = field(default_factory=dict)
     live_change: dict | None = None  # with a LiveChange: the split at its step and what the change held
+    health: dict = field(default_factory=dict)  # Engine.health() at the end of the run
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,7 @@ class Replay:
                 result.ttft_s.append(times[0] - self.submitted[sid])
                 result.itl_s.extend(np.diff(times).tolist())
         result.counters = e.counters.as_dict()
+        result.health = e.health()  # the MemOS targets and checklist at the end (engine/telemetry/health.py)
         if result.live_change is not None:
             lc = result.live_change
             lc["prefix_after"] = _rate(e.counters.prompt_reused - lc.pop("_reused"),

@@ -29,6 +29,8 @@ class EngineRunner:
         self._tokens: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
         self._decoders: dict[int, Any] = {}
         self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
+        # The ref-count leak check (engine/telemetry/health.py), every few seconds, off the engine's thread.
+        self._health = threading.Thread(target=self._check_health, name="kvscope-health", daemon=True)
         self.error: str | None = None
         self._next_workload = None  # a replacement, applied by the engine thread between steps
         self.steps = 0
@@ -37,12 +39,24 @@ class EngineRunner:
     # -- lifecycle --------------------------------------------------------------------------
     def start(self) -> "EngineRunner":
         self._thread.start()
+        self._health.start()
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self._health.is_alive():
+            self._health.join(timeout)
+
+    def _check_health(self) -> None:
+        from engine.telemetry.health import LEAK_CHECK_S
+
+        while not self._stop.wait(LEAK_CHECK_S):
+            try:
+                self.engine.check_health()
+            except Exception as e:  # say what broke; the engine runs on
+                self.engine.telemetry.emit("error", message=f"health check failed: {type(e).__name__}: {e}")
 
     def _loop(self) -> None:
         eng = self.engine

@@ -13,6 +13,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.telemetry import snapshot_io
 from engine.errors import ConfigError, RequestError
+from engine.telemetry.health import HealthTargets
 from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import SERIES_LEN
 from ui import dock_layout
@@ -21,6 +22,8 @@ from ui.panels.controls import ControlsPanel
 from ui.panels.lists import EventsPanel, SequencesPanel
 from ui.panels.cost import CostPanel
 from ui.panels.why_missed import WhyMissedPanel
+from ui.panels.diagnostics import DiagnosticsPanel
+from ui.panels.health import HealthStrip
 from ui.panels.charts import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.panels.prompt import PromptPanel
 from ui.charts.rates import RateHistory
@@ -70,6 +73,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.residency = ResidencyPanel()
         self.cost = CostPanel()
         self.why = WhyMissedPanel()
+        self.diagnostics = DiagnosticsPanel()
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
@@ -83,18 +87,24 @@ class MainWindow(QtWidgets.QMainWindow):
         scroll.setMinimumWidth(self.controls.minimumSizeHint().width() + 12)  # room for the scroll bar
         widgets = {"Controls": scroll, "Prompt": self.prompt, "Sequences": self.seqs, "Events": self.events,
                    "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency,
-                   "Cost": self.cost, "Why missed": self.why}
+                   "Cost": self.cost, "Why missed": self.why, "Diagnostics": self.diagnostics}
         self.docks = {}
         for name, _ in dock_layout.DOCK_AREAS:
             d = QtWidgets.QDockWidget(name, self)
             d.setObjectName(f"dock-{name}")
             d.setWidget(widgets[name])
             self.docks[name] = d
+        # The health strip (ui/panels/health.py) at the top, in the menu bar's row right of the menus: it takes no
+        # height from the docks (a toolbar of its own pushed the controls into scrolling at 1280 x 720).
+        self.health = HealthStrip(self.controls.targets)
+        self.menuBar().setCornerWidget(self.health, QtCore.Qt.TopRightCorner)
+        self.health.linkActivated.connect(self.show_health_link)
+        self.controls.targetsChanged.connect(self._targets)
         self.resize(dock_layout.DEFAULT_SIZE)
         self.reset_layout()
         # Hidden tabs are not refreshed; one brought to the front is filled at once.
         for name, panel in (("Heat", self.heat), ("Residency", self.residency), ("Cost", self.cost),
-                            ("Why missed", self.why)):
+                            ("Why missed", self.why), ("Diagnostics", self.diagnostics)):
             self.docks[name].visibilityChanged.connect(
                 lambda shown, panel=panel: shown and self.snapshot is not None and panel.update_snapshot(self.snapshot))
 
@@ -197,10 +207,11 @@ class MainWindow(QtWidgets.QMainWindow):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
         if every_panel or slot == 4:
             # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
-            for panel in (self.heat, self.residency, self.cost, self.why):
+            for panel in (self.heat, self.residency, self.cost, self.why, self.diagnostics):
                 if self._on_screen(panel):
                     panel.update_snapshot(snap)
         if every_panel or slot == 0:
+            self.health.update_snapshot(snap)
             paused = not self.controller.read_only and self.controller.engine_paused
             self.seqs.update_snapshot(snap, engine_paused=paused)
             self.prompt.update_snapshot(snap.seqs, engine_paused=paused)
@@ -260,6 +271,19 @@ class MainWindow(QtWidgets.QMainWindow):
                 f"policy {cfg['policy']} decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s prefetch "
                 f"{cfg['prefetch_depth']} batch {cfg['evict_batch']} — {when}")
 
+    # -- health ---------------------------------------------------------------------------------
+    def show_health_link(self, name: str) -> None:
+        """A health chip was clicked: the panel that explains its figure (utilization: the block map in fill mode)."""
+        if name == "block_utilization":
+            self.maps.set_mode("fill")
+            return
+        dock = self.docks["Hit rate" if name == "prefix_hit_rate" else "Diagnostics"]
+        dock.show()
+        dock.raise_()
+
+    def _targets(self, targets) -> None:
+        self.health.set_targets(targets)
+
     # -- selection and prompts ----------------------------------------------------------------
     def select_sequence(self, sid: int) -> None:
         self.selected = sid
@@ -307,7 +331,8 @@ class MainWindow(QtWidgets.QMainWindow):
                                                  "colour_mode": self.block_map.mode(), "selected": self.selected,
                                                  "events": lines, "rates": rates,
                                                  "workload": self.controller.workload_name(),
-                                                 "tabs": self.front_tabs()})
+                                                 "tabs": self.front_tabs(),
+                                                 "health_targets": self.controls.targets.as_dict()})
         return json_path
 
     def _save_dialog(self) -> None:
@@ -361,6 +386,11 @@ class MainWindow(QtWidgets.QMainWindow):
         else:
             names = tuple(os.path.basename(p) for p in paths)
         return CompareWindow(loaded[0][0], loaded[1][0], names, tuple(str(x.get("caption", "")) for _, x in loaded))
+    def resizeEvent(self, event) -> None:
+        super().resizeEvent(event)
+        bar = self.menuBar()
+        menus = max((bar.actionGeometry(a).right() for a in bar.actions()), default=0)
+        self.health.set_room(self.width() - menus - 16)
 
     def closeEvent(self, event) -> None:
         if self.settings is not None:
@@ -503,6 +533,8 @@ def open_snapshot_window(path: str) -> MainWindow:
     if isinstance(extra.get("selected"), int) and extra["selected"] >= 0:
         win.select_sequence(extra["selected"])
     win.events.add_lines([tuple(e) for e in extra.get("events", [])])
+    if extra.get("health_targets"):  # the strip's targets as it was saved (checked by the snapshot's schema)
+        win.controls.set_targets(HealthTargets.from_dict(extra["health_targets"]))
     for name in extra.get("tabs", []):  # the tab that was in front when it was saved
         if name in TABBED:
             win.docks[name].raise_()

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from app.options import cache_config
 from app.replay import LiveChange, RunResult, replay
-from app.bench.sweep_report import format_live_change, format_table, plot_sweep, report, row_of, write_csv
+from app.bench.sweep_report import (format_health, format_live_change, format_table, plot_sweep, report, row_of,
+                                     write_csv)
 
 WORKLOADS = ("chat", "returning", "documents", "forks", "mixed")
 DEFAULT_REQUESTS = 12
@@ -287,6 +288,7 @@ def run_sweep(args: argparse.Namespace) -> int:
         print(f"model {meta['model']} on {meta['device']}, workload {name}: {len(requests)} requests ({scale}"
               f"{f', at most {cap} new tokens each' if cap else ''})")
         print(format_table(rows))
+        print(format_health(results))
         if live:
             print(format_live_change(results))
     if getattr(args, "csv", None):

@@ -9,6 +9,8 @@ import numpy as np
 
 from app.replay import RESIDENCY, RunResult
 from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name, top
+from engine.telemetry.health import one_line
+from engine.telemetry.health import report as report_health
 
 # 1-2-5 bin edges from 1 ms to 1000 s (values above the last edge land in the last bin).
 BIN_EDGES_S = (0.0,) + tuple(m * 10.0**e for e in range(-3, 3) for m in (1, 2, 5)) + (1000.0,)
@@ -64,7 +66,12 @@ def report(meta: dict, results: list[RunResult]) -> dict:
     residency = {r.label: {k: {kk: _finite(vv) for kk, vv in histogram(r.residency[k]).items()} for k in RESIDENCY}
                  for r in results}
     return {**meta, "configs": [{"label": r.label, **r.config.as_dict()} for r in results], "rows": rows,
-            "residency": residency}
+            "residency": residency, "health": {r.label: report_health(r.health) for r in results}}
+
+
+def format_health(results: list[RunResult]) -> str:
+    """One line per config: the health targets since start, graded, and the checklist (engine/telemetry/health.py)."""
+    return "\n".join(f"health {r.label}: {one_line(r.health)}" for r in results if r.health)
 
 
 def format_live_change(results: list[RunResult]) -> str:

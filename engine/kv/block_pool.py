@@ -63,6 +63,7 @@ class BlockPool:
         self.moves = 0  # bumped whenever a live block changes tier (snapshots cache per-sequence placement on it)
         self.serial = np.full(n, -1, dtype=np.int64)  # allocation serial: names a block in access traces
         self.next_serial = first_serial
+        self.allocated = [0, 0]  # blocks allocated per tier (Tier.DEVICE, Tier.HOST), for the eviction rate
         self.by_hash: dict[int, int] = {}
         # Side stream for tier copies on CUDA, so migrations overlap compute.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -158,6 +159,7 @@ class BlockPool:
         lid = self.free_lids.pop()
         self.serial[lid] = self.next_serial
         self.next_serial += 1
+        self.allocated[tier] += 1
         self.tier[lid], self.slot[lid] = tier, s
         t.lid[s] = lid
         t.ref[s] = 1

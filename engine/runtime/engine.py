@@ -34,6 +34,7 @@ from engine.kv.groups import kv_groups
 from engine.kv.manager import KVManager
 from engine.model.loader import LoadedModel
 from engine.model.llama_family import LlamaFamily
+from engine.runtime.bandwidth import peak_bandwidth, weight_bytes
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.scheduler import Scheduled, Scheduler, SchedulerOutput, Stall
 from engine.runtime.seq_ops import SequenceOps
@@ -41,6 +42,7 @@ from engine.fidelity.shadow import Measured, Shadow
 from engine.sequence import SamplingParams, Sequence, SeqState, check_token_ids
 from engine.runtime.clock import PausableClock
 from engine.telemetry.counters import Counters
+from engine.telemetry.health import leak_input
 from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import EngineState, Event, StepSample, Telemetry
 from engine.kv.tiers import tier_sizes
@@ -85,10 +87,14 @@ class Engine:
         self._changes_waiting = 0
         self.telemetry = Telemetry(self.counters, self.clock, str(self.device),
                                    self.cuda_memory if self.device.type == "cuda" else None)
+        # Cache health (engine/telemetry/health.py): the lock's waits, a decode step's bytes against the peak.
+        self.lock_waits = self.telemetry.health.locks
+        self.telemetry.health.set_bandwidth(weight_bytes(self.model), *peak_bandwidth(self.device))
         self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
         # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
         self.kv_groups = kv_groups(self.spec, self.options.kv_groups)
         self.grouped = any(g.window for g in self.kv_groups)  # some group drops what left its window
+        self.telemetry.health.titles = [g.title for g in self.kv_groups] if self.grouped else []
         if self.grouped:
             self.kv = GroupedKV(self.spec, self.device, config, self.telemetry, self.counters, self.kv_groups,
                                 self.context_limit, self.options.max_batched_tokens)
@@ -203,7 +209,7 @@ class Engine:
 
     def _apply_pending(self) -> None:
         while True:
-            with self.lock:
+            with self.lock_waits.held(self.lock):
                 if not self._pending:
                     return
                 fn = self._pending.popleft()
@@ -297,7 +303,7 @@ class Engine:
 
     def _step(self) -> list[TokenOut]:
         self._apply_pending()
-        with self.lock:
+        with self.lock_waits.held(self.lock):
             t0 = time.perf_counter()
             now = self.clock()
             self.kv.residency.demote_idle(now)
@@ -313,7 +319,7 @@ class Engine:
             t1 = time.perf_counter()
         logits = run()
         shadow = self.shadow.pick(sched, logits, now, self.config.shadow_every_s)
-        with self.lock:
+        with self.lock_waits.held(self.lock):
             t2 = time.perf_counter()
             outs = self._commit(sched, writes, self.runner.sample(sched, logits))
             t3 = time.perf_counter()
@@ -322,7 +328,11 @@ class Engine:
             self.counters.steps += 1
             self._carry_out(plan, self.scheduler.watch_progress(sched, now), now)
             self._drain_pool_events()
-            self.telemetry.after_step(StepSample(now, self.kv.device_bytes(), self.kv.host_bytes()))
+            self.telemetry.after_step(StepSample(
+                now, self.kv.device_bytes(), self.kv.host_bytes(), step_s=time.perf_counter() - t0,
+                decode=all(n == 1 for _, n in sched), batch=len(sched), waiting=len(self.waiting),
+                pools=tuple((p, reads[0]) for _, p, reads in self.kv.snapshot_groups())
+                or ((self.pool, self.counters.read_tokens),)))
         measured = self.shadow.measure(shadow)  # outside the lock: snapshots go on meanwhile
         if measured is not None:
             with self.lock:
@@ -432,7 +442,7 @@ class Engine:
 
         timeout: wait at most this long for the engine lock (a step's bookkeeping, a context shift or a re-layout
         holds it) and return None if it stays busy; None waits as long as it takes."""
-        if not self.lock.acquire(timeout=-1 if timeout is None else timeout):
+        if not self.lock_waits.acquire(self.lock, -1 if timeout is None else timeout, "snapshot"):
             return None
         try:
             self._drain_pool_events()
@@ -458,6 +468,21 @@ class Engine:
                            key_errors=self.runner.errors, shadow=self.shadow.last,
                            stream_staging_bytes=self.runner.stream.nbytes(), groups=self.kv.snapshot_groups(),
                            cache_config=self.config)
+
+    def check_health(self) -> dict:
+        """The ref-count leak check, now (engine/telemetry/health.py): the tables and counts are copied under the lock
+        and compared outside it; a leak seen in two checks in a row is an error event. Returns the leaks summary."""
+        with self.lock:
+            held = leak_input([p for _, p, _ in self.kv.snapshot_groups()] or [self.pool], self.seqs)
+        return self.telemetry.health.check_leaks(held)
+
+    def health(self) -> dict:
+        """The health figures now (Snapshot.health), after two leak checks (an idle engine's two are one state)."""
+        self.check_health()
+        self.check_health()
+        with self.lock:
+            self._drain_pool_events()
+            return self.telemetry.health_summary(self.clock())
 
     def take_events(self) -> list[Event]:
         with self.lock:

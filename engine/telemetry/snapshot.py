@@ -89,3 +89,7 @@ class Snapshot:
     # per group title, layers, window, device/host_budget_mb (its share), read_tokens / _missed / _streamed (its key
     # reads), tiers (TierSnapshot device, host; the first group's are `tiers`).
     kv_groups: tuple = ()
+    # Cache health (engine/telemetry/health.py Health.summary): the MemOS targets (prefix hit rate, block utilization,
+    # eviction rate) and the checklist (leaks, eviction check, lock wait, bandwidth, throughput drops); {} in files from
+    # before it.
+    health: dict = field(default_factory=dict)

@@ -19,6 +19,7 @@ from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 from engine.telemetry.snapshot_fields import (_array, _Bad, _bool, _clip, _floats, _int, _ints, _list, _num, _obj, _plain,
                                     _rest, _str)
 from engine.telemetry.counters import Counters
+from engine.telemetry.health import HealthTargets
 from engine.telemetry.snapshotter import MARK_KINDS
 
 MAX_BLOCKS = 1 << 26  # slots per tier
@@ -44,7 +45,7 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups")  # files from before marks (quality, the last
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups", "health")  # files from before marks (quality, the last
 # change's counters) existed have none
 # Knobs added after snapshot files were first written: a file without one shows the default.
 LATER_KNOBS = ("shadow_every_s",)
@@ -71,9 +72,32 @@ def _snapshot(body: Any) -> Snapshot:
     quality = _quality(body.get("quality", {}), model)
     last_change = _last_change(body.get("last_change", {}))
     kv_groups = _kv_groups(body.get("kv_groups", []), tiers, config["block_size"], model)
+    health = _health(body.get("health", {}))
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
                     memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality,
-                    last_change=last_change, kv_groups=kv_groups)
+                    last_change=last_change, kv_groups=kv_groups, health=health)
+
+
+def _health(x: Any) -> dict:
+    """Snapshot.health (engine/telemetry/health.py Health.summary), {} in files from before it: free-form JSON whose
+    figures the window draws are checked: the three targets' values (shares; NaN: no data) and the lock-wait
+    histograms."""
+    h = _plain(_obj(x, "health"), "health")
+    for name, hi in (("prefix_hit_rate", 1.0), ("block_utilization", 1.0), ("eviction_rate", None)):
+        if name not in h:
+            continue
+        fig = _obj(h[name], f"health.{name}")
+        for k in ("w", "all"):
+            if k in fig:
+                _num(fig[k], f"health.{name}.{k}", 0.0, hi, nan_ok=True)
+    lw = h.get("lock_wait")
+    if lw is not None:
+        for who in ("step", "snapshot"):
+            if who in _obj(lw, "health.lock_wait"):
+                hist = _obj(lw[who], f"health.lock_wait.{who}").get("hist", [])
+                for i, v in enumerate(_list(hist, f"health.lock_wait.{who}.hist", max_n=64)):
+                    _int(v, f"health.lock_wait.{who}.hist[{i}]", 0)
+    return h
 
 
 MAX_GROUPS = 64
@@ -357,6 +381,11 @@ def _extra(x: Any) -> dict:
             if len(a) != len(r["t"]):
                 raise _Bad(f"extra.rates.{_clip(k, 40)}", f"{len(a):,} points, expected {len(r['t']):,} (as extra.rates.t)")
             _floats(a, f"extra.rates.{_clip(k, 40)}", nan_ok=(k != "t"))  # NaN: no data (a gap in the line)
+    if "health_targets" in e:  # the health strip's targets when it was saved (engine/telemetry/health.py)
+        try:
+            HealthTargets.from_dict(_obj(e["health_targets"], "extra.health_targets"))
+        except ValueError as why:
+            raise _Bad("extra.health_targets", str(why)) from None
     if "colour_mode" in e:
         _str(e["colour_mode"], "extra.colour_mode", COLOUR_MODES)
     if "selected" in e:

@@ -19,6 +19,7 @@ import psutil
 
 from engine.kv.misses import WHY_FIELDS
 from engine.telemetry.counters import Counters
+from engine.telemetry.health import Health
 from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 
 if TYPE_CHECKING:  # annotations only: this module stays torch-free
@@ -31,7 +32,7 @@ RESIDENCY_SAMPLES = 4096  # newest samples kept per residency histogram
 SERIES_LEN = 1200  # time-series points kept (one per SERIES_PERIOD_S at most)
 SERIES_PERIOD_S = 0.1
 WINDOW_S = 5.0  # windowed rates look this far back
-MARK_KINDS = ("config", "workload", "context_shift", "preempt")
+MARK_KINDS = ("config", "workload", "context_shift", "preempt", "throughput_drop")
 MARKS_KEPT = 512
 # Per shadow step (engine/fidelity/shadow.py), NaN between them: KL(reference ‖ engine), flip rate, max |logit error|.
 SHADOW_SERIES = ("shadow_kld", "shadow_flip_rate", "shadow_logit_err")
@@ -70,6 +71,7 @@ class SeriesPoint(NamedTuple):
     rss_bytes: float
     gpu_used_bytes: float  # NaN without NVML
     torch_allocated_bytes: float
+    bandwidth_util: float  # the latest decode step's bytes / time / peak since the last point (engine/telemetry/health.py)
     shadow_kld: float  # per shadow step, NaN between them (SHADOW_SERIES)
     shadow_flip_rate: float
     shadow_logit_err: float
@@ -92,6 +94,13 @@ class StepSample:
     t: float  # engine time of the step
     device_used_bytes: int  # blocks held on each tier × block bytes
     host_used_bytes: int
+    # For the health figures (engine/telemetry/health.py): the step's time (bookkeeping, forward, commit), whether every
+    # sequence in it computed one token, how many ran and wait, and per KV-cache group (pool, its keys read so far).
+    step_s: float = 0.0
+    decode: bool = False
+    batch: int = 0
+    waiting: int = 0
+    pools: tuple = ()
 
 
 class KeyErrorReadings(Protocol):
@@ -138,6 +147,7 @@ class Telemetry:
                  cuda_memory: Callable[[], tuple[int, int]] | None = None):
         self.counters = counters
         self.clock = clock
+        self.health = Health(self.emit)  # the MemOS targets and checklist (engine/telemetry/health.py)
         self.device = device
         self.cuda_memory = cuda_memory
         self.events: collections.deque[Event] = collections.deque(maxlen=50_000)
@@ -194,6 +204,7 @@ class Telemetry:
         and demotions also go to the feed (evictions are too frequent for it one by one)."""
         c = self.counters
         for kind, f in events:
+            self.health.pool_event(kind, f)
             if kind == "evict":
                 c.evictions += 1
                 self.residency["age_at_eviction"].append(f["age"])
@@ -249,9 +260,11 @@ class Telemetry:
                                     tuple(getattr(c, k) for k in WHY_FIELDS)))
         while self.history and now - self.history[0].t > WINDOW_S:
             self.history.popleft()
+        self.health.after_step(sample)
         if now - self._last_series >= SERIES_PERIOD_S:
             self._last_series = now
             w = self._windowed(now)
+            self.health.series_point(now, w["tokens_per_s"], lambda: self.health.findings(w, c))
             gpu = self.gpu()
             kld, flips, logit_err = self._shadow_point or (np.nan, np.nan, np.nan)  # NaN: no shadow step since
             self._shadow_point = None
@@ -264,6 +277,7 @@ class Telemetry:
                 host_used_bytes=sample.host_used_bytes, rss_bytes=self._proc.memory_info().rss,
                 gpu_used_bytes=gpu.get("nvml_used_bytes", np.nan),
                 torch_allocated_bytes=gpu.get("torch_allocated_bytes", np.nan),
+                bandwidth_util=self.health.bandwidth_point(),
                 shadow_kld=kld, shadow_flip_rate=flips, shadow_logit_err=logit_err))
 
     # -- outputs ------------------------------------------------------------------------------
@@ -320,7 +334,11 @@ class Telemetry:
         return Snapshot(t=now, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
                         marks=tuple(self.marks), quality=self.quality(e), last_change=dict(self.last_change),
-                        kv_groups=self.kv_groups(e, tiers, now))
+                        kv_groups=self.kv_groups(e, tiers, now), health=self.health.summary(now, self.counters, windowed))
+
+    def health_summary(self, now: float) -> dict:
+        """The health figures (engine/telemetry/health.py) as a snapshot carries them."""
+        return self.health.summary(now, self.counters, self._windowed(now))
 
     def kv_groups(self, e: EngineState, tiers: tuple, now: float) -> tuple[dict, ...]:
         """Each KV-cache group: its title, model layers, window, budgets, key reads, and its tiers (the first
@@ -540,6 +558,8 @@ def _mark_label(kind: str, fields: dict) -> str:
         return changes + (" (lossy)" if fields.get("lossy") else "")
     if kind == "workload":
         return f"workload: {fields.get('name', '?')}"
+    if kind == "throughput_drop":
+        return f"throughput -{fields.get('drop', '?')}"
     if kind == "context_shift":
         return f"context shift, seq {fields.get('seq', '?')}"
     return f"preempted seq {fields.get('seq', '?')} ({fields.get('mode', '?')})"

@@ -31,7 +31,7 @@ CURSOR = QtGui.QColor(200, 204, 212, 140)
 # Marks on the time axis, by kind: colour, and whether it is a labelled full-height line (a change the user
 # or the workload made) or a short tick at the bottom (something the engine did).
 MARK_STYLE = {"config": ("#4fc3f7", True), "workload": ("#aab0b8", True), "context_shift": ("#ffd54f", False),
-              "preempt": ("#ff8a65", False)}
+              "preempt": ("#ff8a65", False), "throughput_drop": ("#ef5350", True)}
 
 
 @dataclass

@@ -13,10 +13,11 @@ import time
 import tomllib
 
 import numpy as np
-from PySide6 import QtCore, QtWidgets
+from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.config import KNOBS, CacheConfig, ConfigError, Knob
 from engine.errors import RequestError
+from engine.telemetry.health import HealthTargets
 from engine.user_file import UserFileError, read_bytes
 
 # The values a slider snaps to (a typed value may lie between two). Knobs not named here take powers of two
@@ -202,6 +203,7 @@ class ControlsPanel(QtWidgets.QWidget):
     # (kind, text) of a refusal the engine never saw (a preset file that cannot be read), for the event feed;
     # the engine reports its own refusals there itself.
     refused = QtCore.Signal(str, str)
+    targetsChanged = QtCore.Signal(object)  # HealthTargets: the health strip's thresholds (ui/panels/health.py)
     _work_done = QtCore.Signal()  # a reconfigure's worker thread has finished (see _off_ui_thread)
 
     def __init__(self, controller, confirm_lossy=None):
@@ -220,6 +222,10 @@ class ControlsPanel(QtWidgets.QWidget):
             c.changed.connect(self.apply)
             self.controls[name] = c
             form.addRow(LABELS.get(name, name.replace("_", " ")), c)
+        self.targets = HealthTargets()
+        self.target_boxes = self._target_row(form)
+        for name, box in self.target_boxes.items():
+            box.setText(f"{100 * getattr(self.targets, name):g}")
         lay.addLayout(form)
         self.message = QtWidgets.QLabel(" ")
         self.message.setWordWrap(True)
@@ -246,9 +252,10 @@ class ControlsPanel(QtWidgets.QWidget):
         self.reset.clicked.connect(self.reset_defaults)
         self.save.clicked.connect(lambda: self._pick_and(self.save_preset, save=True))
         self.load.clicked.connect(lambda: self._pick_and(self.load_preset, save=False))
-        eng = QtWidgets.QGroupBox("engine and workload")
+        eng = QtWidgets.QGroupBox()  # untitled: its buttons say what they do, and the title's line went to the targets
+        eng.setStyleSheet("QGroupBox { margin-top: 2px; padding-top: 0px; }")
         g = QtWidgets.QGridLayout(eng)
-        g.setContentsMargins(6, 2, 6, 3)
+        g.setContentsMargins(6, 1, 6, 1)
         g.setVerticalSpacing(2)
         self.pause = QtWidgets.QPushButton("Pause engine")
         self.pause.setCheckable(True)
@@ -296,6 +303,55 @@ class ControlsPanel(QtWidgets.QWidget):
                 w.setEnabled(False)
             self.message.setText("read-only: a saved snapshot")
         self.sync()
+
+    def _target_row(self, form: QtWidgets.QFormLayout) -> dict[str, QtWidgets.QLineEdit]:
+        """The health strip's targets, in percent: one row of three small boxes across the form (saved in presets as
+        [health]); a value outside 0-100 is not taken (the box goes back to the target)."""
+        row = QtWidgets.QHBoxLayout()
+        row.setSpacing(2)
+        title = QtWidgets.QLabel("targets:")
+        title.setToolTip("the health strip's targets: green where a figure meets its target, amber within 10 points "
+                         "of it, red beyond; saved in presets as [health]")
+        row.addWidget(title)
+        boxes = {}
+        for name, text, tip in (
+                ("prefix_hit_rate", "hit ≥", "prefix hit rate target: at least this share of prompt tokens reused"),
+                ("block_utilization", "util ≥", "block utilization target: at least this share of the in-use blocks' "
+                                                "token slots filled"),
+                ("eviction_rate", "evict ≤", "eviction rate target: at most this many blocks evicted per block "
+                                             "allocated")):
+            box = QtWidgets.QLineEdit()
+            box.setValidator(QtGui.QDoubleValidator(0.0, 100.0, 1, box))
+            box.setFixedWidth(box.fontMetrics().horizontalAdvance("100") + 10)
+            box.setAlignment(QtCore.Qt.AlignRight)
+            box.setToolTip(tip + " (percent)")
+            box.editingFinished.connect(lambda name=name, box=box: self._target_typed(name, box))
+            label = QtWidgets.QLabel(text)
+            label.setToolTip(tip)
+            row.addWidget(label)
+            row.addWidget(box)
+            row.addWidget(QtWidgets.QLabel("%"))
+            boxes[name] = box
+        row.addStretch(1)
+        form.addRow(row)  # across both columns: no wider than a knob's row
+        return boxes
+
+    def _target_typed(self, name: str, box: QtWidgets.QLineEdit) -> None:
+        try:
+            value = float(box.text()) / 100
+            targets = self.targets.replace(**{name: value})
+        except ValueError:
+            self.set_targets(self.targets)  # the box shows the target again
+            return
+        if targets != self.targets:
+            self.set_targets(targets)
+
+    def set_targets(self, targets: HealthTargets) -> None:
+        """New health targets: the boxes show them, and targetsChanged says so."""
+        self.targets = targets
+        for name, box in self.target_boxes.items():
+            box.setText(f"{100 * getattr(targets, name):g}")
+        self.targetsChanged.emit(targets)
 
     def live(self) -> CacheConfig:
         return self.controller.config()
@@ -417,6 +473,8 @@ class ControlsPanel(QtWidgets.QWidget):
         lines = ["# KV Scope cache preset"]
         for k, v in cfg.items():
             lines.append(f"{k} = \"{v}\"" if isinstance(v, str) else f"{k} = {v}")
+        lines.append("\n[health]  # the health strip's targets, shares (0.75 = 75 %)")
+        lines += [f"{k} = {v:g}" for k, v in self.targets.as_dict().items()]
         with open(path, "w", encoding="utf-8") as f:
             f.write("\n".join(lines) + "\n")
         self.show_ok(f"preset saved to {path}")
@@ -430,7 +488,22 @@ class ControlsPanel(QtWidgets.QWidget):
             self.show_error(f"{path}: {why}")
             self.refused.emit("config_error", f"preset {path} not loaded: {why}")
             return False
-        return self.apply_many(data)
+        try:  # the [health] table (the strip's targets), checked before anything is applied
+            health = data.pop("health", None)
+            if health is not None and not isinstance(health, dict):
+                raise ValueError("health: expected a [health] table of targets")
+            targets = None if health is None else HealthTargets.from_dict(health)
+        except ValueError as e:
+            self.show_error(f"{path}: {e}")
+            self.refused.emit("config_error", f"preset {path} not loaded: {e}")
+            return False
+        if data and not self.apply_many(data):
+            return False
+        if targets is not None:
+            self.set_targets(targets)
+            if not data:
+                self.show_ok(f"health targets loaded from {path}")
+        return True
 
     def _pick_and(self, fn, save: bool) -> None:
         dlg = QtWidgets.QFileDialog.getSaveFileName if save else QtWidgets.QFileDialog.getOpenFileName
