@@ -26,8 +26,9 @@ import numpy as np
 from engine.kv.eviction_sim import replay
 
 MIN_CURVE_POINTS = 32
-MIN_SAMPLED_CAPACITY = 64  # the smallest sampled cache SHARDS simulates; below it the rate goes up
+MIN_SAMPLED_CAPACITY = 32  # the smallest sampled cache SHARDS simulates; below it the rate goes up
 DEFAULT_SAMPLE_BLOCKS = 4096  # distinct blocks a sampled simulation aims to keep
+MAX_SAMPLED_ACCESSES = 40_000  # and the most accesses one capacity's simulation replays (its rate is capped)
 _P = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -110,25 +111,33 @@ def curve_capacities(distinct: int, points: int = 48, low: int = 1) -> np.ndarra
         n += want - len(caps)
 
 
-def sample_mask(keys: np.ndarray, rate: float, seed: int = 0) -> np.ndarray:
-    """SHARDS' spatial filter: True for the accesses whose key hashes below rate·2^32 (a key is in or out with
-    every one of its accesses). A fixed multiply-xorshift hash, so a seed gives the same sample every run."""
-    if rate >= 1.0:
-        return np.ones(len(keys), dtype=bool)
-    x = np.asarray(keys).astype(np.uint64) ^ np.uint64(seed * 0x632BE59BD9B4E019 & (2**64 - 1))
+def key_hash(keys: np.ndarray, seed: int = 0) -> np.ndarray:
+    """A fixed multiply-xorshift hash of each key to 0 .. 2^32 - 1 (uint64), so a seed gives the same sample
+    every run."""
+    x = np.asarray(keys).astype(np.int64).view(np.uint64) ^ np.uint64(seed * 0x632BE59BD9B4E019 & (2**64 - 1))
     with np.errstate(over="ignore"):
         x = x * _P
         x ^= x >> np.uint64(29)
         x = x * _P
         x ^= x >> np.uint64(32)
-    return (x & np.uint64(0xFFFFFFFF)) < np.uint64(int(rate * 2**32))
+    return x & np.uint64(0xFFFFFFFF)
+
+
+def sample_mask(keys: np.ndarray, rate: float, seed: int = 0, hashed: np.ndarray | None = None) -> np.ndarray:
+    """SHARDS' spatial filter: True for the accesses whose key hashes below rate·2^32 (a key is in or out with
+    every one of its accesses)."""
+    if rate >= 1.0:
+        return np.ones(len(keys), dtype=bool)
+    h = key_hash(keys, seed) if hashed is None else hashed
+    return h < np.uint64(int(rate * 2**32))
 
 
 def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
-                     policy: str, rate: float, decay: float = 0.9, seed: int = 0) -> float:
+                     policy: str, rate: float, decay: float = 0.9, seed: int = 0,
+                     hashed: np.ndarray | None = None) -> float:
     """SHARDS estimate of `policy`'s hit rate at `capacity` (simulated at rate·capacity on the sampled keys).
     With `counted`, the sampled stream is still every sampled access; the rate is over the counted ones."""
-    m = sample_mask(keys, rate, seed)
+    m = sample_mask(keys, rate, seed, hashed)
     k = keys[m]
     if len(k) == 0:
         return float("nan")
@@ -150,11 +159,39 @@ def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.nda
     return float(np.clip((hits + expected - got) / expected, 0.0, 1.0))
 
 
-def sample_rate_for(distinct: int, capacity: int, sample_blocks: int = DEFAULT_SAMPLE_BLOCKS) -> float:
-    """The sampling rate at one capacity: about `sample_blocks` distinct blocks, at least MIN_SAMPLED_CAPACITY
-    sampled cache slots; 1.0 (no sampling) for a small trace."""
+def windowed_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
+                      policy: str, decay: float = 0.9, windows: int = 8) -> float:
+    """A small cache's hit rate from full-rate simulation of `windows` evenly spaced slices of the stream
+    (MAX_SAMPLED_ACCESSES in all), each warmed by the 4·capacity + 1000 accesses before it (not counted): where
+    SHARDS would shrink the cache to a handful of slots, time sampling is the better estimate, as a small cache
+    forgets its past within a few times its size in accesses."""
+    n = len(keys)
+    per = max(1, MAX_SAMPLED_ACCESSES // windows)
+    warm = 4 * capacity + 1000
+    hits = total = 0
+    for start in np.linspace(0, max(n - per, 0), windows).astype(np.int64):
+        lo, hi = max(0, int(start) - warm), min(n, int(start) + per)
+        r = replay(keys[lo:hi], capacity, policy, decay=decay, times=None if times is None else times[lo:hi],
+                   per_access=True)
+        c = np.zeros(hi - lo, dtype=bool)
+        c[int(start) - lo:] = True
+        if counted is not None:
+            c &= counted[lo:hi]
+        hits += int(r["hit"][c].sum())
+        total += int(c.sum())
+    return hits / total if total else float("nan")
+
+
+def sample_rate_for(distinct: int, capacity: int, sample_blocks: int = DEFAULT_SAMPLE_BLOCKS,
+                    accesses: int = 0) -> float:
+    """The sampling rate at one capacity: about `sample_blocks` distinct blocks, and at least MIN_SAMPLED_CAPACITY
+    sampled cache slots as long as that replays at most MAX_SAMPLED_ACCESSES of the `accesses`; 1.0 (no
+    sampling) for a small trace."""
     r = min(1.0, sample_blocks / max(distinct, 1))
-    return min(1.0, max(r, MIN_SAMPLED_CAPACITY / max(capacity, 1)))
+    r = max(r, MIN_SAMPLED_CAPACITY / max(capacity, 1))
+    if accesses:
+        r = min(r, max(MAX_SAMPLED_ACCESSES / accesses, sample_blocks / max(distinct, 1)))
+    return min(1.0, r)
 
 
 @dataclass
@@ -199,8 +236,11 @@ def sampled_curve(keys: np.ndarray, times: np.ndarray | None, capacities, policy
     keys = np.asarray(keys, dtype=np.int64)
     distinct = len(np.unique(keys))
     caps = np.asarray(capacities, dtype=np.int64)
-    rates = np.array([sample_rate_for(distinct, int(c), sample_blocks) for c in caps])
-    hr = np.array([sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed)
+    rates = np.array([sample_rate_for(distinct, int(c), sample_blocks, len(keys)) for c in caps])
+    hashed = key_hash(keys, seed)
+    hr = np.array([windowed_hit_rate(keys, times, counted, int(c), policy, decay)
+                   if r < 1.0 and r * c < MIN_SAMPLED_CAPACITY else
+                   sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed, hashed)
                    for c, r in zip(caps, rates)])
     return Curve(policy if policy != "heat" else f"heat({decay:g})", caps, hr, bool((rates >= 1.0).all()), rates)
 

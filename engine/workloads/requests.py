@@ -243,13 +243,18 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[tuple[int, Request | st
     it): read lazily, in file order, so memory does not grow with the file. The file's own problems (not a
     regular file, over MAX_JSONL_BYTES) raise UserFileError (a ValueError) naming it. A `fork_of` must name
     the session of an earlier good line."""
+    from engine.workloads import public_traces as pub  # a line with hash_ids: Mooncake or Bailian, tokens synthesized
+
     sessions: set[str] = set()
     for ln in json_lines(path, "a trace"):
         if ln.problem is not None:
             yield ln.number, ln.problem
             continue
         try:
-            req = _parse_line(ln.value, sessions, ln.number)
+            if pub.is_block_trace_line(ln.value):
+                req = pub.to_request(pub.parse_block_line(ln.value, ln.number))
+            else:
+                req = _parse_line(ln.value, sessions, ln.number)
         except ValueError as e:
             yield ln.number, str(e)
             continue
