@@ -54,7 +54,8 @@ def load_stream(args: argparse.Namespace):
     """(stream, source text, trace or None, block-hash requests or None)."""
     from engine.kv.access_trace import AccessTrace
     from engine.lab.policy_lab import scan_polluted_trace
-    from engine.workloads.public_traces import block_stream, read_block_trace
+    from engine.lab.whatif import block_stream
+    from engine.workloads.public_traces import read_block_trace
 
     if args.synthetic:
         k = scan_polluted_trace(args.seed)
@@ -157,7 +158,7 @@ def main(args: argparse.Namespace) -> int:
 def _block_size_rows(args, trace, reqs) -> list[dict]:
     """Per block size: the hit rate at 0.5, 1, 2 and 4 times the current bytes."""
     from engine.lab.mrc import lru_curve
-    from engine.workloads.public_traces import block_stream
+    from engine.lab.whatif import block_stream
 
     current = args.current
     factors = (0.5, 1.0, 2.0, 4.0)

@@ -1,7 +1,7 @@
 """The inspector window's default dock arrangement, and how it shares a window of any size from 1280 x 720 up.
 
 The right column (Controls over Prompt) runs the full height; the left (Sequences over Events) and the block
-map sit above the charts (Hit rate | Memory | Heat, Residency, Cost tabbed), which share the width left of the right
+map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, What if tabbed), which share the width left of the right
 column. Sizes follow the window: side columns as wide as their contents want, the charts a good third of the
 height, the prompt what the controls leave.
 """
@@ -19,10 +19,10 @@ DOCK_AREAS = (("Controls", Qt.RightDockWidgetArea), ("Prompt", Qt.RightDockWidge
               ("Sequences", Qt.LeftDockWidgetArea), ("Events", Qt.LeftDockWidgetArea),
               ("Hit rate", Qt.BottomDockWidgetArea), ("Memory", Qt.BottomDockWidgetArea),
               ("Heat", Qt.BottomDockWidgetArea), ("Residency", Qt.BottomDockWidgetArea),
-              ("Cost", Qt.BottomDockWidgetArea))
+              ("Cost", Qt.BottomDockWidgetArea), ("What if", Qt.BottomDockWidgetArea))
 
 
-TABBED = ("Heat", "Residency", "Cost")  # docks that share a place, one in front
+TABBED = ("Heat", "Residency", "Cost", "What if")  # docks that share a place, one in front
 
 
 def fitted_geometry(avail: QtCore.QRect, want: QtCore.QSize = DEFAULT_SIZE) -> tuple[QtCore.QRect, bool]:
@@ -53,6 +53,7 @@ def arrange(win: QtWidgets.QMainWindow) -> None:
     win.splitDockWidget(docks["Memory"], docks["Heat"], Qt.Horizontal)
     win.tabifyDockWidget(docks["Heat"], docks["Residency"])
     win.tabifyDockWidget(docks["Residency"], docks["Cost"])
+    win.tabifyDockWidget(docks["Cost"], docks["What if"])
     docks["Heat"].raise_()
     # The tabs share one place, so one least width: the widest tab's. Each tab's own, the place widened when a
     # wider one came to the front and narrowed the charts beside it (and back on the next tab).

@@ -19,6 +19,7 @@ sequence's table at the recorded size becomes a read of the blocks covering the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,6 +144,41 @@ def rebin(trace: AccessTrace, block_size: int, recency: str = "every") -> Stream
     if recency == "first":
         return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True)
     return Stream(keys, rt, counted, block_size, True)
+
+
+def block_stream(requests: list, merge: int = 1, outputs: bool = True) -> Stream:
+    """The access stream of a block-hash trace (engine/workloads/public_traces.py BlockRequest: t_s, hash_ids,
+    input_length, output_length, block_tokens): each request reads its hash_ids'
+    blocks at its time, then (outputs) the blocks its generated tokens fill, new and read once. merge=k cuts at
+    k times the trace's block size: a block is k consecutive ids (a prefix of ids names its block, so the
+    k-tuple is hashed); a request's last, partial group is its own. Every access counts (each is one
+    request's first read of a block)."""
+    if merge < 1:
+        raise ValueError(f"merge must be >= 1, got {merge}")
+    keys: list[int] = []
+    times: list[float] = []
+    fresh = 0
+    for r in requests:
+        ids = r.hash_ids
+        full = len(ids) // merge
+        for j in range(full):
+            group = ids[j * merge:(j + 1) * merge]
+            keys.append(group[0] if merge == 1 else hash(group) & _MASK63)
+        n_read = full
+        if len(ids) % merge:
+            fresh += 1
+            keys.append(-fresh)
+            n_read += 1
+        if outputs:
+            total = math.ceil((r.input_length + r.output_length) / (r.block_tokens * merge))
+            for _ in range(max(total - n_read, 0)):
+                fresh += 1
+                keys.append(-fresh)
+                n_read += 1
+        times.extend([r.t_s] * n_read)
+    k = np.asarray(keys, dtype=np.int64)
+    return Stream(k, np.asarray(times, dtype=np.float64), np.ones(len(k), dtype=bool),
+                  requests[0].block_tokens * merge if requests else None, True)
 
 
 # -- the curves -------------------------------------------------------------------------------------------

@@ -8,8 +8,9 @@ Two JSONL shapes, one request a line, told apart by their keys:
 - **Bailian** (Alibaba's Qwen serving traces, the AIPerf multi-turn style): `chat_id`, `parent_chat_id` (-1: a
   first turn), `turn`, `timestamp` (seconds), `input_length`, `output_length`, `hash_ids` (16-token blocks).
 
-Other keys on a line (`type`, `session_id`, ...) are ignored. No tokens are needed for the curves: a request reads
-its `hash_ids` blocks, then writes ceil((input + output) / block) - len(hash_ids) new ones, read once. For a
+Other keys on a line (`type`, `session_id`, ...) are ignored. No tokens are needed for the curves (engine/lab/whatif.py
+`block_stream`): a request reads its `hash_ids` blocks, then writes ceil((input + output) / block) - len(hash_ids)
+new ones, read once. For a
 replay (`bench --trace`, `--replay`) tokens are synthesized: each hash id stands for a fixed run of `block`
 token ids drawn from ids 16 .. 2,015 by a generator seeded with the id, so equal ids are equal tokens and the
 engine's prefix cache finds what the trace shares (at a block size that divides the trace's).
@@ -29,7 +30,6 @@ MOONCAKE_BLOCK = 512
 BAILIAN_BLOCK = 16
 FIRST_TOKEN, TOKEN_SPAN = 16, 2000  # synthesized ids: 16 .. 2015 (inside the smallest vocabulary we serve)
 MAX_HASH_IDS = 1 << 16  # per line: 33M tokens at 512 a block
-_MASK63 = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
@@ -110,44 +110,6 @@ def read_block_trace(path: str | os.PathLike[str]) -> list[BlockRequest]:
     if not out:
         raise ValueError(f"{os.fspath(path)}: no requests in the trace")
     return sorted(out, key=lambda r: r.t_s)
-
-
-# -- into the curves ---------------------------------------------------------------------------------------
-
-def block_stream(requests: list[BlockRequest], merge: int = 1, outputs: bool = True):
-    """The access stream (engine/lab/whatif.Stream) of a block-hash trace: each request reads its hash_ids'
-    blocks at its time, then (outputs) the blocks its generated tokens fill, new and read once. merge=k cuts at
-    k times the trace's block size: a block is k consecutive ids (a prefix of ids names its block, so the
-    k-tuple is hashed); a request's last, partial group is its own. Every access counts (each is one
-    request's first read of a block)."""
-    from engine.lab.whatif import Stream
-
-    if merge < 1:
-        raise ValueError(f"merge must be >= 1, got {merge}")
-    keys: list[int] = []
-    times: list[float] = []
-    fresh = 0
-    for r in requests:
-        ids = r.hash_ids
-        full = len(ids) // merge
-        for j in range(full):
-            group = ids[j * merge:(j + 1) * merge]
-            keys.append(group[0] if merge == 1 else hash(group) & _MASK63)
-        n_read = full
-        if len(ids) % merge:
-            fresh += 1
-            keys.append(-fresh)
-            n_read += 1
-        if outputs:
-            total = math.ceil((r.input_length + r.output_length) / (r.block_tokens * merge))
-            for _ in range(max(total - n_read, 0)):
-                fresh += 1
-                keys.append(-fresh)
-                n_read += 1
-        times.extend([r.t_s] * n_read)
-    k = np.asarray(keys, dtype=np.int64)
-    return Stream(k, np.asarray(times, dtype=np.float64), np.ones(len(k), dtype=bool),
-                  requests[0].block_tokens * merge if requests else None, True)
 
 
 # -- into a replay (bench --trace, --replay) ----------------------------------------------------------------

@@ -10,8 +10,8 @@ import pytest
 
 from app.policy_lab import main
 from engine.lab.mrc import lru_curve
-from engine.workloads.public_traces import (BAILIAN_BLOCK, MOONCAKE_BLOCK, block_stream, read_block_trace,
-                                            synthesized_prompt)
+from engine.lab.whatif import block_stream
+from engine.workloads.public_traces import BAILIAN_BLOCK, MOONCAKE_BLOCK, read_block_trace, synthesized_prompt
 from engine.workloads.requests import load_trace, read_trace
 
 MOONCAKE = [  # two requests share a 2-block prefix; the third is new; the fourth repeats the first's prefix
