@@ -200,13 +200,14 @@ def validate(args: argparse.Namespace) -> int:
     rows = []
     t0 = time.perf_counter()
     for name, reqs in default_workloads(args.seed, args.requests):
-        # Base capacity: a third of the distinct blocks, but at 0.5x still twice the blocks the running
-        # sequences hold at once (below that the tier thrashes on its running set, which no cache curve models).
+        # Base capacity: a quarter of the distinct blocks (the curve's knee is below it on these workloads), but
+        # at 0.5x still more than the blocks the running sequences hold at once (below that the tier thrashes on
+        # its running set, which no cache curve models).
         trace, _, _ = run_traced(loaded, base.replace(**PLAIN_LRU, device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
                                  options, reqs, args.max_new_tokens_cap, args.window)
         s = stream_of(trace)
         _, live = np.unique(trace.t, return_counts=True)
-        blocks = args.current or max(4 * int(live.max()), s.distinct // 3)
+        blocks = args.current or max(int(2.5 * live.max()), s.distinct // 4)
         cfg = base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
         rows += check_workload(loaded, options, cfg, name, reqs, cap=args.max_new_tokens_cap, window=args.window)
         print(f"[validate] {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.lab.mrc import curve_capacities, what_if_line
+from engine.lab.mrc import curve_capacities, what_if_short
 from engine.lab.whatif import BLOCK_SIZES, block_size_curves, block_stream, policy_curves, stream_of, threshold_curve
 
 TARGET = 0.75
@@ -63,7 +63,7 @@ def what_if_result(source, current_blocks: int, block_mib: float | None, demote_
     caps = np.unique(np.append(caps, [max(1, current_blocks // 2), current_blocks, current_blocks * 2,
                                        current_blocks * 4]))
     curves = policy_curves(stream, caps, decay=decay)
-    lines = [what_if_line(c, current_blocks, block_mib, TARGET) for c in curves]
+    lines = [what_if_short(c, current_blocks, block_mib, TARGET) for c in curves]
     sizes = []
     if trace is not None and trace.tokens is not None and trace.block_size and block_mib:
         per_token = block_mib / trace.block_size

@@ -28,7 +28,7 @@ from engine.kv.eviction_sim import replay
 MIN_CURVE_POINTS = 32
 MIN_SAMPLED_CAPACITY = 32  # the smallest sampled cache SHARDS simulates; below it the rate goes up
 DEFAULT_SAMPLE_BLOCKS = 4096  # distinct blocks a sampled simulation aims to keep
-MAX_SAMPLED_ACCESSES = 40_000  # and the most accesses one capacity's simulation replays (its rate is capped)
+MAX_SAMPLED_ACCESSES = 25_000  # and the most accesses one capacity's simulation replays (its rate is capped)
 _P = np.uint64(0x9E3779B97F4A7C15)
 
 
@@ -246,6 +246,17 @@ def sampled_curve(keys: np.ndarray, times: np.ndarray | None, capacities, policy
 
 
 # -- reading a curve: what a change would buy -------------------------------------------------------------
+
+def what_if_short(curve: Curve, current: int, block_mib: float | None = None, target: float = 0.75,
+                  factor: float = 2.0) -> str:
+    """The same as what_if_line in a few words, for the window's tab."""
+    now, then = curve.at(current), curve.at(current * factor)
+    need = curve.capacity_for(target)
+    unit = (lambda c: f"{c * block_mib:,.1f} MiB") if block_mib else (lambda c: f"{c:,.0f} blocks")
+    reach = f"{100 * target:.0f} % needs ≈ {unit(need)}" if need is not None else \
+        f"{100 * target:.0f} % not reached (max {100 * np.nanmax(curve.hit_rate):.1f} %)"
+    return f"{curve.policy}: {100 * now:.1f} % now · {factor:g}× budget: {100 * (then - now):+.1f} pts · {reach}"
+
 
 def what_if_line(curve: Curve, current: int, block_mib: float | None = None, target: float = 0.75,
                  factor: float = 2.0) -> str:

@@ -14,7 +14,9 @@ to the front of the LRU stack (as the engine's LRU orders blocks by their last r
 `rebin` re-cuts the recorded token stream at another block size (8, 16, 32, 64): each recorded read of a
 sequence's table at the recorded size becomes a read of the blocks covering the same tokens at the new one.
 `threshold_curve` is the hit rate at one capacity against the demotion threshold (a block idle longer than
-`demote_after_s` is on the host tier when read: a device miss).
+`demote_after_s` is on the host tier when read: a device miss). `block_stream` is the stream of a published
+block-hash trace (engine/workloads/public_traces.py reads them; the two packages may not import each other, so
+this takes its requests by their fields). `real_hit_rate` measures on a run what the curves predict.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 
 from engine.kv.access_trace import AccessTrace
 from engine.kv.tiers import chain_hash
-from engine.lab.mrc import Curve, curve_capacities, lru_curve, sampled_curve, stack_distances
+from engine.lab.mrc import MIN_CURVE_POINTS, Curve, curve_capacities, lru_curve, sampled_curve, stack_distances
 
 BLOCK_SIZES = (8, 16, 32, 64)
 _MASK63 = (1 << 63) - 1
@@ -190,13 +192,16 @@ def policy_curves(stream: Stream, capacities=None, policies=("lru", "heat", "s3f
     Heat and S3-FIFO are fed the counted reads only (the policy lab's stream: S3-FIFO counts a hit per
     request's read, as the engine's does); LRU moves a block on every read of the stream."""
     caps = curve_capacities(stream.distinct) if capacities is None else np.asarray(capacities, dtype=np.int64)
+    # The simulated policies cost a simulation per capacity: MIN_CURVE_POINTS of them, spread over the same range.
+    few = caps if len(caps) <= MIN_CURVE_POINTS else \
+        caps[np.unique(np.linspace(0, len(caps) - 1, MIN_CURVE_POINTS).round().astype(int))]
     out = []
     for p in policies:
         if p == "lru":
             out.append(lru_curve(stream.keys, caps, stream.counted))
         else:
             c = stream.counted
-            out.append(sampled_curve(stream.keys[c], stream.times[c], caps, p, decay=decay, seed=seed))
+            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed))
     return out
 
 

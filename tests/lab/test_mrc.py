@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from engine.kv.eviction_sim import replay
 from engine.lab.mrc import (MIN_CURVE_POINTS, Curve, curve_capacities, lru_curve, sampled_curve, stack_distances,
-                            what_if_line)
+                            what_if_line, what_if_short)
 from engine.lab.whatif import Stream, threshold_curve
 
 
@@ -118,3 +118,4 @@ def test_what_if_line_reads_the_curve():
     assert "at 2× the device budget: +26.0 points" in line
     assert "75 % needs ≈ 20.0 MiB" in line  # 40 blocks of 0.5 MiB
     assert "not reached" in what_if_line(Curve("lru", np.array([1, 2]), np.array([0.1, 0.2]), True), 1)
+    assert what_if_short(c, 20, block_mib=0.5) == "lru: 50.0 % now · 2× budget: +26.0 pts · 75 % needs ≈ 20.0 MiB"

@@ -42,7 +42,7 @@ def test_record_compute_and_draw(qtbot, llama_model):
     assert set(range(1, r.distinct + 1)) <= set(lru[1].tolist())  # every capacity up to the distinct blocks
     assert np.nanmax(lru[2]) > 0  # the later requests reuse the shared prefix
     assert r.current_blocks == runner.engine.pool.sizes.dev_cap
-    assert "at 2× the device budget" in panel.text.text()
+    assert "2× budget:" in panel.text.text()
     assert r.block_sizes and [b for b, _, _ in r.block_sizes] == [8, 16, 32, 64]
     for i in (1, 2):
         panel.view.setCurrentIndex(i)

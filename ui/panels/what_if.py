@@ -60,7 +60,7 @@ class WhatIfPanel(QtWidgets.QWidget):
         self.plot = pg.PlotWidget()
         self.plot.setMouseEnabled(x=False, y=False)
         self.plot.setMenuEnabled(False)
-        self.plot.setLabel("left", "hit rate of counted reads (%)")
+        self.plot.setLabel("left", "hit %")
         self.plot.setYRange(0, 100)
         self.plot.setToolTip(COUNTED)
         self.plot.setMinimumHeight(120)
@@ -156,6 +156,7 @@ class WhatIfPanel(QtWidgets.QWidget):
             p.addItem(pg.TextItem("no data", color="#8a8f98", anchor=(0.5, 0.5)))
             return
         view = self.view.currentIndex()
+        p.setYRange(0, 100, padding=0.02)
         unit = "MiB" if r.block_mib else "blocks"
         scale = r.block_mib or 1.0
         target = pg.InfiniteLine(pos=100 * TARGET, angle=0, pen=pg.mkPen("#e06c75", width=1, style=QtCore.Qt.DashLine))
@@ -174,7 +175,7 @@ class WhatIfPanel(QtWidgets.QWidget):
             key = " ".join(f"<span style='color:{COLOURS.get(lab.split('(')[0], '#c8ccd4')}'>&#9632;</span> "
                            f"{html.escape(lab)}{'' if ex else ' ~'}" for lab, _, _, ex in r.curves)
             lines = "<br>".join(html.escape(x) for x in r.lines)
-            self._say(f"{key} &nbsp; dotted: current capacity ({r.current_blocks:,} blocks)<br>{lines}<br>"
+            self._say(f"{key} &nbsp; dotted: now ({r.current_blocks:,} blocks)<br>{lines}<br>"
                       f"<small>{head}</small>")
         elif view == 1:
             p.setLogMode(x=True, y=False)
