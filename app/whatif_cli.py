@@ -73,7 +73,7 @@ def load_stream(args: argparse.Namespace):
 
 
 def _curve_table(curves: list[Curve], mib: float | None) -> str:
-    caps = curves[0].capacities
+    caps = curves[-1].capacities  # the simulated policies' (fewer) capacities, where every curve has a point
     pick = np.unique(np.linspace(0, len(caps) - 1, min(len(caps), 12)).round().astype(int))
     w = 10
     head = "capacity".ljust(12) + "".join(f"{int(caps[i]):,}".rjust(w) for i in pick)
@@ -81,8 +81,10 @@ def _curve_table(curves: list[Curve], mib: float | None) -> str:
              head]
     for c in curves:
         mark = "" if c.exact else " ~"
+        at = dict(zip(c.capacities.tolist(), c.hit_rate.tolist()))
+        vals = [at.get(int(caps[i]), float("nan")) for i in pick]
         lines.append((c.policy + mark).ljust(12) + "".join(
-            ("—" if np.isnan(c.hit_rate[i]) else f"{100 * c.hit_rate[i]:.1f}").rjust(w) for i in pick))
+            ("—" if np.isnan(v) else f"{100 * v:.1f}").rjust(w) for v in vals))
     lines.append("(~: SHARDS-sampled estimate; LRU is exact at every capacity)")
     return "\n".join(lines)
 

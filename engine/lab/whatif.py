@@ -97,6 +97,22 @@ def _content_keys(seq: np.ndarray, pos: np.ndarray, fallback: np.ndarray, tokens
     return keys
 
 
+def _one_key_per_block(serial: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Every read of a block under one key: its contents' where any read of it has one (a block being filled is
+    read while partial, under its serial, and later full), else its serial's. Two keys for one block would hold
+    two places in a simulated cache that the engine's block holds once."""
+    has = np.flatnonzero(keys >= 0)[::-1]  # newest first: np.unique's first index is then the newest
+    if not len(has):
+        return keys
+    u, first = np.unique(serial[has], return_index=True)
+    content = keys[has][first]
+    at = np.minimum(np.searchsorted(u, serial), len(u) - 1)
+    found = u[at] == serial
+    out = keys.copy()
+    out[found] = content[at[found]]
+    return out
+
+
 def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0) -> Stream:
     """The stream of `trace` (one KV-cache group's rows; None: every row) at its recorded block size."""
     if recency not in ("every", "first"):
@@ -110,7 +126,7 @@ def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0)
     tokens = trace.token_lists()
     content = bool(tokens) and trace.block_size is not None
     if content:
-        keys = _content_keys(seq, pos, keys, tokens, trace.block_size)
+        keys = _one_key_per_block(serial, _content_keys(seq, pos, keys, tokens, trace.block_size))
     counted = _first_of_pairs(seq, serial)
     if recency == "first":
         return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content)

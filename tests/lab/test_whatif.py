@@ -81,6 +81,17 @@ def test_a_recomputed_block_is_the_same_block_by_contents():
     assert real_hit_rate(tr) == (0.0, 4)  # on the run itself none of them was found computed
 
 
+def test_a_block_is_one_key():
+    """Every read of a block names it by the same key (its contents, from the tokens at the end of the
+    recording), so a simulated cache holds it once, as the engine does; a block never filled keeps its serial."""
+    tr = _trace([(0.0, 1, 100, 0, 0), (0.0, 1, 101, 1, 0), (1.0, 1, 100, 0, 0), (1.0, 1, 101, 1, 0)],
+                {1: [5, 6, 7, 8, 9, 10, 11, 12]})
+    s = stream_of(tr)
+    assert len(set(s.keys.tolist())) == 2 and (s.keys >= 0).all()
+    partial = _trace([(0.0, 1, 100, 0, 0), (0.0, 1, 101, 1, 0)], {1: [5, 6, 7, 8, 9, 10]})  # never filled
+    assert stream_of(partial).keys.tolist() == [block_hashes(np.array([5, 6, 7, 8]), 4)[0], -102]
+
+
 def test_rebin_recuts_the_tokens():
     toks = list(range(1, 17))
     tr = _trace([(0.0, 1, 1, 0, 0), (0.0, 1, 2, 1, 0), (0.0, 1, 3, 2, 0), (0.0, 1, 4, 3, 0)], {1: toks}, 4)

@@ -145,6 +145,11 @@ class WhatIfPanel(QtWidgets.QWidget):
         self.text.setText(text)
 
     def draw(self) -> None:
+        self._draw()
+        self.plot.enableAutoRange(axis="y", enable=False)
+        self.plot.setYRange(0, 100, padding=0.02)
+
+    def _draw(self) -> None:
         p = self.plot
         p.clear()
         r = self.result
@@ -156,7 +161,6 @@ class WhatIfPanel(QtWidgets.QWidget):
             p.addItem(pg.TextItem("no data", color="#8a8f98", anchor=(0.5, 0.5)))
             return
         view = self.view.currentIndex()
-        p.setYRange(0, 100, padding=0.02)
         unit = "MiB" if r.block_mib else "blocks"
         scale = r.block_mib or 1.0
         target = pg.InfiniteLine(pos=100 * TARGET, angle=0, pen=pg.mkPen("#e06c75", width=1, style=QtCore.Qt.DashLine))
