@@ -267,18 +267,25 @@ class TraceRecorder:
     """
 
     def __init__(self, seq_of=None, block_size: int | None = None, group: int = 0):
-        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray, int]] = []
         self.rows = 0
         self._seq_of = seq_of
         self._seqs: dict = {}
         self.block_size = block_size
         self.group = group
 
-    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray) -> None:
-        self._chunks.append((t, seq, blocks.copy(), tiers.astype(np.int8), hits.astype(bool)))
+    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray,
+            group: int | None = None) -> None:
+        self._chunks.append((t, seq, blocks.copy(), tiers.astype(np.int8), hits.astype(bool),
+                             self.group if group is None else group))
         self.rows += len(blocks)
         if self._seq_of is not None and seq not in self._seqs:
             self._seqs[seq] = self._seq_of(seq)
+
+    def for_group(self, group: int) -> "_GroupRecorder":
+        """A recorder for KV-cache group `group`'s pool (engine/kv/grouped.py): its rows land in this trace,
+        tagged with the group (block serials are per pool, so the curves take one group at a time)."""
+        return _GroupRecorder(self, group)
 
     def trace(self) -> AccessTrace:
         if not self._chunks:
@@ -298,6 +305,23 @@ class TraceRecorder:
             tier=np.concatenate([c[3] for c in self._chunks]),
             hit=np.concatenate([c[4] for c in self._chunks]),
             pos=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
-            group=np.full(sum(lens), self.group, dtype=np.int8),
+            group=np.repeat([c[5] for c in self._chunks], lens).astype(np.int8),
             **extra,
         )
+
+
+class _GroupRecorder:
+    """One KV-cache group's door into a TraceRecorder: `add` tags the rows; `trace` and `rows` are the whole's."""
+
+    def __init__(self, whole: TraceRecorder, group: int):
+        self.whole, self.group = whole, group
+
+    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray) -> None:
+        self.whole.add(t, seq, blocks, tiers, hits, self.group)
+
+    @property
+    def rows(self) -> int:
+        return self.whole.rows
+
+    def trace(self) -> AccessTrace:
+        return self.whole.trace()

@@ -68,6 +68,15 @@ def test_the_recorder_keeps_positions_and_the_sequences_tokens():
     assert tr.token_lists()[7].tolist() == [1, 2, 3, 4] and tr.block_size == 2
 
 
+def test_each_kv_cache_group_is_its_own_stream():
+    rec = TraceRecorder()
+    rec.add(0.0, 1, np.array([5, 6]), np.zeros(2), np.ones(2))
+    rec.for_group(1).add(0.0, 1, np.array([5]), np.zeros(1), np.ones(1))  # serial 5 of another pool
+    tr = rec.trace()
+    assert tr.group.tolist() == [0, 0, 1]
+    assert stream_of(tr).keys.tolist() == [-6, -7] and stream_of(tr, group=1).keys.tolist() == [-6]
+
+
 def test_a_recomputed_block_is_the_same_block_by_contents():
     """Sequence 2 re-reads the prompt of sequence 1 after its blocks were evicted and recomputed (new serials):
     by contents it is a reuse a larger cache would have hit; by serial it would look new."""
