@@ -129,21 +129,25 @@ def test_policy_lab_curve_on_a_recorded_trace(tmp_path, capsys):
 
 # -- the curve against the engine ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_predicted_hit_rate_matches_a_real_rerun(llama_model):
-    """One built-in workload on the real engine (tiny random-weight model): the LRU curve of the base run's trace
-    predicts the rerun at 2x and 4x the budget to within 2 points. With the device tier set up as the LRU cache the
-    curve models (no idle demotion, no prefetch, the running set well inside the tier) and the same order of
-    requests at every budget, the curve's stack distances are the engine's recency order; the tolerance covers
-    the running sequences' pinned blocks, which the curve lets an LRU evict."""
+    """A built-in workload on the real engine (tiny random-weight model): the LRU curve of the base run's trace
+    predicts the rerun at twice the budget to within 2 points, where the hit rate more than doubles. With the
+    device tier set up as the LRU cache the curve models (no idle demotion, no prefetch, requests two at a time so
+    the order of reads is the same at every budget, the running sequences' blocks well inside the tier), the
+    curve's stack distances are the engine's recency order (the curve is exact for LRU: the test of that is
+    test_mrc's); near the running set's size the engine is no LRU cache (new blocks go to the host tier when
+    the device tier holds only blocks in use), which the README's table shows."""
     from app.whatif_check import budget_for_blocks, check_workload, default_workloads
     from engine.config import CacheConfig, EngineOptions
 
-    name, reqs = default_workloads(0, 9)[1]  # returning users: reuse that a small tier loses
+    name, reqs = default_workloads(0, 24)[1]  # returning users: reuse that a small tier loses
     base = CacheConfig(block_size=16, host_budget_mb=32.0)
     rows = check_workload(llama_model, EngineOptions(attention="cpu"),
-                          base.replace(device_budget_mb=budget_for_blocks(llama_model, base, 40)), name, reqs,
-                          factors=(2.0, 4.0), cap=6)
-    assert [r.factor for r in rows] == [1.0, 2.0, 4.0]
+                          base.replace(device_budget_mb=budget_for_blocks(llama_model, base, 41)), name, reqs,
+                          factors=(2.0,), cap=16)
+    assert [r.factor for r in rows] == [1.0, 2.0]
+    assert rows[1].real > rows[0].real + 0.1, rows  # the budget matters here
     for r in rows:
         assert r.counted > 0
         assert abs(r.diff_points) <= 2.0, rows
