@@ -133,12 +133,3 @@ def synthesized_prompt(r: BlockRequest) -> list[int]:
     for h in r.hash_ids:
         toks.extend(block_token_ids(h, r.block_tokens))
     return toks[:r.input_length]
-
-
-def to_request(r: BlockRequest):
-    """A replayable Request (engine/workloads/requests.py): synthesized prompt tokens, output_length new tokens
-    (at least 1), its own session (the trace's prompts carry their whole history)."""
-    from engine.workloads.requests import Request
-
-    return Request(r.t_s, r.session if r.fmt == "mooncake" else f"{r.session}-{r.line}", None, synthesized_prompt(r),
-                   max(1, r.output_length), "chat", line=r.line)

@@ -252,7 +252,7 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[tuple[int, Request | st
             continue
         try:
             if pub.is_block_trace_line(ln.value):
-                req = pub.to_request(pub.parse_block_line(ln.value, ln.number))
+                req = _block_request(pub.parse_block_line(ln.value, ln.number), pub.synthesized_prompt)
             else:
                 req = _parse_line(ln.value, sessions, ln.number)
         except ValueError as e:
@@ -260,6 +260,13 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[tuple[int, Request | st
             continue
         sessions.add(req.session)
         yield ln.number, req
+
+
+def _block_request(r, synthesize) -> Request:
+    """A Mooncake / Bailian line (engine/workloads/public_traces.py) as a replayable request: synthesized prompt
+    tokens, output_length new tokens (at least 1), its own session (the trace's prompts carry their history)."""
+    session = r.session if r.fmt == "mooncake" else f"{r.session}-{r.line}"
+    return Request(r.t_s, session, None, synthesize(r), max(1, r.output_length), "chat", line=r.line)
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[Request]:
