@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--every-read", action="store_true",
                     help="replay every read of the trace, not just each sequence's first read of a block")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    from app.whatif_cli import add_flags
+
+    add_flags(ap)
     return ap
 
 
@@ -102,6 +105,14 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--decay must be in (0, 1] (heat kept per second), got {d}")
     if args.seed < 0:
         raise ValueError(f"--seed must be >= 0, got {args.seed}")
+    if args.current is not None and not 1 <= args.current <= MAX_CAPACITY:
+        raise ValueError(f"--current must be a number of blocks from 1 to {MAX_CAPACITY:,}, got {args.current}")
+    if args.block_mib is not None and not 0 < args.block_mib < 1 << 20:  # also refuses nan
+        raise ValueError(f"--block-mib must be a positive number of MiB, got {args.block_mib}")
+    for flag, v, top in (("--requests", args.requests, 10_000), ("--window", args.window, 64),
+                         ("--max-new-tokens-cap", args.max_new_tokens_cap, 1 << 20)):
+        if not 1 <= v <= top:
+            raise ValueError(f"{flag} must be from 1 to {top:,}, got {v}")
     if args.plot:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):
@@ -113,10 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     prints one line, "kvscope policy-lab: error: ...", and returns 2."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if (args.trace is None) == (args.synthetic is None):
+    if (args.trace is None) == (args.synthetic is None) and not args.validate:
         ap.error("give a TRACE file or --synthetic scan (one of them)")
     try:
         check_args(args)
+        from app.whatif_cli import main as what_if, wants_what_if
+
+        if wants_what_if(args):
+            return what_if(args)
         if args.synthetic:
             trace: AccessTrace | np.ndarray = scan_polluted_trace(args.seed)
             source = f"synthetic scan-polluted chat trace (seed {args.seed})"

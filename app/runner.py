@@ -206,6 +206,12 @@ class EngineRunner:
     def start_trace(self) -> None:
         self.engine.start_trace()
 
+    def what_if(self):
+        """The "What if" tab's service: record, open and compute curves on a worker thread (app/whatif_worker.py)."""
+        from app.whatif_worker import WhatIfService
+
+        return WhatIfService(self)
+
     def stop_trace(self, path: str) -> int:
         """Stop recording and save the block-access trace (.npz); returns its number of reads."""
         trace = self.engine.stop_trace(path)

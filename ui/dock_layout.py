@@ -1,9 +1,9 @@
 """The inspector window's default dock arrangement, and how it shares a window of any size from 1280 x 720 up.
 
 The right column (Controls over Prompt) runs the full height; the left (Sequences over Events) and the block
-map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, Why missed, Diagnostics tabbed), which
-share the width left of the right column. Sizes follow the window: side columns as wide as their contents want,
-the charts a good third of the
+map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, Why missed, Diagnostics, What if
+tabbed), which share the width left of the right column. Sizes follow the window: side columns as wide as
+their contents want, the charts a good third of the
 height, the prompt what the controls leave.
 """
 
@@ -21,10 +21,10 @@ DOCK_AREAS = (("Controls", Qt.RightDockWidgetArea), ("Prompt", Qt.RightDockWidge
               ("Hit rate", Qt.BottomDockWidgetArea), ("Memory", Qt.BottomDockWidgetArea),
               ("Heat", Qt.BottomDockWidgetArea), ("Residency", Qt.BottomDockWidgetArea),
               ("Cost", Qt.BottomDockWidgetArea), ("Why missed", Qt.BottomDockWidgetArea),
-              ("Diagnostics", Qt.BottomDockWidgetArea))
+              ("Diagnostics", Qt.BottomDockWidgetArea), ("What if", Qt.BottomDockWidgetArea))
 
 
-TABBED = ("Heat", "Residency", "Cost", "Why missed", "Diagnostics")  # docks that share a place, one in front
+TABBED = ("Heat", "Residency", "Cost", "Why missed", "Diagnostics", "What if")  # docks that share a place
 
 
 def fitted_geometry(avail: QtCore.QRect, want: QtCore.QSize = DEFAULT_SIZE) -> tuple[QtCore.QRect, bool]:
@@ -57,6 +57,7 @@ def arrange(win: QtWidgets.QMainWindow) -> None:
     win.tabifyDockWidget(docks["Residency"], docks["Cost"])
     win.tabifyDockWidget(docks["Cost"], docks["Why missed"])
     win.tabifyDockWidget(docks["Why missed"], docks["Diagnostics"])
+    win.tabifyDockWidget(docks["Diagnostics"], docks["What if"])
     docks["Heat"].raise_()
     # The tabs share one place, so one least width: the widest tab's. Each tab's own, the place widened when a
     # wider one came to the front and narrowed the charts beside it (and back on the next tab).

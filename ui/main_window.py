@@ -26,6 +26,7 @@ from ui.panels.diagnostics import DiagnosticsPanel
 from ui.panels.health import HealthStrip
 from ui.panels.charts import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.panels.prompt import PromptPanel
+from ui.panels.what_if import WhatIfPanel
 from ui.charts.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
@@ -77,6 +78,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
+        # The what-if curves (app/whatif_worker.py computes them from the live engine's trace; none for a snapshot)
+        self.what_if = WhatIfPanel(controller.what_if() if hasattr(controller, "what_if") else None)
         # The controls scroll when the window is too short for all of them, instead of painting over the
         # prompt below.
         scroll = QtWidgets.QScrollArea()
@@ -87,7 +90,8 @@ class MainWindow(QtWidgets.QMainWindow):
         scroll.setMinimumWidth(self.controls.minimumSizeHint().width() + 12)  # room for the scroll bar
         widgets = {"Controls": scroll, "Prompt": self.prompt, "Sequences": self.seqs, "Events": self.events,
                    "Hit rate": self.hit, "Memory": self.memory, "Heat": self.heat, "Residency": self.residency,
-                   "Cost": self.cost, "Why missed": self.why, "Diagnostics": self.diagnostics}
+                   "Cost": self.cost, "Why missed": self.why, "Diagnostics": self.diagnostics,
+                   "What if": self.what_if}
         self.docks = {}
         for name, _ in dock_layout.DOCK_AREAS:
             d = QtWidgets.QDockWidget(name, self)

@@ -19,6 +19,11 @@ from numpy.lib import format as npy_format
 from engine.user_file import UserFileError, open_regular
 
 COLUMNS = ("t", "seq", "block", "tier", "hit")
+# Columns a trace may lack (traces saved before them still load): per row, `pos` (the block's index in its
+# sequence's table, -1 unknown) and `group` (the KV-cache group whose pool holds it, 0: the full-attention one);
+# per sequence, its token ids (`tok_seq`, `tok_len`, the concatenated `tokens`) and the `block_size` (one value)
+# they were cut at, so the what-if curves can name a block by its contents and re-cut the tokens at other sizes.
+OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size")
 
 # The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
 # their widest), so a file that passes holds at most ~1.65 GB of columns however well it compresses: a
@@ -30,7 +35,9 @@ MAX_FILE_BYTES = 2 * 2**30
 
 # Per column: the dtype kinds accepted (numpy's dtype.kind letters) and how to say so.
 _KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block": ("iu", "integers"),
-          "tier": ("iu", "integers"), "hit": ("b", "booleans")}
+          "tier": ("iu", "integers"), "hit": ("b", "booleans"), "pos": ("iu", "integers"),
+          "group": ("iu", "integers"), "tok_seq": ("iu", "integers"), "tok_len": ("iu", "integers"),
+          "tokens": ("iu", "integers"), "block_size": ("iu", "integers")}
 _READ_CHUNK = 1 << 24  # bytes decompressed per read: the only buffer besides the columns themselves
 # The compressions np.savez and np.savez_compressed write, and the most bytes one stored byte can become
 # (deflate's limit is 1032; a zip entry's sizes are declared, so this catches an entry that lies about its).
@@ -119,6 +126,19 @@ def _read(path: str) -> dict[str, np.ndarray]:
                 lens = ", ".join(f"{c} {rows:,}" for c, (rows, _) in heads.items())
                 raise TraceFileError(f"{path}: columns of different lengths ({lens})")
             cols = {c: _read_into(streams[c], path, c, *heads[c]) for c in COLUMNS}
+            rows = len(cols["t"])
+            for c in OPTIONAL:
+                info = _member(z, c)
+                if info is None:
+                    continue
+                most = _MAX_EXPANSION.get(info.compress_type)
+                if most is None or info.file_size > most * info.compress_size + 1024:
+                    raise TraceFileError(f"{path}: column {c!r}: unsupported compression or a size it cannot have")
+                fp = stack.enter_context(z.open(info))
+                n, dt = _header(fp, path, c, info)
+                if c in ("pos", "group") and n != rows:
+                    raise TraceFileError(f"{path}: column {c!r} has {n:,} rows; the trace has {rows:,}")
+                cols[c] = _read_into(fp, path, c, n, dt)
     return cols
 
 
@@ -141,9 +161,37 @@ def _checked(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     if i is not None:
         raise TraceFileError(f"{path}: column 'tier' has {tier[i]} at row {i:,}; a tier is 0 (device) or 1 (host)")
     seq = cols["seq"]
-    return dict(t=t, seq=seq.astype(seq.dtype.newbyteorder("="), copy=False),
-                block=block.astype(np.int64, copy=False), tier=tier.astype(np.int8, copy=False),
-                hit=cols["hit"].view(np.uint8) != 0)  # a bool byte that is neither 0 nor 1 reads as True
+    out = dict(t=t, seq=seq.astype(seq.dtype.newbyteorder("="), copy=False),
+               block=block.astype(np.int64, copy=False), tier=tier.astype(np.int8, copy=False),
+               hit=cols["hit"].view(np.uint8) != 0)  # a bool byte that is neither 0 nor 1 reads as True
+    return out | _checked_optional(path, cols)
+
+
+def _checked_optional(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    out: dict = {}
+    if "pos" in cols:
+        out["pos"] = cols["pos"].astype(np.int64).astype(np.int32)  # -1 (unknown) survives from any int dtype
+    if "group" in cols:
+        g = cols["group"]
+        i = _first_bad((g < 0) | (g > 127))
+        if i is not None:
+            raise TraceFileError(f"{path}: column 'group' has {g[i]} at row {i:,}; a group is 0 .. 127")
+        out["group"] = g.astype(np.int8)
+    have = [c for c in ("tok_seq", "tok_len", "tokens", "block_size") if c in cols]
+    if have and len(have) < 4:
+        raise TraceFileError(f"{path}: token columns {', '.join(have)} without the rest "
+                             f"(tok_seq, tok_len, tokens and block_size go together)")
+    if have:
+        ts, tl, tk, bs = cols["tok_seq"], cols["tok_len"], cols["tokens"], cols["block_size"]
+        if len(ts) != len(tl):
+            raise TraceFileError(f"{path}: tok_seq has {len(ts):,} entries and tok_len {len(tl):,}")
+        if len(bs) != 1 or not 1 <= int(bs[0]) <= 65536:
+            raise TraceFileError(f"{path}: block_size must be one value from 1 to 65,536")
+        if tl.dtype.kind == "i" and (tl < 0).any() or int(tl.sum(dtype=np.uint64)) != len(tk):
+            raise TraceFileError(f"{path}: tok_len adds up to {int(tl.sum()):,} tokens but tokens holds {len(tk):,}")
+        out.update(tok_seq=ts.astype(np.int64), tok_len=tl.astype(np.int64), tokens=tk.astype(np.int64),
+                   block_size=int(bs[0]))
+    return out
 
 
 @dataclass(frozen=True)
@@ -153,12 +201,31 @@ class AccessTrace:
     block: np.ndarray  # int64 block serial
     tier: np.ndarray  # int8: where the block was when read (0 device, 1 host)
     hit: np.ndarray  # bool: served from the device tier (a prefetched block counts as a hit)
+    pos: np.ndarray | None = None  # int32: the block's index in its sequence's table (-1: not known)
+    group: np.ndarray | None = None  # int8: KV-cache group (None: all 0, the full-attention group)
+    tok_seq: np.ndarray | None = None  # per recorded sequence: its id,
+    tok_len: np.ndarray | None = None  # its number of tokens,
+    tokens: np.ndarray | None = None  # and its token ids, all sequences' concatenated
+    block_size: int | None = None  # the block size the trace's blocks were cut at
 
     def __len__(self) -> int:
         return len(self.t)
 
+    def token_lists(self) -> dict[int, np.ndarray]:
+        """Each recorded sequence's token ids (prompt and generated, as at the end of the recording)."""
+        if self.tokens is None:
+            return {}
+        ends = np.cumsum(self.tok_len)
+        return {int(s): self.tokens[e - n:e] for s, n, e in zip(self.tok_seq, self.tok_len, ends)}
+
     def save(self, path: str) -> None:
-        np.savez_compressed(path, **{c: getattr(self, c) for c in COLUMNS})
+        cols = {c: getattr(self, c) for c in COLUMNS}
+        for c in ("pos", "group", "tok_seq", "tok_len", "tokens"):
+            if getattr(self, c) is not None:
+                cols[c] = getattr(self, c)
+        if self.block_size is not None:
+            cols["block_size"] = np.array([self.block_size], dtype=np.int64)
+        np.savez_compressed(path, **cols)
 
     @staticmethod
     def load(path: str) -> "AccessTrace":
@@ -191,25 +258,70 @@ class AccessTrace:
 
 
 class TraceRecorder:
-    """Collects reads in chunks (one per step and sequence) and concatenates them once at the end."""
+    """Collects reads in chunks (one per step and sequence) and concatenates them once at the end.
 
-    def __init__(self):
-        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray]] = []
+    A chunk is a sequence's block table in order, so a row's index in its chunk is the block's position.
+    seq_of (optional): sequence id -> an object whose `.tokens` is the sequence's token list; the recorder keeps
+    it from the sequence's first read and saves its tokens as they are when the trace is taken (a context shift
+    meanwhile leaves the shifted list), with `block_size`, so a block can be named by its contents.
+    """
+
+    def __init__(self, seq_of=None, block_size: int | None = None, group: int = 0):
+        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray, int]] = []
         self.rows = 0
+        self._seq_of = seq_of
+        self._seqs: dict = {}
+        self.block_size = block_size
+        self.group = group
 
-    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray) -> None:
-        self._chunks.append((t, seq, blocks.copy(), tiers.astype(np.int8), hits.astype(bool)))
+    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray,
+            group: int | None = None) -> None:
+        self._chunks.append((t, seq, blocks.copy(), tiers.astype(np.int8), hits.astype(bool),
+                             self.group if group is None else group))
         self.rows += len(blocks)
+        if self._seq_of is not None and seq not in self._seqs:
+            self._seqs[seq] = self._seq_of(seq)
+
+    def for_group(self, group: int) -> "_GroupRecorder":
+        """A recorder for KV-cache group `group`'s pool (engine/kv/grouped.py): its rows land in this trace,
+        tagged with the group (block serials are per pool, so the curves take one group at a time)."""
+        return _GroupRecorder(self, group)
 
     def trace(self) -> AccessTrace:
         if not self._chunks:
             z = np.zeros(0)
             return AccessTrace(z, z.astype(np.int32), z.astype(np.int64), z.astype(np.int8), z.astype(bool))
         lens = [len(c[2]) for c in self._chunks]
+        toks = {s: np.asarray(o.tokens, dtype=np.int64) for s, o in self._seqs.items() if o is not None}
+        extra: dict = {}
+        if toks and self.block_size:
+            extra = dict(tok_seq=np.array(list(toks), dtype=np.int64),
+                         tok_len=np.array([len(v) for v in toks.values()], dtype=np.int64),
+                         tokens=np.concatenate(list(toks.values())), block_size=int(self.block_size))
         return AccessTrace(
             t=np.repeat([c[0] for c in self._chunks], lens).astype(np.float64),
             seq=np.repeat([c[1] for c in self._chunks], lens).astype(np.int32),
             block=np.concatenate([c[2] for c in self._chunks]).astype(np.int64),
             tier=np.concatenate([c[3] for c in self._chunks]),
             hit=np.concatenate([c[4] for c in self._chunks]),
+            pos=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
+            group=np.repeat([c[5] for c in self._chunks], lens).astype(np.int8),
+            **extra,
         )
+
+
+class _GroupRecorder:
+    """One KV-cache group's door into a TraceRecorder: `add` tags the rows; `trace` and `rows` are the whole's."""
+
+    def __init__(self, whole: TraceRecorder, group: int):
+        self.whole, self.group = whole, group
+
+    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray) -> None:
+        self.whole.add(t, seq, blocks, tiers, hits, self.group)
+
+    @property
+    def rows(self) -> int:
+        return self.whole.rows
+
+    def trace(self) -> AccessTrace:
+        return self.whole.trace()

@@ -22,12 +22,14 @@ SECONDS_PER_ACCESS = 0.01  # the clock of a trace given without times
 
 # -- simulators: each returns the hit count; `log`, if given, collects evicted keys in order ----------
 
-def _lru(keys: list, cap: int, log: list | None) -> int:
+def _lru(keys: list, cap: int, log: list | None, hitlog: bytearray | None = None) -> int:
     cache: OrderedDict = OrderedDict()
     hits = 0
-    for k in keys:
+    for i, k in enumerate(keys):
         if k in cache:
             hits += 1
+            if hitlog is not None:
+                hitlog[i] = 1
             cache.move_to_end(k)
             continue
         if len(cache) >= cap:
@@ -38,7 +40,7 @@ def _lru(keys: list, cap: int, log: list | None) -> int:
     return hits
 
 
-def _heat(keys: list, times: list, cap: int, decay: float, log: list | None) -> int:
+def _heat(keys: list, times: list, cap: int, decay: float, log: list | None, hitlog: bytearray | None = None) -> int:
     """heat = heat*decay^dt + 1 per access (a miss: 2, the insert and its read); evict the lowest current heat, ties by
     older second-to-last access.
 
@@ -51,10 +53,12 @@ def _heat(keys: list, times: list, cap: int, decay: float, log: list | None) -> 
     heap: list = []  # (time-invariant score, second-to-last access, entry id, key)
     serial = 0
     hits = 0
-    for k, t in zip(keys, times):
+    for i, (k, t) in enumerate(zip(keys, times)):
         e = state.get(k)
         if e is not None:
             hits += 1
+            if hitlog is not None:
+                hitlog[i] = 1
             h, last, _, _ = e
             h = h * math.exp(lnd * max(t - last, 0.0)) + 1.0
             prev = last
@@ -80,7 +84,7 @@ def _heat(keys: list, times: list, cap: int, decay: float, log: list | None) -> 
     return hits
 
 
-def _s3fifo(keys: list, cap: int, log: list | None) -> int:
+def _s3fifo(keys: list, cap: int, log: list | None, hitlog: bytearray | None = None) -> int:
     """S3-FIFO as engine.kv.eviction.S3FIFO runs it when every block is a candidate and each hit is a new
     request's read (the engine counts those, not a sequence's re-reads of blocks it wrote)."""
     small_target, ghost_len = s3fifo_sizes(cap)
@@ -89,10 +93,12 @@ def _s3fifo(keys: list, cap: int, log: list | None) -> int:
     freq: dict = {}  # key -> re-accesses (0..3); membership = cached
     ghost: OrderedDict = OrderedDict()
     hits = 0
-    for k in keys:
+    for i, k in enumerate(keys):
         f = freq.get(k)
         if f is not None:
             hits += 1
+            if hitlog is not None:
+                hitlog[i] = 1
             if f < 3:
                 freq[k] = f + 1
             continue
@@ -172,11 +178,12 @@ def _opt(keys_arr: np.ndarray, cap: int, log: list | None) -> int:
 
 
 def replay(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9, times: np.ndarray | None = None,
-           *, evictions: bool = False) -> dict:
+           *, evictions: bool = False, per_access: bool = False) -> dict:
     """Hits, misses and hit rate of `policy` on a cache of `capacity` blocks over the accesses `keys`.
 
     times: access times in seconds (heat's decay clock); None: access i happens at i*0.01 s.
     evictions: also return "evicted", the evicted keys in order.
+    per_access: also return "hit", a bool array with the outcome of every access (not for opt).
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -186,21 +193,26 @@ def replay(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9, tim
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     keys = np.asarray(keys).astype(np.int64, copy=False).ravel()
     log: list | None = [] if evictions else None
+    if per_access and policy == "opt":
+        raise ValueError("per_access is for lru, heat and s3fifo")
+    hl: bytearray | None = bytearray(len(keys)) if per_access else None
     if policy == "lru":
-        hits = _lru(keys.tolist(), capacity, log)
+        hits = _lru(keys.tolist(), capacity, log, hl)
     elif policy == "heat":
         if times is None:
             times = np.arange(len(keys)) * SECONDS_PER_ACCESS
         times = np.asarray(times, dtype=np.float64)
         if len(times) != len(keys):
             raise ValueError(f"{len(times)} times for {len(keys)} accesses")
-        hits = _heat(keys.tolist(), times.tolist(), capacity, decay, log)
+        hits = _heat(keys.tolist(), times.tolist(), capacity, decay, log, hl)
     elif policy == "s3fifo":
-        hits = _s3fifo(keys.tolist(), capacity, log)
+        hits = _s3fifo(keys.tolist(), capacity, log, hl)
     else:
         hits = _opt(keys, capacity, log)
     n = len(keys)
     out = {"hits": hits, "misses": n - hits, "hit_rate": hits / n if n else 0.0}
     if evictions:
         out["evicted"] = log
+    if hl is not None:
+        out["hit"] = np.frombuffer(bytes(hl), dtype=np.uint8).astype(bool)
     return out

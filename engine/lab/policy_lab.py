@@ -41,6 +41,9 @@ def lab_input(trace: AccessTrace | np.ndarray, every_read: bool = False) -> tupl
     """(keys, times) the lab replays: an array as it is; a trace's first reads, or every read if asked."""
     if not isinstance(trace, AccessTrace):
         return np.asarray(trace), None
+    if trace.group is not None and (trace.group != 0).any():  # serials are per pool: the full-attention group's
+        g0 = trace.group == 0
+        trace = AccessTrace(trace.t[g0], trace.seq[g0], trace.block[g0], trace.tier[g0], trace.hit[g0])
     if every_read:
         return np.asarray(trace.block, dtype=np.int64), np.asarray(trace.t, dtype=np.float64)
     return first_reads(trace)

@@ -401,7 +401,8 @@ class Engine:
         from engine.kv.access_trace import TraceRecorder
 
         with self.lock:
-            self.kv.trace = TraceRecorder()
+            # the sequences' tokens ride along, so the what-if curves can re-cut them (engine/lab/mrc.py)
+            self.kv.trace = TraceRecorder(self.scheduler.seqs.get, self.config.block_size)
             self.telemetry.emit("trace", recording=True)
 
     def stop_trace(self, path: str | None = None):

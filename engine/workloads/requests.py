@@ -243,18 +243,30 @@ def read_trace(path: str | os.PathLike[str]) -> Iterator[tuple[int, Request | st
     it): read lazily, in file order, so memory does not grow with the file. The file's own problems (not a
     regular file, over MAX_JSONL_BYTES) raise UserFileError (a ValueError) naming it. A `fork_of` must name
     the session of an earlier good line."""
+    from engine.workloads import public_traces as pub  # a line with hash_ids: Mooncake or Bailian, tokens synthesized
+
     sessions: set[str] = set()
     for ln in json_lines(path, "a trace"):
         if ln.problem is not None:
             yield ln.number, ln.problem
             continue
         try:
-            req = _parse_line(ln.value, sessions, ln.number)
+            if pub.is_block_trace_line(ln.value):
+                req = _block_request(pub.parse_block_line(ln.value, ln.number), pub.synthesized_prompt)
+            else:
+                req = _parse_line(ln.value, sessions, ln.number)
         except ValueError as e:
             yield ln.number, str(e)
             continue
         sessions.add(req.session)
         yield ln.number, req
+
+
+def _block_request(r, synthesize) -> Request:
+    """A Mooncake / Bailian line (engine/workloads/public_traces.py) as a replayable request: synthesized prompt
+    tokens, output_length new tokens (at least 1), its own session (the trace's prompts carry their history)."""
+    session = r.session if r.fmt == "mooncake" else f"{r.session}-{r.line}"
+    return Request(r.t_s, session, None, synthesize(r), max(1, r.output_length), "chat", line=r.line)
 
 
 def load_trace(path: str | os.PathLike[str]) -> list[Request]:

@@ -44,7 +44,7 @@ def busy(runner, n=3, new=400):
 
 def test_window_builds_with_every_panel(window):
     assert set(window.docks) == {"Controls", "Prompt", "Sequences", "Events", "Hit rate", "Memory", "Heat",
-                                 "Residency", "Cost", "Diagnostics"}
+                                 "Residency", "Cost", "Why missed", "Diagnostics", "What if"}
     window.refresh()
     assert "tiny" in window.status.text() or "on cpu" in window.status.text()
     # budgets count MiB, and say so (a "48 MB" budget held 50.1 million bytes)

@@ -1,0 +1,111 @@
+"""`kvscope policy-lab --validate`: the what-if curve against the real engine.
+
+One workload is run on the real engine at a base device budget with a trace recorded; its LRU curve
+(engine/lab/whatif.py, exact) predicts the device hit rate at other budgets; then the same requests are run
+again at 0.5x, 2x and 4x the budget and the same hit rate is measured on each run's own trace
+(`real_hit_rate`: the first read of each block by each sequence that found it computed and on the device tier).
+
+The runs are set so that the device tier is a plain LRU cache, the thing the curve models: policy lru, no idle
+demotion (demote_after_s 3600), no prefetch, a host tier large enough that nothing is preempted for room.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.replay import Replay, ReplayClock, RunResult
+from engine.lab.mrc import lru_curve
+from engine.lab.whatif import real_hit_rate, stream_of
+
+FACTORS = (0.5, 2.0, 4.0)
+PLAIN_LRU = dict(policy="lru", demote_after_s=3600.0, prefetch_depth=0)
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    workload: str
+    factor: float
+    budget_mib: float
+    capacity: int  # device-tier blocks
+    predicted: float
+    real: float
+    counted: int  # first reads the real rate is over
+
+    @property
+    def diff_points(self) -> float:
+        return 100 * (self.predicted - self.real)
+
+
+def run_traced(loaded, config, options, requests, cap: int | None, window: int | None = 2):
+    """Run `requests` on a fresh engine with `config`, all arrived at once and at most `window` of them in the
+    engine at a time (so the order of reads is the same at every budget); (trace, device capacity, result)."""
+    from engine.runtime.engine import Engine
+
+    gc.collect()
+    clock = ReplayClock()
+    engine = Engine(loaded, config, options, clock=clock)
+    engine.start_trace()
+    result = Replay(engine, requests, 0.0, cap, clock, window=window).run(RunResult("check", config, len(requests)),
+                                                           lambda done, elapsed: None)
+    trace = engine.stop_trace()
+    capacity = int(engine.pool.sizes.dev_cap)
+    return trace, capacity, result
+
+
+def check_workload(loaded, options, base_config, name: str, requests: list, factors=FACTORS,
+                   cap: int | None = 16, recency: str = "every", window: int | None = 2) -> list[CheckRow]:
+    """The table's rows for one workload: the base run (factor 1) and one rerun per factor."""
+    base = base_config.replace(**PLAIN_LRU)
+    trace, cap0, _ = run_traced(loaded, base, options, requests, cap, window)
+    stream = stream_of(trace, recency)
+    reruns = []
+    for f in factors:
+        cfg = base.replace(device_budget_mb=base.device_budget_mb * f)
+        t, c, _ = run_traced(loaded, cfg, options, requests, cap, window)
+        reruns.append((f, cfg.device_budget_mb, c, t))
+    caps = [cap0] + [c for _, _, c, _ in reruns]
+    curve = lru_curve(stream.keys, caps, stream.counted)
+    rows = []
+    for (f, mib, c, t), pred in zip([(1.0, base.device_budget_mb, cap0, trace)] + reruns, curve.hit_rate):
+        real, n = real_hit_rate(t)
+        rows.append(CheckRow(name, f, mib, c, float(pred), real, n))
+    return rows
+
+
+def format_rows(rows: list[CheckRow]) -> str:
+    head = (f"{'workload':<22}{'budget':>10}{'MiB':>9}{'blocks':>8}{'predicted %':>13}{'real %':>9}"
+            f"{'diff pts':>10}{'reads':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.workload:<22}{r.factor:>9g}×{r.budget_mib:>9.2f}{r.capacity:>8,}{100 * r.predicted:>13.1f}"
+                     f"{100 * r.real:>9.1f}{r.diff_points:>+10.1f}{r.counted:>8,}")
+    worst = max((abs(r.diff_points) for r in rows if r.factor != 1.0), default=float("nan"))
+    lines.append(f"largest |predicted - real| at the other budgets: {worst:.1f} points")
+    return "\n".join(lines)
+
+
+def default_workloads(seed: int = 0, requests: int = 24) -> list[tuple[str, list]]:
+    """Three built-in workloads with reuse of different shapes: shared-prefix chat, users who return, a mix."""
+    from engine.workloads import requests as w
+
+    sessions = max(1, requests // 3)
+    return [("chat", w.shared_system_chat(sessions, 3, seed)[:requests]),
+            ("returning", w.returning_users(sessions, 6.0, seed)[:requests]),
+            ("forks", w.forks(max(1, requests // 4), 3, seed)[:requests])]
+
+
+def budget_for_blocks(loaded, config, blocks: int) -> float:
+    """The device budget (MiB) that holds about `blocks` blocks of `config`'s size and dtype."""
+    from engine.kv.block_pool import RESERVED, BlockPool
+
+    s = loaded.spec
+    return (blocks + RESERVED) * BlockPool.bytes_per_block(config, s.num_layers, s.num_kv_heads, s.head_dim) / 2**20
+
+
+def summary(rows: list[CheckRow]) -> dict:
+    other = [r for r in rows if r.factor != 1.0]
+    return {"rows": [dict(r.__dict__, diff_points=r.diff_points) for r in rows],
+            "max_abs_diff_points": float(np.max([abs(r.diff_points) for r in other])) if other else None}

@@ -1,0 +1,220 @@
+"""`kvscope policy-lab --curve | --block-sizes | --thresholds | --validate`: the what-if curves on the command line.
+
+The curves are engine/lab/mrc.py and engine/lab/whatif.py; the validation against the real engine is
+app/whatif_check.py. A TRACE is an engine access trace (.npz) or a Mooncake / Bailian block-hash trace (.jsonl).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from engine.lab.mrc import Curve, curve_capacities, what_if_line
+from engine.lab.whatif import BLOCK_SIZES, Stream, block_size_curves, policy_curves, stream_of, threshold_curve
+
+TARGET = 0.75  # the seeds' monitoring target: device hit rate >= 75 %
+THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
+
+
+def add_flags(ap: argparse.ArgumentParser) -> None:
+    g = ap.add_argument_group("what-if curves (hit rate against capacity; README: Tuning your cache)")
+    g.add_argument("--curve", action="store_true",
+                   help="hit rate against capacity at >= 32 capacities: LRU exact (Mattson stack distances), heat "
+                        "and S3-FIFO by SHARDS-sampled simulation")
+    g.add_argument("--current", type=int, metavar="BLOCKS",
+                   help="the device tier's capacity in blocks to read the curves at (default: where LRU is nearest 50%%)")
+    g.add_argument("--block-mib", type=float, metavar="MIB", help="MiB per block, to say capacities in MiB")
+    g.add_argument("--recency", choices=("every", "first"), default="every",
+                   help="what moves a block in LRU's order: every read (as the engine's LRU) or only the counted "
+                        "first reads (the policy lab's replay)")
+    g.add_argument("--block-sizes", action="store_true",
+                   help="LRU curves at block sizes 8/16/32/64 by re-cutting the trace's recorded tokens (an .npz "
+                        "recorded by this version), or at 1/2/4x a block-hash trace's block")
+    g.add_argument("--thresholds", action="store_true",
+                   help="LRU hit rate at --current blocks against the demotion threshold (demote_after_s)")
+    g.add_argument("--validate", action="store_true",
+                   help="run 3 built-in workloads on the real engine and compare the curve's prediction at 0.5x, 2x "
+                        "and 4x the device budget with a rerun at that budget (needs no TRACE)")
+    g.add_argument("--model", help="--validate: the model (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--requests", type=int, default=24, help="--validate: requests per workload (default 24)")
+    g.add_argument("--window", type=int, default=2, help="--validate: requests in the engine at once (default 2)")
+    g.add_argument("--max-new-tokens-cap", type=int, default=16, help="--validate: cap on generated tokens")
+
+
+def wants_what_if(args: argparse.Namespace) -> bool:
+    return bool(args.curve or args.block_sizes or args.thresholds or args.validate
+                or (args.trace and args.trace.endswith(".jsonl")))
+
+
+def load_stream(args: argparse.Namespace):
+    """(stream, source text, trace or None, block-hash requests or None)."""
+    from engine.kv.access_trace import AccessTrace
+    from engine.lab.policy_lab import scan_polluted_trace
+    from engine.lab.whatif import block_stream
+    from engine.workloads.public_traces import read_block_trace
+
+    if args.synthetic:
+        k = scan_polluted_trace(args.seed)
+        s = Stream(k, np.arange(len(k)) * 0.01, np.ones(len(k), dtype=bool), None, False)
+        return s, f"synthetic scan-polluted chat trace (seed {args.seed})", None, None
+    if args.trace.endswith(".jsonl"):
+        reqs = read_block_trace(args.trace)
+        return block_stream(reqs), f"{args.trace} ({reqs[0].fmt}, {reqs[0].block_tokens}-token blocks)", None, reqs
+    trace = AccessTrace.load(args.trace)
+    if len(trace) == 0:
+        raise ValueError(f"{args.trace}: the trace is empty")
+    s = stream_of(trace, args.recency)
+    named = "by contents" if s.content else "by serial (no tokens recorded)"
+    return s, f"{args.trace} ({len(trace):,} reads; blocks named {named})", trace, None
+
+
+def _curve_table(curves: list[Curve], mib: float | None) -> str:
+    caps = curves[-1].capacities  # the simulated policies' (fewer) capacities, where every curve has a point
+    pick = np.unique(np.linspace(0, len(caps) - 1, min(len(caps), 12)).round().astype(int))
+    w = 10
+    head = "capacity".ljust(12) + "".join(f"{int(caps[i]):,}".rjust(w) for i in pick)
+    lines = ["hit rate (%) of the counted reads by capacity in blocks" + (f" ({mib:g} MiB a block)" if mib else ""),
+             head]
+    for c in curves:
+        mark = "" if c.exact else " ~"
+        at = dict(zip(c.capacities.tolist(), c.hit_rate.tolist()))
+        vals = [at.get(int(caps[i]), float("nan")) for i in pick]
+        lines.append((c.policy + mark).ljust(12) + "".join(
+            ("—" if np.isnan(v) else f"{100 * v:.1f}").rjust(w) for v in vals))
+    lines.append("(~: SHARDS-sampled estimate; LRU is exact at every capacity)")
+    return "\n".join(lines)
+
+
+def _nearest_half(c: Curve) -> int:
+    return int(c.capacities[int(np.nanargmin(np.abs(c.hit_rate - 0.5)))])
+
+
+def plot_curves(curves: list[Curve], path: str, current: int, title: str, mib: float | None) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9, 5), dpi=120)
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    scale = mib or 1.0
+    for c in curves:
+        ax.plot(c.capacities * scale, 100 * c.hit_rate, label=c.policy + ("" if c.exact else " (sampled)"),
+                linewidth=2.0 if c.policy == "lru" else 1.4)
+    ax.axvline(current * scale, color="black", linestyle=":", label="current capacity")
+    ax.axhline(100 * TARGET, color="tab:red", linestyle="--", linewidth=1, label="target 75 %")
+    ax.set_xscale("log")
+    ax.set_xlabel("device capacity (MiB)" if mib else "device capacity (blocks)")
+    ax.set_ylabel("hit rate of first reads (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=9, loc="lower right")
+    ax.set_title(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.validate:
+        return validate(args)
+    t0 = time.perf_counter()
+    stream, source, trace, reqs = load_stream(args)
+    caps = curve_capacities(stream.distinct)
+    policies = tuple(p for p in (args.policy or ("lru", "heat", "s3fifo")) if p != "opt")
+    decay = (args.decay or [0.9])[0]
+    curves = policy_curves(stream, caps, policies=policies, decay=decay, seed=args.seed)
+    took = time.perf_counter() - t0
+    lru = next((c for c in curves if c.policy == "lru"), curves[0])
+    current = args.current or _nearest_half(lru)
+    out: dict = {"trace": source, "accesses": int(len(stream.keys)), "counted": int(stream.counted.sum()),
+                 "distinct_blocks": stream.distinct, "current": current, "seconds": took,
+                 "curves": [{"policy": c.policy, "exact": c.exact, "capacities": c.capacities.tolist(),
+                             "hit_rate": c.hit_rate.tolist()} for c in curves]}
+    text = [f"{source}: {len(stream.keys):,} accesses, {int(stream.counted.sum()):,} counted (each sequence's first "
+            f"read of a block), {stream.distinct:,} distinct blocks; curves in {took:.2f} s",
+            _curve_table(curves, args.block_mib)]
+    text += [what_if_line(c, current, args.block_mib, TARGET) for c in curves]
+    if args.block_sizes:
+        rows = _block_size_rows(args, trace, reqs)
+        out["block_sizes"] = rows
+        text.append("LRU by block size (same bytes: capacity in MiB = blocks × block size × MiB per token)")
+        for r in rows:
+            text.append(f"  block {r['block_size']:>3}: " + ", ".join(
+                f"{x:g} {'MiB' if args.block_mib else 'x current bytes'}: {100 * h:.1f} %"
+                for x, h in zip(r["at"], r["hit_rate_at"])))
+    if args.thresholds:
+        th = threshold_curve(stream, current, THRESHOLDS)
+        out["thresholds"] = {"demote_after_s": list(THRESHOLDS), "hit_rate": th.tolist(), "capacity": current}
+        text.append(f"LRU at {current:,} blocks by demotion threshold: " + ", ".join(
+            f"{t:g} s {100 * h:.1f} %" for t, h in zip(THRESHOLDS, th)))
+    if args.plot:
+        plot_curves(curves, args.plot, current, f"What if: {source}", args.block_mib)
+        text.append(f"figure: {args.plot}")
+    print(json.dumps(out) if args.json else "\n".join(text))
+    return 0
+
+
+def _block_size_rows(args, trace, reqs) -> list[dict]:
+    """Per block size: the hit rate at 0.5, 1, 2 and 4 times the current bytes."""
+    from engine.lab.mrc import lru_curve
+    from engine.lab.whatif import block_stream
+
+    current = args.current
+    factors = (0.5, 1.0, 2.0, 4.0)
+    rows = []
+    if reqs is not None:
+        base = reqs[0].block_tokens
+        for m in (1, 2, 4):
+            s = block_stream(reqs, merge=m)
+            cur = current or max(1, s.distinct // 4)
+            caps = [max(1, round(cur * f / m)) for f in factors]  # same bytes: 1/m as many blocks
+            c = lru_curve(s.keys, caps, s.counted)
+            rows.append({"block_size": base * m, "at": list(factors), "capacities": caps, "hit_rate_at": c.hit_rate.tolist()})
+        return rows
+    if trace is None:
+        raise ValueError("--block-sizes needs a TRACE (an .npz with recorded tokens, or a block-hash .jsonl)")
+    bs0 = trace.block_size
+    tokens_cap = (current or max(1, stream_of(trace, args.recency).distinct // 4)) * (bs0 or 16)
+    per_token = (args.block_mib / bs0) if (args.block_mib and bs0) else None
+    for b, _, _ in [(b, None, None) for b in BLOCK_SIZES]:
+        from engine.lab.whatif import rebin
+
+        s = rebin(trace, b, args.recency)
+        caps = [max(1, round(tokens_cap * f / b)) for f in factors]
+        c = lru_curve(s.keys, caps, s.counted)
+        at = [round(tokens_cap * f * per_token, 2) for f in factors] if per_token else list(factors)
+        rows.append({"block_size": b, "at": at, "capacities": caps, "hit_rate_at": c.hit_rate.tolist()})
+    return rows
+
+
+def validate(args: argparse.Namespace) -> int:
+    """The predicted-vs-real table for 3 workloads (app/whatif_check.py)."""
+    from app.whatif_check import budget_for_blocks, check_workload, default_workloads, format_rows, run_traced, summary, PLAIN_LRU
+    from engine.config import CacheConfig, EngineOptions
+    from engine.model.loader import load_model
+
+    loaded = load_model(args.model)
+    options = EngineOptions(attention="auto")
+    base = CacheConfig(block_size=16, host_budget_mb=256.0)
+    rows = []
+    t0 = time.perf_counter()
+    for name, reqs in default_workloads(args.seed, args.requests):
+        # Base capacity: a quarter of the distinct blocks (the curve's knee is below it on these workloads), but
+        # at 0.5x still more than the blocks the running sequences hold at once (below that the tier thrashes on
+        # its running set, which no cache curve models).
+        trace, _, _ = run_traced(loaded, base.replace(**PLAIN_LRU, device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
+                                 options, reqs, args.max_new_tokens_cap, args.window)
+        s = stream_of(trace)
+        _, live = np.unique(trace.t, return_counts=True)
+        blocks = args.current or max(int(2.5 * live.max()), s.distinct // 4)
+        cfg = base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
+        rows += check_workload(loaded, options, cfg, name, reqs, cap=args.max_new_tokens_cap, window=args.window)
+        print(f"[validate] {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(summary(rows)))
+    else:
+        print(format_rows(rows))
+    return 0

@@ -1,0 +1,113 @@
+"""The window's "What if" tab, its app side: record or open a trace, compute its curves on a worker thread, hand the
+tab plain numpy arrays (ui/panels/what_if.py draws them; ui never sees torch or the engine).
+
+`WhatIfService` wraps the live engine's runner: `record()` starts a trace (refused while one is recorded from
+Controls), `take()` stops it and returns it unsaved, `compute(source, done)` runs `what_if_result` on a daemon
+thread and calls done(result or an error message) from that thread: the tab passes a Qt signal's emit, so the
+result crosses to the GUI thread queued.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.lab.mrc import curve_capacities, what_if_short
+from engine.lab.whatif import BLOCK_SIZES, block_size_curves, block_stream, policy_curves, stream_of, threshold_curve
+
+TARGET = 0.75
+THRESHOLDS_S = np.array([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0])
+
+
+@dataclass(frozen=True)
+class WhatIfResult:
+    """Everything the tab draws. curves: (label, capacities in blocks, hit rate, exact); block_sizes: (block size,
+    MiB, hit rate); thresholds: (seconds, hit rate) at the current capacity; lines: the what-if sentences."""
+    source: str
+    accesses: int
+    counted: int
+    distinct: int
+    current_blocks: int
+    block_mib: float | None
+    demote_after_s: float | None
+    curves: list = field(default_factory=list)
+    block_sizes: list = field(default_factory=list)
+    thresholds: tuple | None = None
+    lines: list = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def what_if_result(source, current_blocks: int, block_mib: float | None, demote_after_s: float | None = None,
+                   decay: float = 0.9) -> WhatIfResult:
+    """source: an AccessTrace, a path to one (.npz), or a path to a Mooncake / Bailian trace (.jsonl)."""
+    from engine.kv.access_trace import AccessTrace
+
+    t0 = time.perf_counter()
+    trace = None
+    if isinstance(source, str) and source.endswith(".jsonl"):
+        from engine.workloads.public_traces import read_block_trace
+
+        reqs = read_block_trace(source)
+        stream = block_stream(reqs)
+        name = f"{source} ({reqs[0].fmt})"
+    else:
+        trace = AccessTrace.load(source) if isinstance(source, str) else source
+        name = source if isinstance(source, str) else "recorded from this engine"
+        if len(trace) == 0:
+            raise ValueError("the trace is empty: nothing was read while it recorded")
+        stream = stream_of(trace)
+    caps = curve_capacities(stream.distinct)
+    caps = np.unique(np.append(caps, [max(1, current_blocks // 2), current_blocks, current_blocks * 2,
+                                       current_blocks * 4]))
+    curves = policy_curves(stream, caps, decay=decay)
+    lines = [what_if_short(c, current_blocks, block_mib, TARGET) for c in curves]
+    sizes = []
+    if trace is not None and trace.tokens is not None and trace.block_size and block_mib:
+        per_token = block_mib / trace.block_size
+        sizes = [(b, mib, c.hit_rate) for b, mib, c in block_size_curves(trace, per_token, BLOCK_SIZES)]
+    th = (THRESHOLDS_S, threshold_curve(stream, current_blocks, THRESHOLDS_S)) if trace is not None else None
+    return WhatIfResult(name, int(len(stream.keys)), int(stream.counted.sum()), stream.distinct, current_blocks,
+                        block_mib, demote_after_s,
+                        [(c.policy, c.capacities, c.hit_rate, c.exact) for c in curves], sizes, th, lines,
+                        time.perf_counter() - t0)
+
+
+class WhatIfService:
+    def __init__(self, runner):
+        self.runner = runner
+        self._mine = False  # the recording running is the tab's
+
+    def current(self) -> tuple[int, float, float, float]:
+        """(device-tier blocks, MiB a block, demote_after_s, decay) of the live config."""
+        eng = self.runner.engine
+        pool, cfg = eng.pool, eng.config
+        return int(pool.sizes.dev_cap), pool.block_bytes / 2**20, float(cfg.demote_after_s), float(cfg.decay)
+
+    def record(self) -> str | None:
+        """Start recording; an error message instead if a trace is being recorded already (from Controls)."""
+        if self.runner.recording:
+            return "a trace is being recorded already (Controls: Record trace); stop it first"
+        self.runner.engine.start_trace()
+        self._mine = True
+        return None
+
+    def take(self):
+        """Stop the tab's recording and return the trace (not saved); None if the tab was not recording."""
+        if not self._mine:
+            return None
+        self._mine = False
+        return self.runner.engine.stop_trace(None)
+
+    def compute(self, source, done) -> None:
+        blocks, mib, demote, decay = self.current()
+
+        def work():
+            try:
+                done(what_if_result(source, blocks, mib, demote, decay))
+            except (ValueError, OSError) as e:  # a bad file: TraceFileError, a bad JSONL line; refused in one line
+                done(str(e))
+
+        threading.Thread(target=work, name="kvscope-what-if", daemon=True).start()

@@ -1,0 +1,263 @@
+"""What a change would buy: the access stream a recorded trace implies, and the curves the window draws.
+
+`stream_of` turns an AccessTrace into the stream the curves replay: which key each read names, when, and
+whether it counts. A block is named by its contents where the trace recorded its sequence's tokens (the chained
+hash of its tokens and every token before it, as the prefix cache names it): a block evicted and recomputed
+later is then the same block, so a larger cache is credited with the hit it would have had. Where the tokens are
+not known (an old trace, a block not yet full) a block is named by its serial.
+
+Which reads count, as in the policy lab: the first read of each block by each sequence (a sequence's later reads
+of its own blocks hit under any policy; the engine pins them). `recency="every"` lets every read move its block
+to the front of the LRU stack (as the engine's LRU orders blocks by their last read), counting only first reads;
+`recency="first"` replays first reads alone (the policy lab's stream).
+
+`rebin` re-cuts the recorded token stream at another block size (8, 16, 32, 64): each recorded read of a
+sequence's table at the recorded size becomes a read of the blocks covering the same tokens at the new one.
+`threshold_curve` is the hit rate at one capacity against the demotion threshold (a block idle longer than
+`demote_after_s` is on the host tier when read: a device miss). `block_stream` is the stream of a published
+block-hash trace (engine/workloads/public_traces.py reads them; the two packages may not import each other, so
+this takes its requests by their fields). `real_hit_rate` measures on a run what the curves predict.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.kv.access_trace import AccessTrace
+from engine.kv.tiers import chain_hash
+from engine.lab.mrc import MIN_CURVE_POINTS, Curve, curve_capacities, lru_curve, sampled_curve, stack_distances
+
+BLOCK_SIZES = (8, 16, 32, 64)
+_MASK63 = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The accesses a curve replays. keys: int64 (content hash >= 0, or -1 - serial); counted: the reads the hit
+    rate is over; block_size: tokens per block (None: unknown)."""
+    keys: np.ndarray
+    times: np.ndarray
+    counted: np.ndarray
+    block_size: int | None
+    content: bool  # keys are contents (tokens were recorded), not serials
+
+    @property
+    def distinct(self) -> int:
+        return int(len(np.unique(self.keys)))
+
+
+def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """The chained hash of every full block of a token list (as the prefix cache computes them), as int64 >= 0."""
+    out = np.empty(len(tokens) // block_size, dtype=np.int64)
+    h = 0
+    for j in range(len(out)):
+        h = chain_hash(h, tokens[j * block_size:(j + 1) * block_size])
+        out[j] = h & _MASK63
+    return out
+
+
+def _first_of_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """True at the first occurrence of each (a, b) pair, in order."""
+    n = len(a)
+    order = np.lexsort((np.arange(n), b, a))
+    first = np.ones(n, dtype=bool)
+    first[1:] = (a[order][1:] != a[order][:-1]) | (b[order][1:] != b[order][:-1])
+    out = np.zeros(n, dtype=bool)
+    out[order[first]] = True
+    return out
+
+
+def _positions(trace: AccessTrace) -> np.ndarray:
+    """Each row's index in its chunk (one sequence's table read at one time): recorded, or rebuilt from runs."""
+    if trace.pos is not None:
+        return trace.pos.astype(np.int64)
+    n = len(trace)
+    start = np.ones(n, dtype=bool)
+    start[1:] = (trace.seq[1:] != trace.seq[:-1]) | (trace.t[1:] != trace.t[:-1])
+    idx = np.arange(n)
+    return idx - np.maximum.accumulate(np.where(start, idx, 0))
+
+
+def _content_keys(seq: np.ndarray, pos: np.ndarray, fallback: np.ndarray, tokens: dict[int, np.ndarray],
+                  block_size: int) -> np.ndarray:
+    """Content key of each (seq, pos) where the sequence's tokens fill that block, else `fallback`."""
+    keys = fallback.copy()
+    for s in np.unique(seq):
+        toks = tokens.get(int(s))
+        if toks is None:
+            continue
+        hashes = block_hashes(toks, block_size)
+        rows = np.flatnonzero(seq == s)
+        p = pos[rows]
+        ok = (p >= 0) & (p < len(hashes))
+        keys[rows[ok]] = hashes[p[ok]]
+    return keys
+
+
+def _one_key_per_block(serial: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Every read of a block under one key: its contents' where any read of it has one (a block being filled is
+    read while partial, under its serial, and later full), else its serial's. Two keys for one block would hold
+    two places in a simulated cache that the engine's block holds once."""
+    has = np.flatnonzero(keys >= 0)[::-1]  # newest first: np.unique's first index is then the newest
+    if not len(has):
+        return keys
+    u, first = np.unique(serial[has], return_index=True)
+    content = keys[has][first]
+    at = np.minimum(np.searchsorted(u, serial), len(u) - 1)
+    found = u[at] == serial
+    out = keys.copy()
+    out[found] = content[at[found]]
+    return out
+
+
+def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0) -> Stream:
+    """The stream of `trace` (one KV-cache group's rows; None: every row) at its recorded block size."""
+    if recency not in ("every", "first"):
+        raise ValueError(f"recency must be 'every' or 'first', got {recency!r}")
+    rows = np.arange(len(trace))
+    if group is not None and trace.group is not None:
+        rows = np.flatnonzero(trace.group == group)
+    seq, serial, t = trace.seq[rows].astype(np.int64), trace.block[rows], trace.t[rows]
+    pos = _positions(trace)[rows]
+    keys = -1 - serial
+    tokens = trace.token_lists()
+    content = bool(tokens) and trace.block_size is not None
+    if content:
+        keys = _one_key_per_block(serial, _content_keys(seq, pos, keys, tokens, trace.block_size))
+    counted = _first_of_pairs(seq, serial)
+    if recency == "first":
+        return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content)
+    return Stream(keys, t, counted, trace.block_size, content)
+
+
+def rebin(trace: AccessTrace, block_size: int, recency: str = "every") -> Stream:
+    """The stream `trace`'s recorded tokens would make at another block size: each chunk (a sequence's table of
+    m blocks read at once) covers m x recorded-size tokens (at most the sequence's length), read as the
+    ceil(tokens / block_size) blocks that hold them. Needs a trace with tokens (`generate --record-trace`)."""
+    tokens = trace.token_lists()
+    if not tokens or trace.block_size is None:
+        raise ValueError("this trace has no recorded tokens (record it again with this version): "
+                         "a block size can only be re-cut from the tokens")
+    if not 1 <= block_size <= 65536:
+        raise ValueError(f"block size must be 1 .. 65,536, got {block_size}")
+    sel = np.arange(len(trace)) if trace.group is None else np.flatnonzero(trace.group == 0)
+    seq, t, pos = trace.seq[sel].astype(np.int64), trace.t[sel], _positions(trace)[sel]
+    start = np.flatnonzero(pos == 0)
+    ends = np.append(start[1:], len(seq))
+    lens = ends - start  # blocks per chunk
+    cseq, ct = seq[start], t[start]
+    ntok = np.array([min(int(m) * trace.block_size, len(tokens.get(int(s), ()))) or int(m) * trace.block_size
+                     for s, m in zip(cseq, lens)], dtype=np.int64)
+    newm = -(-ntok // block_size)
+    rseq = np.repeat(cseq, newm)
+    rt = np.repeat(ct, newm)
+    rpos = np.concatenate([np.arange(m, dtype=np.int64) for m in newm]) if len(newm) else np.zeros(0, np.int64)
+    # A block no full-block hash names (the tail, or an unrecorded sequence): its own key per (sequence, position).
+    fallback = -1 - (rseq * (1 << 24) + rpos)
+    keys = _content_keys(rseq, rpos, fallback, tokens, block_size)
+    counted = _first_of_pairs(rseq, rpos)
+    if recency == "first":
+        return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True)
+    return Stream(keys, rt, counted, block_size, True)
+
+
+def block_stream(requests: list, merge: int = 1, outputs: bool = True) -> Stream:
+    """The access stream of a block-hash trace (engine/workloads/public_traces.py BlockRequest: t_s, hash_ids,
+    input_length, output_length, block_tokens): each request reads its hash_ids'
+    blocks at its time, then (outputs) the blocks its generated tokens fill, new and read once. merge=k cuts at
+    k times the trace's block size: a block is k consecutive ids (a prefix of ids names its block, so the
+    k-tuple is hashed); a request's last, partial group is its own. Every access counts (each is one
+    request's first read of a block)."""
+    if merge < 1:
+        raise ValueError(f"merge must be >= 1, got {merge}")
+    keys: list[int] = []
+    times: list[float] = []
+    fresh = 0
+    for r in requests:
+        ids = r.hash_ids
+        full = len(ids) // merge
+        for j in range(full):
+            group = ids[j * merge:(j + 1) * merge]
+            keys.append(group[0] if merge == 1 else hash(group) & _MASK63)
+        n_read = full
+        if len(ids) % merge:
+            fresh += 1
+            keys.append(-fresh)
+            n_read += 1
+        if outputs:
+            total = math.ceil((r.input_length + r.output_length) / (r.block_tokens * merge))
+            for _ in range(max(total - n_read, 0)):
+                fresh += 1
+                keys.append(-fresh)
+                n_read += 1
+        times.extend([r.t_s] * n_read)
+    k = np.asarray(keys, dtype=np.int64)
+    return Stream(k, np.asarray(times, dtype=np.float64), np.ones(len(k), dtype=bool),
+                  requests[0].block_tokens * merge if requests else None, True)
+
+
+# -- the curves -------------------------------------------------------------------------------------------
+
+def policy_curves(stream: Stream, capacities=None, policies=("lru", "heat", "s3fifo"), decay: float = 0.9,
+                  seed: int = 0) -> list[Curve]:
+    """LRU exact (Mattson), heat and S3-FIFO by SHARDS-sampled simulation, at >= 32 capacities.
+
+    Heat and S3-FIFO are fed the counted reads only (the policy lab's stream: S3-FIFO counts a hit per
+    request's read, as the engine's does); LRU moves a block on every read of the stream."""
+    caps = curve_capacities(stream.distinct) if capacities is None else np.asarray(capacities, dtype=np.int64)
+    # The simulated policies cost a simulation per capacity: MIN_CURVE_POINTS of them, spread over the same range.
+    few = caps if len(caps) <= MIN_CURVE_POINTS else \
+        caps[np.unique(np.linspace(0, len(caps) - 1, MIN_CURVE_POINTS).round().astype(int))]
+    out = []
+    for p in policies:
+        if p == "lru":
+            out.append(lru_curve(stream.keys, caps, stream.counted))
+        else:
+            c = stream.counted
+            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed))
+    return out
+
+
+def block_size_curves(trace: AccessTrace, mib_per_token: float, sizes=BLOCK_SIZES, recency: str = "every",
+                      points: int = 40) -> list[tuple[int, np.ndarray, Curve]]:
+    """LRU curve per block size, each with its capacities in MiB (blocks x size x mib_per_token): the same
+    bytes hold half as many blocks at twice the size. [(block size, MiB per point, curve)]."""
+    out = []
+    for b in sizes:
+        s = rebin(trace, b, recency)
+        caps = curve_capacities(s.distinct, points)
+        c = lru_curve(s.keys, caps, s.counted)
+        out.append((b, caps * b * mib_per_token, c))
+    return out
+
+
+def threshold_curve(stream: Stream, capacity: int, thresholds) -> np.ndarray:
+    """LRU hit rate at `capacity` if a block idle longer than each threshold (seconds) were demoted first: a
+    counted read hits iff its stack distance < capacity and its block was read within the threshold."""
+    d = stack_distances(stream.keys)
+    order = np.argsort(stream.keys, kind="stable")
+    ks = stream.keys[order]
+    gap = np.full(len(d), np.inf)
+    same = ks[1:] == ks[:-1]
+    gap[order[1:][same]] = stream.times[order[1:][same]] - stream.times[order[:-1][same]]
+    c = stream.counted
+    hit = (d >= 0) & (d < capacity)
+    total = int(c.sum())
+    if not total:
+        return np.full(len(thresholds), np.nan)
+    return np.array([np.count_nonzero(c & hit & (gap <= th)) / total for th in thresholds])
+
+
+def real_hit_rate(trace: AccessTrace) -> tuple[float, int]:
+    """What the curves predict, measured on a run: over the first read of each block by each sequence, the share
+    that found the block already computed (an earlier read of the same serial) and on the device tier. Returns
+    (rate, counted reads)."""
+    seq, serial = trace.seq.astype(np.int64), trace.block
+    counted = _first_of_pairs(seq, serial)
+    seen_before = ~_first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
+    hit = counted & seen_before & (trace.tier == 0)
+    n = int(counted.sum())
+    return (float(hit.sum() / n) if n else float("nan")), n

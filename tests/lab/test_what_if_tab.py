@@ -1,0 +1,74 @@
+"""The "What if" tab: the live engine's reads recorded, the curves computed on a worker thread and drawn."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("pytestqt")
+
+from app.runner import EngineRunner  # noqa: E402
+from app.whatif_worker import what_if_result  # noqa: E402
+from ui.panels.what_if import WhatIfPanel  # noqa: E402
+
+
+def _engine(model):
+    from engine.config import CacheConfig, EngineOptions
+    from engine.runtime.engine import Engine
+
+    return Engine(model, CacheConfig(block_size=16, device_budget_mb=1.0), EngineOptions(attention="cpu"))
+
+
+def test_record_compute_and_draw(qtbot, llama_model):
+    from engine.sequence import SamplingParams
+
+    runner = EngineRunner(_engine(llama_model))  # not started: the test steps the engine itself
+    panel = WhatIfPanel(runner.what_if())
+    qtbot.addWidget(panel)
+    assert "no data" in panel.text.text()
+    panel._record_clicked()
+    assert runner.recording and "Recording" in panel.record.text()
+    shared = list(range(20, 84))
+    runner.engine.generate([shared + [5, 6, 7], shared + [8, 9]], SamplingParams(max_new_tokens=4))
+    runner.engine.generate([shared + [10]], SamplingParams(max_new_tokens=2))
+    with qtbot.waitSignal(panel.resultReady, timeout=60_000):
+        panel._record_clicked()  # stop early: take the trace, compute on the worker thread
+    assert not runner.recording and panel.result is not None
+    r = panel.result
+    assert [c[0] for c in r.curves] == ["lru", "heat(0.9)", "s3fifo"]
+    lru = r.curves[0]
+    assert set(range(1, r.distinct + 1)) <= set(lru[1].tolist())  # every capacity up to the distinct blocks
+    assert np.nanmax(lru[2]) > 0  # the later requests reuse the shared prefix
+    assert r.current_blocks == runner.engine.pool.sizes.dev_cap
+    assert "2× budget:" in panel.text.text()
+    assert r.block_sizes and [b for b, _, _ in r.block_sizes] == [8, 16, 32, 64]
+    for i in (1, 2):
+        panel.view.setCurrentIndex(i)
+        assert "no data" not in panel.text.text()
+
+
+def test_a_bad_file_is_refused_in_one_line(qtbot, tmp_path, llama_model):
+    runner = EngineRunner(_engine(llama_model))
+    panel = WhatIfPanel(runner.what_if())
+    qtbot.addWidget(panel)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"timestamp": 0}) + "\n")
+    with qtbot.waitSignal(panel.resultReady, timeout=30_000):
+        panel.start(str(bad))
+    assert f"{bad}:1:" in panel.text.text() and panel.result is None and panel.open.isEnabled()
+
+
+def test_a_saved_snapshot_has_no_what_if(qtbot):
+    panel = WhatIfPanel(None)
+    qtbot.addWidget(panel)
+    assert not panel.record.isEnabled() and "need the live engine" in panel.text.text()
+
+
+def test_block_hash_trace_has_no_threshold_view(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text("".join(json.dumps({"timestamp": i * 100, "input_length": 1024, "output_length": 1,
+                                     "hash_ids": [0, i % 3 + 1]}) + "\n" for i in range(12)))
+    r = what_if_result(str(p), 2, None)
+    assert r.thresholds is None and r.block_sizes == [] and r.curves[0][2][-1] > 0
