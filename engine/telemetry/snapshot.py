@@ -79,3 +79,7 @@ class Snapshot:
     # per group title, layers, window, device/host_budget_mb (its share), read_tokens / _missed / _streamed (its key
     # reads), tiers (TierSnapshot device, host; the first group's are `tiers`).
     kv_groups: tuple = ()
+    # Self-checks at first use (engine/runtime/self_check.py), per feature (attention, graphs, migration, stream):
+    # state ("passed", "failed", "not run"), checks, and the deciding verdict's path, detail, fallback, seconds,
+    # message. {} in files from before them.
+    self_checks: dict = field(default_factory=dict)
