@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 import torch
 
 from conftest import budget_mb, prompts
+from faults import RaisingBackend, WrongBackend, flip_one_byte
 from engine.config import CacheConfig, EngineOptions
 from engine.kv.block_pool import RESERVED
 from engine.kv.tiers import copy_slots
@@ -26,37 +26,6 @@ N = 10
 
 def _failures(eng) -> list:
     return [e for e in eng.take_events() if e.kind == "self_check"]
-
-
-class WrongBackend:
-    """A paged backend that computes right and then adds a small error to every decode output."""
-
-    def __init__(self, inner, error: float = 1e-2):
-        self.inner, self.error, self.name = inner, error, inner.name
-
-    def decode(self, q, layer, paged, batch, **kw):
-        return self.inner.decode(q, layer, paged, batch, **kw) + self.error
-
-    def prefill(self, *a, **kw):
-        return self.inner.prefill(*a, **kw)
-
-    def partial(self, *a, **kw):
-        return self.inner.partial(*a, **kw)
-
-
-class RaisingBackend(WrongBackend):
-    def decode(self, q, layer, paged, batch, **kw):
-        raise RuntimeError("no kernel image is available for execution on the device")
-
-
-def flip_one_byte(copy):
-    """A copier (tiers.copy_slots' signature) that copies, then flips one byte of the first destination slot."""
-
-    def bad(src, src_slots, dst, dst_slots, stream, device):
-        copy(src, src_slots, dst, dst_slots, stream, device)
-        t = dst.k["data"][0]
-        t[int(dst_slots[0])].view(-1).view(torch.uint8)[3] ^= 0x40
-    return bad
 
 
 def test_a_passing_engine_says_its_checks_passed_and_changes_nothing(llama_model, llama_ref):
