@@ -154,7 +154,8 @@ def _streaming(model, bs: int = 8) -> Engine:
     return Engine(model, config, EngineOptions(attention="cpu"))
 
 
-def test_a_staging_copy_that_flips_one_byte_is_caught_and_host_blocks_are_read_directly(deep_model, deep_ref):
+@pytest.mark.parametrize("fault", ["flip", "raise"])
+def test_a_staging_copy_that_flips_one_byte_is_caught_and_host_blocks_are_read_directly(deep_model, deep_ref, fault):
     eng = _streaming(deep_model)
     real = eng.runner.stream.copy
 
@@ -162,14 +163,17 @@ def test_a_staging_copy_that_flips_one_byte_is_caught_and_host_blocks_are_read_d
         real(src, slots, out)
         out.reshape(-1)[:1].view(torch.uint8)[0] ^= 0x10
 
-    eng.runner.stream.copy = flip
+    def raising(src, slots, out):
+        raise RuntimeError("copy engine fault")
+
+    eng.runner.stream.copy = flip if fault == "flip" else raising
     ps = prompts(31, [29, 41])
     out = eng.generate(ps, SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert out == [deep_ref.greedy(p, 8) for p in ps]
     assert eng.runner.stream.failed
     said = _failures(eng)
     assert [e.fields["feature"] for e in said] == ["stream"]
-    assert "bytes differ" in said[0].fields["detail"]
+    assert ("bytes differ" if fault == "flip" else "RuntimeError: copy engine fault") in said[0].fields["detail"]
     assert said[0].fields["message"].endswith(": using the host tier read at each read (no staging)")
     streamed = eng.counters.streamed_bytes
     eng.generate(prompts(32, [20]), SamplingParams(max_new_tokens=4, ignore_eos=True))
