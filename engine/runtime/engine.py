@@ -345,7 +345,8 @@ class Engine:
         checks = self.runner.checks
         self.telemetry.pool_events(checks.absorb(self.kv.take_events()))
         for v in checks.take_failures():
-            self.telemetry.emit("self_check", **v.as_dict())
+            self.telemetry.emit("self_check", feature=v.feature, message=v.message(), detail=v.detail,
+                                fallback=v.fallback)
 
     def _carry_out(self, plan: SchedulerOutput, stall: Stall | None, now: float) -> None:
         """What the scheduler decided beyond the batch, after the step: context shifts, then a stalled sequence."""

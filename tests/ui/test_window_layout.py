@@ -256,7 +256,7 @@ def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
     eng = runner.engine
     eng.submit(lambda: setattr(eng.model, "backend", WrongBackend(eng.model.backend)))
     busy(runner, n=1, new=4)
-    qtbot.waitUntil(lambda: eng.runner.checks.failed, timeout=10_000)
+    qtbot.waitUntil(lambda: bool(eng.runner.checks.failed), timeout=20_000)
     window.refresh()
     text = window.status.text()
     assert " | ⚠ cpu paged attention disagreed with the reference (max |Δ| 0.01" in text
