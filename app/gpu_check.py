@@ -91,7 +91,10 @@ def _graph_checks(model, prompts, refs, sp, device: str, checks: dict, report: d
     g = eng.runner.graphs
     report["graphs"] = {"attention": eng.model.attention, "captures": g.captures, "replays": g.replays,
                         "buckets": sorted(g.captured), "fallback": g.fallback}
-    checks["graphs_replayed"] = g.fallback is None and g.replays > 0
+    if device == "cuda":
+        checks["graphs_replayed"] = g.fallback is None and g.replays > 0
+    else:  # "on" without CUDA is the static path: the same buffers, run eagerly, nothing to replay
+        checks["graphs_static_ran"] = g.fallback is None and bool(g.captured)
     # A block-size change mid-run: the graphs read the old tier, so they are dropped and captured again.
     eng = Engine(model, CacheConfig(block_size=16), EngineOptions(cuda_graphs="on", **opts))
     from engine.sequence import SamplingParams
@@ -384,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="every part on the CPU at toy sizes: the code paths, not the numbers")
     ap.add_argument("--budget-s", type=float, default=450.0, help="the whole run's time budget (default 450 s)")
+    ap.add_argument("--only", default="", metavar="PARTS",
+                    help="run only these parts (comma-separated: self_checks, exactness, graphs, bench, bench_long, "
+                         "bf16, cuda_tests, stream_overlap); the rest are named in `skipped`")
     args = ap.parse_args(argv)
     if args.dry_run:
         args.device = "cpu"
@@ -408,8 +414,13 @@ def main(argv: list[str] | None = None) -> int:
     report.update(timings=timings, skipped=skipped, errors=errors)
     checks: dict = {}
 
+    only = {p.strip() for p in args.only.split(",") if p.strip()}
+
     def part(name: str, estimate_s: float, fn) -> None:
         """Run one part if its estimate fits what is left of the budget; time it; an exception is reported."""
+        if only and name not in only:
+            skipped[name] = "not in --only"
+            return
         left = deadline - time.perf_counter()
         if left < estimate_s:
             skipped[name] = f"needs ~{estimate_s:.0f} s, {max(left, 0):.0f} s left of the budget"
@@ -502,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     part("graphs", 30, lambda: _graph_checks(model, prompts, refs, sp, args.device, checks, report))
     if args.no_bench:
         skipped["bench"] = skipped["bench_long"] = "--no-bench"
+        only.discard("bench"), only.discard("bench_long")
     else:
         def bench() -> None:
             cmd = [sys.executable, "-m", "app.cli", "bench", "--compare", "hf", "--model", big_model(), "--device",
@@ -519,9 +531,9 @@ def main(argv: list[str] | None = None) -> int:
         part("bench_long", 60, lambda: _bench_long(big_model(), args.device, 256 if dry else 8192, 2 if dry else 8,
                                                    max(30.0, deadline - time.perf_counter() - 60), report))
     part("bf16", 20, lambda: _bf16_check(tiny, model.spec, prompts[:3], args.device, checks, report))
-    if dry:
+    if dry and (not only or "cuda_tests" in only):
         skipped["cuda_tests"] = "a dry run (tests/runtime/test_cuda.py needs CUDA)"
-    else:
+    elif not dry:
         def cuda_tests() -> None:
             # 2 MiB blocks demoted and promoted while the compute stream is busy: every byte must come back.
             checks["migration_bytes_equal"] = subprocess.run(

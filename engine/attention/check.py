@@ -46,9 +46,9 @@ def check_backend(backend, kv_dtype: KVDtype, block_size: int, heads: int, kv_he
     device = torch.device(device)
     g = torch.Generator().manual_seed(seed)
     bs, D, H = block_size, head_dim, heads
-    # Blocks of a short row: on CUDA up to 512 keys (one program per row), on the CPU a few dozen (the chunk loop
-    # is the same at any length), at least one block.
-    short = max(1, (512 if device.type == "cuda" else 40) // bs)
+    # Blocks of a short row: on CUDA up to 512 keys (one program per row), elsewhere 16 (the chunk loop is the same
+    # at any length, and the triton interpreter runs a program per block in Python), at least one block.
+    short = max(1, (512 if device.type == "cuda" else 16) // bs)
     rows: dict[str, list[int]] = {"short": [1, min(short * bs, bs + 1), max(1, short * bs - bs // 2)]}
     rows["prefill"] = [bs + 4, 2 * bs + 5]
     if device.type == "cuda":
