@@ -106,6 +106,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
                        "device_blocks": p.tiers[0].capacity, "host_blocks": p.tiers[1].capacity,
                        "block_bytes": p.block_bytes, "read_tokens": reads[0], "read_tokens_missed": reads[1]}
                       for g, p, reads in engine.kv.snapshot_groups()],
+        # Self-checks at first use (engine/runtime/self_check.py): per feature its state and the deciding verdict.
+        "self_checks": engine.runner.checks.summary(),
     }
 
 
@@ -378,6 +380,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "kv_groups": groups,
         "config": config.as_dict(),
         "memory": mem,
+        "self_checks": engine.runner.checks.summary(),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -408,4 +411,6 @@ def cmd_info(args: argparse.Namespace) -> int:
                            f"{gpu.get('name', '')} NVML used {gpu.get('nvml_used_bytes', 0) / 2**30:.2f} GiB"))
     print(f"process    RSS {mem['rss_bytes'] / 2**20:.0f} MiB; system {mem['system_used_bytes'] / 2**30:.1f} / "
           f"{mem['system_total_bytes'] / 2**30:.1f} GiB used")
+    for name, c in info["self_checks"].items():
+        print(f"self-check {name:<10} " + (c["message"] if "message" in c else "not run yet (checked at first use)"))
     return 0

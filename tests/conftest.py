@@ -207,6 +207,7 @@ SUBPROCESS = {
     "test_default_model.py": ["test_cli_json_tokens_equal_generate", "test_concurrent_requests_migrate_and_stay_exact",
                               "test_shared_prefix_is_reused_and_output_unchanged",
                               "test_ui_bench_runs_every_part_and_reports_frames"],
+    "test_gpu_check.py": ["test_the_dry_run_reports_every_target_and_self_check"],
     "test_host_compute.py": ["test_cli_host_reads_compute_end_to_end", "test_triton_partial_merges_with_the_host_part"],
     "test_loader.py": ["test_warm_load_never_imports_transformers", "test_orphaned_build_dirs_are_removed"],
     "test_paged_attention.py": ["test_triton_decode_matches_reference", "test_triton_prefill_falls_back_to_the_cpu_path",

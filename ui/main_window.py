@@ -118,7 +118,8 @@ class MainWindow(QtWidgets.QMainWindow):
         self.status.setToolTip(
             "tok/s: tokens generated per second over the last 5 s, all sequences; device hit: keys attention "
             "read from blocks already on the device tier / all keys read; prefix hit: prompt tokens reused from the prefix "
-            "cache / all prompt tokens (both since the engine started; — before there are any)")
+            "cache / all prompt tokens (both since the engine started; — before there are any); last, if any, each "
+            "self-check that failed (an accelerated path that disagreed with its reference and is no longer used)")
         self.statusBar().addWidget(self.status, 1)
         self.reset_view.clicked.connect(self.block_map.reset_view)
         self.block_map.sequenceSelected.connect(self.select_sequence)
@@ -258,7 +259,8 @@ class MainWindow(QtWidgets.QMainWindow):
             f"{snap.model['name']} on {snap.model['device']} | bs={cfg['block_size']} {cfg['kv_dtype']} "
             f"dev {cfg['device_budget_mb']:g} MiB host {cfg['host_budget_mb']:g} MiB {cfg['policy']} "
             f"decay {cfg['decay']:g} demote>{cfg['demote_after_s']:g}s | {_num(tps, '.1f')} tok/s | "
-            f"device hit {_num(dev, '.3f')} prefix hit {_num(pre, '.3f')} | UI {self.fps:.0f} fps | {state}")
+            f"device hit {_num(dev, '.3f')} prefix hit {_num(pre, '.3f')} | UI {self.fps:.0f} fps | {state}" +
+            "".join(f" | ⚠ {c['message']}" for c in snap.self_checks.values() if c.get("state") == "failed"))
 
     def caption(self, when: datetime.datetime | None = None) -> str:
         """The screenshot's caption: model, config, and when it was captured (now, or `when`); a saved snapshot's

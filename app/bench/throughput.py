@@ -270,6 +270,14 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     total = sum(getattr(e, key, 0) for e in events) or 1
     res["profile_top_ops"] = [{"op": e.key, "calls_per_step": e.count / 3, "ms_per_step": getattr(e, key) / 3e3,
                                "share": getattr(e, key) / total} for e in events[:12]]
+    # The paged-decode kernel's own bandwidth (CUDA, triton): the KV bytes a step attends over / the kernel's device
+    # time per step, against the HBM traffic of the memcpy above (a copy reads and writes each byte: 2 x its rate).
+    kernel_us = sum(getattr(e, key, 0) for e in events if "paged_decode" in e.key) / 3
+    if cuda and kernel_us > 0:
+        res["paged_decode_ms_per_step"] = kernel_us / 1e3
+        res["paged_decode_gbps"] = kv_read / (kernel_us / 1e6) / 1e9
+        res["hbm_gbps"] = 2 * bw / 1e9
+        res["paged_decode_hbm_share"] = res["paged_decode_gbps"] / res["hbm_gbps"]
     return res
 
 
@@ -285,6 +293,10 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
           f"{res['step_ms_min']:.1f} ms) | memory floor {res['floor_ms']:.1f} ms = ({res['weights_bytes'] / 1e6:.0f} MB "
           f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy | "
           f"step / floor {res['step_over_floor']:.2f}x (target <= {res['target_over_floor']}x)")
+    if "paged_decode_gbps" in res:
+        print(f"paged decode kernel: {res['paged_decode_ms_per_step']:.2f} ms per step for {res['kv_bytes_read'] / 1e6:.0f} MB "
+              f"of KV = {res['paged_decode_gbps']:.0f} GB/s, {100 * res['paged_decode_hbm_share']:.0f} % of the HBM "
+              f"traffic of a memcpy ({res['hbm_gbps']:.0f} GB/s read + write; target >= 50 %)")
     print("top ops per decode step (self time):")
     for op in res["profile_top_ops"]:
         print(f"  {op['ms_per_step']:8.2f} ms  {100 * op['share']:5.1f} %  {op['calls_per_step']:7.1f} calls  {op['op']}")

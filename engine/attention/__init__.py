@@ -12,6 +12,9 @@ block size and storage format (tests/attention/test_paged_attention.py):
 | `triton`    | `triton_paged.py` | a paged-decode kernel: one program per (sequence, kv head), K/V          |
 |             |                 | dequantized in registers; prefill falls back to the `cpu` path             |
 
+`check.check_backend` runs a backend beside the reference on scratch K/V of a given format and block size (the
+attention self-check at first use, engine/runtime/self_check.py).
+
 The reference's SDPA under a visibility mask is `reference.dense_attention`, written once: ReferenceBackend
 runs it in fp32 over the decoded table, and the model's inline `reference` path (engine/model/llama_family.py,
 no backend object: it reads through its KVStore) runs it in the weights dtype.

@@ -25,9 +25,19 @@ Ordering (CUDA events):
 Layers the device tier keeps in host memory (`device_layers`) are attended on the host where the host tier is,
 and are not staged. The staging buffers stay allocated between steps (grown by doubling) and are reported in
 the memory breakdown.
+
+Self-check (engine/runtime/self_check.py): a HostStream's first step is checked: when a layer's copy is issued, the
+host rows are also read directly (the reference), and when the copy has landed (the first wait on it, before
+attention or a refresh touches the staging) the staging is compared with them byte for byte. On a mismatch, or an
+exception while staging, that layer's staging is rewritten from the reference, so the step reads what it would
+have, and the stream is marked `failed`: the model runner stops staging, and host blocks are read from the host
+tier at each read (`read_blocks` without `staged`). `copy` (the gather of host rows into a staging or bounce
+buffer) is a seam: tests put a copy that corrupts a byte there.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -51,6 +61,9 @@ class HostStream:
         # False: each layer's copy is issued when the layer reads it, not a layer ahead (no overlap): the A/B
         # app/gpu_check.py measures the overlap with
         self.ahead = True
+        self.copy = gather_rows  # (src [N, ...], slots [n] CPU, out [n, ...]): gathers host rows into a buffer
+        self.checked = False  # the first step's staging was compared with the host tier (see the module doc)
+        self.failed = False  # ...and differed: stage nothing from now on
 
     def nbytes(self) -> int:
         """Bytes held for staging (device buffers, and pinned bounce buffers on CUDA)."""
@@ -62,7 +75,7 @@ class HostStream:
         for store in (self._bufs, self._bounce):  # a format change: buffers of parts it no longer has go
             for key in [key for key in store if key[:2] not in names]:
                 del store[key]
-        return StepStream(self, {"k": host_k, "v": host_v}, slots, layers)
+        return StepStream(self, {"k": host_k, "v": host_v}, slots, layers, check=not self.checked)
 
     def _buf(self, side: str, name: str, parity: int, like: torch.Tensor, n: int, pinned: bool = False) -> torch.Tensor:
         """Rows [:n] of a staging buffer shaped like one layer's part `like` [N, ...]; grown by doubling."""
@@ -114,8 +127,16 @@ class _StagedPart:
 class StepStream:
     """One step's copies: issue(l) at layer l-1's write, ready(l) at layer l's first read."""
 
-    def __init__(self, hs: HostStream, src: dict[str, Parts], slots: np.ndarray, layers: list[int]):
+    def __init__(self, hs: HostStream, src: dict[str, Parts], slots: np.ndarray, layers: list[int],
+                 check: bool = False):
         self.hs = hs
+        # The self-check (module doc): layers compared so far, and the verdict (path, ok, detail, fallback, seconds)
+        # once the step finishes; None when this step is not checked.
+        self._check: set[int] | None = set() if check else None
+        self._want: dict[tuple, torch.Tensor] = {}  # (layer, (side, name)) -> the host rows, read at issue
+        self._bad: str | None = None
+        self._check_s = 0.0
+        self.verdict: tuple | None = None
         self.src = src
         self.n = len(slots)
         self.slots_np = slots
@@ -157,9 +178,13 @@ class StepStream:
                 pairs.append(((side, name), src, hs._buf(side, name, parity, src, self.n)))
                 self.bytes += self.n * src[0].numel() * src.element_size()
         self._staged[layer] = {key: dst for key, _, dst in pairs}
+        if self._check is not None:  # the reference, read directly now: what the copy must deliver
+            t0 = time.perf_counter()
+            self._want.update({(layer, key): src.index_select(0, self.slots) for key, src, _ in pairs})
+            self._check_s += time.perf_counter() - t0
         if not hs.cuda:  # no copy engine: the copy runs here, in program order a layer ahead (see the module doc)
             for _, src, dst in pairs:
-                torch.index_select(src, 0, self.slots, out=dst)
+                self._copy(src, dst)
             self._pending[layer] = None
             return
         # CUDA: gather on the host into the pinned bounce buffers, then one async copy each on the side stream,
@@ -172,12 +197,35 @@ class StepStream:
             hs._side.wait_event(readers_done)
             for (side, name), src, dst in pairs:
                 bounce = hs._buf(side, name, parity, src, self.n, pinned=True)
-                torch.index_select(src, 0, self.slots, out=bounce)
+                self._copy(src, bounce)
                 dst.copy_(bounce, non_blocking=True)
                 dst.record_stream(hs._side)  # a buffer replaced (grown) is not reused while this copy runs
             done = hs._side.record_event()
         hs._bounce_free[parity] = done
         self._pending[layer] = done
+
+    def _copy(self, src: torch.Tensor, out: torch.Tensor) -> None:
+        try:
+            self.hs.copy(src, self.slots, out)
+        except Exception as e:  # noqa: BLE001 - checked: the read rewrites the staging from the host tier
+            if self._check is None:
+                raise
+            self._bad = self._bad or f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    def _verify(self, layer: int) -> None:
+        """A checked step: layer's staging, as its copy landed, against the host rows read when it was issued."""
+        t0 = time.perf_counter()
+        for key, dst in self._staged[layer].items():
+            want = self._want.pop((layer, key))
+            got = dst.to("cpu") if dst.device.type != "cpu" else dst
+            a, b = want.reshape(len(want), -1).view(torch.uint8), got.reshape(len(got), -1).view(torch.uint8)
+            if not torch.equal(a, b):
+                n = int((a != b).sum())
+                self._bad = self._bad or f"{key[0]} {key[1]} of layer {layer}: {n} of {a.numel()} bytes differ"
+            if self._bad is not None:
+                dst.copy_(want.to(dst.device))  # the reference's copy: what attention reads this step
+        self._check.add(layer)
+        self._check_s += time.perf_counter() - t0
 
     def ready(self, layer: int) -> dict[tuple, torch.Tensor]:
         """Layer `layer`'s staged parts, once its copy has landed (issued now if it was not)."""
@@ -193,6 +241,8 @@ class StepStream:
         got = self._pending[layer]
         if got is not None:  # CUDA: the compute stream waits for the side stream's copy
             torch.cuda.current_stream(self.hs.device).wait_event(got)
+        if self._check is not None:
+            self._verify(layer)
 
     @torch.inference_mode()
     def refresh(self, layer: int, slots: torch.Tensor) -> None:
@@ -209,8 +259,22 @@ class StepStream:
 
     def finish(self) -> None:
         """Wait for every copy issued (a layer whose host blocks no read touched, e.g. outside a window), so
-        the next step may reuse the buffers; raises what a copy raised."""
+        the next step may reuse the buffers; raises what a copy raised. On a checked step, the verdict."""
         for layer in list(self._pending):
             if layer not in self._waited:
                 self._wait(layer)
                 self._waited.add(layer)
+        if self._check is not None and self._check:
+            path = "host blocks streamed a layer ahead" + (" (side stream)" if self.hs.cuda else "")
+            ok = self._bad is None
+            detail = (f"every staged byte equal: {len(self._check)} layers, {self.n} blocks" if ok else self._bad)
+            self.verdict = (path, ok, detail, "" if ok else "the host tier read at each read (no staging)",
+                            self._check_s)
+            self.hs.checked = True  # (a step whose host blocks no read touched leaves the next step to check)
+            self.hs.failed = not ok
+            self._check = None
+
+
+def gather_rows(src: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+    """out = src[slots] (rows of a host tier's part into a staging or bounce buffer)."""
+    torch.index_select(src, 0, slots, out=out)

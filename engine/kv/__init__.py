@@ -9,7 +9,8 @@ engine.config / engine.errors / engine.sequence / engine.user_file):
   `eviction_sim` the same rules in plain Python over a key trace (and Belady's OPT) for the policy lab, held to the
   engine's victims by a parity test over random traces (tests/lab/test_policy_lab.py).
 - `block_pool`: `BlockPool`, both tiers and the logical block ids mapped onto their slots; ref counts,
-  prefix cache, migrations between tiers; `invariants` checks it.
+  prefix cache, migrations between tiers; `invariants` checks it; `copy_check` verifies a pool's first tier copy
+  byte for byte (the migration self-check, engine/runtime/self_check.py).
 - `resize` / `resize_undo`: a budget change applied in place, and its undo journal.
 - `residency`: `Residency`, where blocks are when a step runs (room, promotion with prefetch, idle demotion,
   copy-on-write, swap-out); `manager`: `KVManager`, the door the scheduler and runner use (pools, prefix matching,

@@ -67,6 +67,10 @@ class BlockPool:
         self.by_hash: dict[int, int] = {}
         # Side stream for tier copies on CUDA, so migrations overlap compute.
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # How tier copies run (a seam: tests put a faulty one here), and whether the first was checked byte for byte
+        # (engine/kv/copy_check.py: a failed check leaves synchronous copies).
+        self.copier = copy_slots
+        self.copy_checked = False
         # What happened to blocks (evict, promote, demote), queued here and drained by the owner with take_events()
         # (the engine, after each step and operation, into telemetry's counters and feed): the pool calls no one.
         self.events: collections.deque[PoolEvent] = collections.deque()
@@ -348,7 +352,12 @@ class BlockPool:
         a resize each copy is journaled, so that the resize can be undone (engine/kv/resize_undo.py)."""
         if self.journal is not None:
             self.journal.append((src, np.array(src_slots, dtype=np.int64), dst, np.array(dst_slots, dtype=np.int64)))
-        copy_slots(src, src_slots, dst, dst_slots, self.copy_stream, self.device)
+        if not self.copy_checked:
+            from engine.kv.copy_check import first_copy
+
+            first_copy(self, src, src_slots, dst, dst_slots)
+            return
+        self.copier(src, src_slots, dst, dst_slots, self.copy_stream, self.device)
 
     def copy_block(self, src_lid: int, dst_lid: int) -> None:
         """Copy-on-write: dst gets src's data and fill (any tiers)."""

@@ -14,9 +14,17 @@ capture that fails leaves that engine eager for good, with the reason in `fallba
 
 `mode="static"` runs the same static-shaped forward eagerly, without capturing: on the CPU that is how the tests
 check the padding, the null and sink blocks and the invalidation that a GPU's replay depends on.
+
+Self-check (engine/runtime/self_check.py): a bucket's first run after each capture is its replay and then the same
+step run eagerly over the same buffers (the static forward: it writes the step's K/V again, the same values, as
+appends are idempotent); their logits are compared. A mismatch or an exception leaves decode eager for good
+(`fallback`), that step's logits the eager ones. `capture` (cap, pool) -> bool is the seam: tests wrap it so that
+a bucket's replay returns wrong values.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -43,12 +51,14 @@ class _Captured:
         self.table = self.packed[len(FIELDS) * b:].view(b, width)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self.replay = None  # () -> logits [b, vocab]: the graph's replay (static mode: the static forward), set by capture
+        self.checked = False  # its first run was compared with the eager step (the module doc)
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaFamily, device: torch.device, max_batch: int, mode: str = "auto"):
+    def __init__(self, model: LlamaFamily, device: torch.device, max_batch: int, mode: str = "auto", checks=None):
         """mode: "auto" (capture on CUDA with a paged backend, else off), "on" (capture; on the CPU: static),
-        "static" (static buffers, no capture), "off"."""
+        "static" (static buffers, no capture), "off". checks: the engine's SelfChecks (verdicts recorded there)."""
         self.model, self.device = model, device
         self.cuda = device.type == "cuda"
         self.mode = ("on" if self.cuda else "off") if mode == "auto" else mode
@@ -62,6 +72,8 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self._mempool = None
+        self.checks = checks
+        self.capture = self._capture  # (cap, pool) -> bool: how a bucket gets its replay (a test seam, module doc)
 
     # -- which steps -------------------------------------------------------------------------------
     def eligible(self, sched: list[tuple[Sequence, int]]) -> bool:
@@ -91,7 +103,7 @@ class DecodeGraphs:
         cap = self.captured.get(b)
         if cap is None:
             cap = self.captured[b] = _Captured(b, width, self.device)
-            if not self._capture(cap, pool):
+            if not self.capture(cap, pool):
                 self.captured.pop(b)
                 return None
         dev = pool.tiers[Tier.DEVICE]
@@ -135,16 +147,51 @@ class DecodeGraphs:
         return batch, store
 
     def _run(self, cap: _Captured, pool: BlockPool) -> torch.Tensor:
-        if cap.graph is None:  # static mode
-            batch, store = self._batch(cap, pool)
-            return self.model.forward(batch, store)
+        if not cap.checked:
+            return self._first_run(cap, pool)
+        return cap.replay()
+
+    def _static(self, cap: _Captured, pool: BlockPool) -> torch.Tensor:
+        """The bucket's step run eagerly over its static buffers (static mode's replay, and the graphs' reference)."""
+        batch, store = self._batch(cap, pool)
+        return self.model.forward(batch, store)
+
+    def _replay(self, cap: _Captured) -> torch.Tensor:
         cap.graph.replay()
         self.replays += 1
         return cap.logits
 
+    def _first_run(self, cap: _Captured, pool: BlockPool) -> torch.Tensor:
+        """The bucket's first run: its replay, then the eager step over the same buffers; compared (module doc)."""
+        from engine.runtime.self_check import Verdict, max_delta, tolerance, why
+
+        t0 = time.perf_counter()
+        try:
+            got, bad = cap.replay().clone(), None
+        except Exception as e:  # noqa: BLE001 - a replay that raises: the eager step serves
+            got, bad = None, why(e)
+        want = self._static(cap, pool)
+        if bad is None:
+            d = max_delta(got, want)
+            tol = tolerance(self.model.dtype) * max(1.0, float(want.abs().max()))
+            if d > tol:
+                bad = f"max |Δ| {d:.3g} in the logits (tolerance {tol:.3g})"
+        path = (f"CUDA graph bucket {cap.b}" if cap.graph is not None or self.mode != "static"
+                else f"static decode bucket {cap.b} (--cuda-graphs static)")
+        cap.checked = True
+        if bad is not None:
+            self.fallback = f"{path} disagreed with the eager step ({bad}); decode runs eager"
+            self.captured.clear()
+        if self.checks is not None:
+            detail = bad or f"max |Δ| {d:.2g} in the logits (tolerance {tol:.2g}), {cap.b} rows"
+            self.checks.record(Verdict("graphs", path, bad is None, detail, "" if bad is None else "eager decode",
+                                       time.perf_counter() - t0))
+        return want if bad is not None else got
+
     def _capture(self, cap: _Captured, pool: BlockPool) -> bool:
         """Capture the bucket's graph over padding rows (they write only the sink block). False: run eager."""
         if self.mode == "static":
+            cap.replay = lambda: self._static(cap, pool)
             return True
         dev = pool.tiers[Tier.DEVICE]
         host = cap.host.numpy()
@@ -165,6 +212,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._mempool):
                 cap.logits = self.model.forward(batch, store)
             cap.graph = graph
+            cap.replay = lambda: self._replay(cap)
             self.captures += 1
             return True
         except Exception as exc:  # noqa: BLE001 - any capture failure: eager from here on, said in `fallback`

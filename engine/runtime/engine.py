@@ -107,6 +107,8 @@ class Engine:
                                self.context_limit, self.device)
         self._pending: collections.deque[Callable[[], None]] = collections.deque()
         self.eos = set(self.spec.eos_token_ids)
+        self.runner.check_attention(self.pool)  # the attention self-check at start-up (engine/runtime/self_check.py)
+        self._drain_pool_events()
 
     # -- views kept for callers (telemetry, tests, the window) ----------------------------------
     @property
@@ -347,8 +349,13 @@ class Engine:
         self.telemetry.shadow_point(*self.shadow.record(m, self.config.kv_dtype.label))
 
     def _drain_pool_events(self) -> None:
-        """Under the lock: the pool's queued events into telemetry's counters and feed."""
-        self.telemetry.pool_events(self.kv.take_events())
+        """Under the lock: the pool's queued events into telemetry's counters and feed; the self-checks' verdicts
+        recorded, each feature's first failure said once (engine/runtime/self_check.py)."""
+        checks = self.runner.checks
+        self.telemetry.pool_events(checks.absorb(self.kv.take_events()))
+        for v in checks.take_failures():
+            self.telemetry.emit("self_check", feature=v.feature, message=v.message(), detail=v.detail,
+                                fallback=v.fallback)
 
     def _carry_out(self, plan: SchedulerOutput, stall: Stall | None, now: float) -> None:
         """What the scheduler decided beyond the batch, after the step: context shifts, then a stalled sequence."""
@@ -468,7 +475,7 @@ class Engine:
                            context_limit=self.context_limit, waiting=len(self.waiting), running=len(self.running),
                            key_errors=self.runner.errors, shadow=self.shadow.last,
                            stream_staging_bytes=self.runner.stream.nbytes(), groups=self.kv.snapshot_groups(),
-                           cache_config=self.config)
+                           cache_config=self.config, self_checks=self.runner.checks.summary())
 
     def check_health(self) -> dict:
         """The ref-count leak check, now (engine/telemetry/health.py): the tables and counts are copied under the lock

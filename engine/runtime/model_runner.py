@@ -17,6 +17,7 @@ from engine.kv.block_pool import BlockPool, Tier, blocks_for
 from engine.kv.codecs import Appends
 from engine.telemetry.counters import Counters
 from engine.runtime.cuda_graphs import DecodeGraphs
+from engine.runtime.self_check import SelfChecks, Verdict, check_attention
 from engine.fidelity.block_error import KVErrors
 from engine.model.llama_family import AttnGroup, ForwardBatch, KVPart, LlamaFamily
 from engine.runtime.step_kv import StepKV
@@ -65,7 +66,11 @@ class ModelRunner:
         self.device = device
         self.inputs = StepInputs(device)
         self.context_limit = context_limit
-        self.graphs = DecodeGraphs(model, device, max_batch, graphs)
+        # Self-checks at first use (engine/runtime/self_check.py): their verdicts, and what the attention backend was
+        # last checked for (the backend and the pool's config, compared by identity: nothing per step after that).
+        self.checks = SelfChecks()
+        self._attn_checked: tuple = (None, None)
+        self.graphs = DecodeGraphs(model, device, max_batch, graphs, checks=self.checks)
         self.stream = HostStream(device)  # staging for host blocks streamed a layer ahead
         self.counters = counters or Counters()
         spec = model.spec
@@ -73,9 +78,21 @@ class ModelRunner:
         self.group_streams: dict[int, HostStream] = {}  # KV-cache groups past the first: their own staging
         self._ns = ""  # input-buffer names' prefix while a KV-cache group past the first is built
 
+    def check_attention(self, pool: BlockPool) -> Verdict | None:
+        """The attention self-check for the pool's block size and format (at start-up, and at the first step after the
+        backend or the config changed); a failure puts the model on the reference path."""
+        cfg = pool.config
+        v = check_attention(self.model, cfg.block_size, cfg.kv_dtype)
+        if v is not None:
+            self.checks.record(v)
+        self._attn_checked = (self.model.backend, cfg)
+        return v
+
     def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
         """(run() -> logits [len(sched), vocab], writes): a decode step through its CUDA graph when it can, else
         the eager forward pass over `build`'s tensors. Host-side work happens here; `run` does the device work."""
+        if self.model.backend is not self._attn_checked[0] or pool.config is not self._attn_checked[1]:
+            self.check_attention(pool)
         if self.graphs.eligible(sched):
             got = self.graphs.prepare(pool, sched, self.context_limit)
             if got is not None:
@@ -94,6 +111,8 @@ class ModelRunner:
                     if store.stream is not None:
                         store.stream.finish()  # no copy outlives its step (the next one reuses the buffers)
                         self.counters.streamed_bytes += store.stream.bytes
+                        if store.stream.verdict is not None:  # the stream's first step was checked
+                            self.checks.record(Verdict("stream", *store.stream.verdict))
             for store in stores:
                 store.probe.finish()  # what the step wrote, measured (engine/fidelity/block_error.py)
             return logits
@@ -104,6 +123,8 @@ class ModelRunner:
         """prepare() for a model with several KV-cache groups (engine/kv/grouped.py): one part per group, each built
         from the group's pool and its view of the sequences (its own tables, tiers, stores), the forward pass
         reading each layer's K/V from its group's part; eager (no CUDA graph). writes: one (lids, fills) per group."""
+        if self.model.backend is not self._attn_checked[0] or kv.pool.config is not self._attn_checked[1]:
+            self.check_attention(kv.pool)
         parts, writes = [], []
         batch = None
         try:
@@ -166,7 +187,7 @@ class ModelRunner:
                 pool, [(dev_tier, lids_np[dev_rows], offs_np[dev_rows]), (host_tier, lids_np[rows], offs_np[rows])], count),
                 layer_ids=layer_ids)
         if hosts and pool.config.host_reads != "compute":
-            store.stream = self._stream(pool, hosts, group)
+            store.stream = self._stream(pool, hosts, group)  # None after a failed stream check: read where they are
         put = self._put
         batch = ForwardBatch(input_ids=put("ids", np.asarray(ids, dtype=np.int64)), positions=put("pos", np.concatenate(pos)),
                              groups=groups, logit_rows=put("logit_rows", np.asarray(logit_rows, dtype=np.int64)))
@@ -183,6 +204,8 @@ class ModelRunner:
         dev, host = pool.tiers[Tier.DEVICE], pool.tiers[Tier.HOST]
         layers = [li for li, t in enumerate(dev.k["data"]) if t.device.type == self.device.type]
         stream = self.stream if group == 0 else self.group_streams.setdefault(group, HostStream(self.device))
+        if stream.failed:  # its self-check failed: host blocks are read from the host tier at each read
+            return None
         step = stream.begin(host.k, host.v, slots, layers)
         for g, name, mask, table in hosts:
             g.staged_table = self._put(name + ".staged", np.where(mask, step.staged_rows(table), 0))

@@ -93,3 +93,7 @@ class Snapshot:
     # eviction rate) and the checklist (leaks, eviction check, lock wait, bandwidth, throughput drops); {} in files from
     # before it.
     health: dict = field(default_factory=dict)
+    # Self-checks at first use (engine/runtime/self_check.py), per feature (attention, graphs, migration, stream):
+    # state ("passed", "failed", "not run"), checks, and the deciding verdict's path, detail, fallback, seconds,
+    # message. {} in files from before them.
+    self_checks: dict = field(default_factory=dict)

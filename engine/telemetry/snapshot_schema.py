@@ -45,7 +45,7 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups", "health")  # files from before marks (quality, the last
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups", "health", "self_checks")  # files from before marks (quality, the last
 # change's counters) existed have none
 # Knobs added after snapshot files were first written: a file without one shows the default.
 LATER_KNOBS = ("shadow_every_s",)
@@ -73,9 +73,10 @@ def _snapshot(body: Any) -> Snapshot:
     last_change = _last_change(body.get("last_change", {}))
     kv_groups = _kv_groups(body.get("kv_groups", []), tiers, config["block_size"], model)
     health = _health(body.get("health", {}))
+    self_checks = _self_checks(body.get("self_checks", {}))
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
                     memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality,
-                    last_change=last_change, kv_groups=kv_groups, health=health)
+                    last_change=last_change, kv_groups=kv_groups, health=health, self_checks=self_checks)
 
 
 def _health(x: Any) -> dict:
@@ -336,6 +337,29 @@ def _marks(x: Any) -> tuple:
         t, kind, label = _list(m, where, 3)
         out.append((float(_num(t, f"{where}[0]")), _str(kind, f"{where}[1]", MARK_KINDS), _str(label, f"{where}[2]")))
     return tuple(out)
+
+
+SELF_CHECK_FEATURES = ("attention", "graphs", "migration", "stream")
+SELF_CHECK_STATES = ("passed", "failed", "not run")
+
+
+def _self_checks(x: Any) -> dict:
+    """Snapshot.self_checks (engine/runtime/self_check.py): per feature its state and the deciding verdict."""
+    out = {}
+    for f, v in _obj(x, "self_checks").items():
+        where = f"self_checks.{_clip(str(f), 40)}"
+        _str(f, "self_checks", SELF_CHECK_FEATURES)
+        v = _obj(v, where, ("state", "checks"), ("path", "detail", "fallback", "seconds", "message"), closed=True)
+        d = {"state": _str(v["state"], f"{where}.state", SELF_CHECK_STATES), "checks": _int(v["checks"], f"{where}.checks", 0)}
+        for k in ("path", "detail", "message"):
+            if k in v:
+                d[k] = _str(v[k], f"{where}.{k}")
+        if "fallback" in v:
+            d["fallback"] = None if v["fallback"] is None else _str(v["fallback"], f"{where}.fallback")
+        if "seconds" in v:
+            d["seconds"] = float(_num(v["seconds"], f"{where}.seconds", 0))
+        out[f] = d
+    return out
 
 
 def _last_change(x: Any) -> dict:

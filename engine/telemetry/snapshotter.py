@@ -11,7 +11,7 @@ import collections
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
@@ -131,6 +131,7 @@ class EngineState:
     # group's pool is `pool`.
     groups: tuple = ()
     cache_config: "CacheConfig | None" = None  # the engine's (with groups each pool has its share of the budgets)
+    self_checks: dict = field(default_factory=dict)  # SelfChecks.summary() (engine/runtime/self_check.py)
 
     @property
     def config(self) -> "CacheConfig":
@@ -334,7 +335,8 @@ class Telemetry:
         return Snapshot(t=now, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters,
                         windowed=windowed, memory=memory, series=series, residency=residency, timing=timing,
                         marks=tuple(self.marks), quality=self.quality(e), last_change=dict(self.last_change),
-                        kv_groups=self.kv_groups(e, tiers, now), health=self.health.summary(now, self.counters, windowed))
+                        kv_groups=self.kv_groups(e, tiers, now), health=self.health.summary(now, self.counters, windowed),
+                        self_checks=dict(e.self_checks))
 
     def health_summary(self, now: float) -> dict:
         """The health figures (engine/telemetry/health.py) as a snapshot carries them."""

@@ -124,8 +124,10 @@ def test_a_sliding_window_layer_that_skips_host_blocks_leaves_no_copy_behind(tin
 
 
 def test_a_copy_that_fails_fails_its_step(llama_model, monkeypatch):
-    """An error in a copy fails the step (no partial output as success)."""
+    """An error in a copy fails the step (no partial output as success), once the stream's first step was checked
+    (a copy that fails in that step is caught and the host tier read instead: tests/runtime/test_self_check.py)."""
     eng = _engine(llama_model, 0)
+    eng.runner.stream.checked = True
     eng.add_request(prompts(43, [20])[0], SamplingParams(max_new_tokens=4, ignore_eos=True))
     import engine.attention.host_stream as hs
 

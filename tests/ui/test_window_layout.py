@@ -246,3 +246,18 @@ def test_the_bottom_docks_keep_their_widths_when_another_tab_comes_to_the_front(
         qtbot.wait(50)
         got = [window.docks[n].width() for n in names]
         assert got == before, (tab, before, got)
+
+
+def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
+    """An attention backend that disagrees with the reference (engine/runtime/self_check.py): caught at the next step,
+    said in the status bar and the Events feed."""
+    from faults import WrongBackend
+
+    eng = runner.engine
+    eng.submit(lambda: setattr(eng.model, "backend", WrongBackend(eng.model.backend)))
+    busy(runner, n=1, new=4)
+    qtbot.waitUntil(lambda: bool(eng.runner.checks.failed), timeout=20_000)
+    window.refresh()
+    text = window.status.text()
+    assert " | ⚠ cpu paged attention disagreed with the reference (max |Δ| 0.01" in text
+    assert text.endswith("): using the reference path")

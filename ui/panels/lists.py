@@ -261,7 +261,7 @@ class EventsPanel(QtWidgets.QWidget):
     """Evictions, migrations, preemptions, context shifts, config changes and errors, newest first."""
 
     KINDS = ("all", "evict", "promote", "demote", "preempt", "context_shift", "config", "config_error", "error",
-             "cow", "request", "finish", "seq_cp", "workload", "lookup", "warning", "throughput_drop")
+             "cow", "request", "finish", "seq_cp", "workload", "lookup", "warning", "throughput_drop", "self_check")
     MAX = 3000
     SHOWN = 400
 
@@ -342,8 +342,8 @@ class _EventList(QtWidgets.QListWidget):
     """A list of one-line events whose viewport paints the visible lines itself (one `drawText` each)."""
 
     COLOURS = {"evict": "#e57373", "preempt": "#ff8a65", "config": "#4fc3f7", "config_error": "#ff5252",
-               "error": "#ff5252", "context_shift": "#ffd54f", "promote": "#81c784", "demote": "#ba68c8",
-               "warning": "#ffb300", "throughput_drop": "#ef5350"}
+               "error": "#ff5252", "self_check": "#ff5252", "context_shift": "#ffd54f", "promote": "#81c784",
+               "demote": "#ba68c8", "warning": "#ffb300", "throughput_drop": "#ef5350"}
 
     def paintEvent(self, event) -> None:
         p = QtGui.QPainter(self.viewport())
