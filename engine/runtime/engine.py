@@ -89,7 +89,7 @@ class Engine:
                                    self.cuda_memory if self.device.type == "cuda" else None)
         # Cache health (engine/telemetry/health.py): the lock's waits, a decode step's bytes against the peak.
         self.lock_waits = self.telemetry.health.locks
-        self.telemetry.health.set_bandwidth(weight_bytes(self.model), *peak_bandwidth(self.device))
+        self.telemetry.health.set_bandwidth(weight_bytes(self.model), *peak_bandwidth(self.device, self.model))
         self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
         # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
         self.kv_groups = kv_groups(self.spec, self.options.kv_groups)

@@ -100,30 +100,39 @@ def test_sliding_window_tokens_equal_transformers(mistral, backend, block_size):
     assert greedy(eng, ps, N) == [ref.greedy(p, N) for p in ps]
 
 
-def mistral_shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int) -> list[int]:
-    """conftest.shifted_greedy on the checkpoint at `path` (every layer with the model's one RoPE)."""
+def mistral_shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int,
+                           windows: list | None = None) -> list[int]:
+    """conftest.shifted_greedy on the checkpoint at `path` (every layer with the model's one RoPE); `windows`: the
+    window cache's semantics (a dropped key never comes back), else every key kept."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return shifted_greedy(hf, hf_layer_inv_freq(hf), prompt, n, limit, n_keep)
+    return shifted_greedy(hf, hf_layer_inv_freq(hf), prompt, n, limit, n_keep, False, windows)
 
 
 @pytest.fixture(scope="module")
-def shift_refs(tiny_mistral):
+def shift_refs(tiny_mistral, mistral):
     ps = prompts(21, [20, 9])
-    return ps, [mistral_shifted_greedy(tiny_mistral, p, 60, 32, 4) for p in ps]
+    windows = list(mistral[0].spec.sliding_window)
+    return ps, {"off": [mistral_shifted_greedy(tiny_mistral, p, 60, 32, 4) for p in ps],
+                "auto": [mistral_shifted_greedy(tiny_mistral, p, 60, 32, 4, windows) for p in ps]}
 
 
+@pytest.mark.parametrize("kv_groups", ["off", "auto"])
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_context_shift_tokens_equal_transformers(mistral, shift_refs, backend, block_size):
+def test_context_shift_tokens_equal_transformers(mistral, shift_refs, backend, block_size, kv_groups):
     """context_limit 32, n_keep 4, 60 new tokens: several shifts per sequence (K-shifted keys, re-laid tails),
-    with the window of 24 inside the limit."""
+    with the window of 24 inside the limit. One pool keeping every key (kv_groups off): the kept first tokens
+    come back into the window after a shift; Mistral's one window group (auto) drops a key for good, as
+    transformers' sliding-window cache does: each equals its own replay, and the two differ."""
     model, _ = mistral
     ps, want = shift_refs
+    assert want["off"] != want["auto"]
     eng = Engine(model, CacheConfig(block_size=block_size),
-                 EngineOptions(attention=backend, context_limit=32, n_keep=4))
-    assert greedy(eng, ps, 60) == want
+                 EngineOptions(attention=backend, context_limit=32, n_keep=4, kv_groups=kv_groups))
+    assert eng.grouped == (kv_groups == "auto")
+    assert greedy(eng, ps, 60) == want[kv_groups]
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
