@@ -11,8 +11,8 @@ import numpy as np
 
 from engine.kv.access_trace import AccessTrace
 from engine.kv.eviction_sim import POLICIES
-from engine.lab.policy_lab import (DEFAULT_DECAYS, MAX_CAPACITY, policy_order, default_capacities, format_table,
-                                   lab_input, near_half, run_lab, scan_polluted_trace)
+from engine.lab.policy_lab import (DEFAULT_DECAYS, MAX_CAPACITY, policy_order, default_capacities, format_reasons,
+                                   format_table, lab_input, near_half, run_lab, scan_polluted_trace)
 
 
 def _tick_labels(caps: list[int]) -> list[str]:
@@ -171,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         at = [r for r in rows if r["capacity"] == cap]
         desc = ", ".join(f"{r['policy']} {100 * r['hit_rate']:.1f}% ({r['fraction_of_opt']:.2f} of OPT)" for r in at)
         print(f"at {cap:,} blocks (LRU nearest 50%): {desc}")
+        for line in format_reasons(rows, cap):
+            print(line)
     if args.plot:
         print(f"figure: {args.plot}")
     return 0

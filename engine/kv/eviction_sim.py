@@ -147,7 +147,7 @@ def _next_use(keys: np.ndarray) -> list:
     return nxt.tolist()
 
 
-def _opt(keys_arr: np.ndarray, cap: int, log: list | None) -> int:
+def _opt(keys_arr: np.ndarray, cap: int, log: list | None, hitlog: bytearray | None = None) -> int:
     """Belady's MIN: evict the cached block used again furthest in the future. O(N log C).
 
     A max-heap of (next use, key); a hit pushes the key's new next use and leaves the old entry,
@@ -160,6 +160,8 @@ def _opt(keys_arr: np.ndarray, cap: int, log: list | None) -> int:
     for i, k in enumerate(keys_arr.tolist()):
         if k in cached:
             hits += 1
+            if hitlog is not None:
+                hitlog[i] = 1
         elif len(cached) >= cap:
             while True:
                 negn, old = heapq.heappop(heap)
@@ -183,7 +185,7 @@ def replay(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9, tim
 
     times: access times in seconds (heat's decay clock); None: access i happens at i*0.01 s.
     evictions: also return "evicted", the evicted keys in order.
-    per_access: also return "hit", a bool array with the outcome of every access (not for opt).
+    per_access: also return "hit", a bool array with the outcome of every access.
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
@@ -193,8 +195,6 @@ def replay(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9, tim
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     keys = np.asarray(keys).astype(np.int64, copy=False).ravel()
     log: list | None = [] if evictions else None
-    if per_access and policy == "opt":
-        raise ValueError("per_access is for lru, heat and s3fifo")
     hl: bytearray | None = bytearray(len(keys)) if per_access else None
     if policy == "lru":
         hits = _lru(keys.tolist(), capacity, log, hl)
@@ -208,7 +208,7 @@ def replay(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9, tim
     elif policy == "s3fifo":
         hits = _s3fifo(keys.tolist(), capacity, log, hl)
     else:
-        hits = _opt(keys, capacity, log)
+        hits = _opt(keys, capacity, log, hl)
     n = len(keys)
     out = {"hits": hits, "misses": n - hits, "hit_rate": hits / n if n else 0.0}
     if evictions:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv.eviction_sim import POLICIES, replay
+from engine.kv.eviction_sim import POLICIES, SECONDS_PER_ACCESS, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
 
 DEFAULT_DECAYS = (0.5, 0.9, 0.99)
@@ -49,31 +49,97 @@ def lab_input(trace: AccessTrace | np.ndarray, every_read: bool = False) -> tupl
     return first_reads(trace)
 
 
+LAB_REASONS = ("cold", "evicted")  # a replayed miss's reasons: the simulated cache holds whole blocks, so the
+# engine's partial / diverged / reconfigured / preempted cannot arise here, and every capacity miss is an eviction
+
+
+class Reuse:
+    """Per access of `keys`: is it the key's first (a `cold` miss under any policy), and how long since the key's
+    previous access (in accesses and in seconds of `times`, or of the lab's 0.01 s per access clock)."""
+
+    def __init__(self, keys: np.ndarray, times: np.ndarray | None):
+        n = len(keys)
+        order = np.argsort(keys, kind="stable")
+        same = keys[order][1:] == keys[order][:-1]
+        self.prev = np.full(n, -1, dtype=np.int64)
+        self.prev[order[1:][same]] = order[:-1][same]
+        self.first = self.prev < 0
+        self.times = np.arange(n) * SECONDS_PER_ACCESS if times is None else np.asarray(times, dtype=np.float64)
+        self.timed = times is not None
+
+
+def miss_reasons(reuse: Reuse, hit: np.ndarray, opt_hit: np.ndarray) -> dict:
+    """Why a replay's misses missed: `cold` (the key's first access: no cache holds what it never saw) or `evicted`
+    (the key was cached before and this policy evicted it at full occupancy: a simulated cache only evicts when
+    full). cold + evicted = misses, exactly. Of the evicted: how many OPT would have kept (the policy's choice cost
+    them; the rest no policy of this capacity could keep), and the median time since the key's previous access."""
+    miss = ~hit
+    ev = miss & ~reuse.first
+    idx = np.flatnonzero(ev)
+    gap_n = idx - reuse.prev[idx]
+    gap_s = reuse.times[idx] - reuse.times[reuse.prev[idx]]
+    return {"cold": int((miss & reuse.first).sum()), "evicted": int(idx.size),
+            "evicted_opt_keeps": int((ev & opt_hit).sum()),
+            "evicted_gap_p50_accesses": float(np.median(gap_n)) if idx.size else None,
+            "evicted_gap_p50_s": float(np.median(gap_s)) if idx.size and reuse.timed else None}
+
+
 def run_lab(trace: AccessTrace | np.ndarray, capacities: list[int], decays=DEFAULT_DECAYS,
             policies=POLICIES, *, every_read: bool = False) -> list[dict]:
-    """One row per (policy, capacity): hit rate and its fraction of OPT's hit rate at that capacity.
+    """One row per (policy, capacity): hit rate, its fraction of OPT's hit rate at that capacity, and why the
+    misses missed (`why_missed`: cold / evicted, see `miss_reasons`).
 
     A trace is replayed as its first reads (see `first_reads`) unless every_read; an array of block
     ids as it is. Heat gets one row per decay, labelled like "heat(0.9)". OPT is always simulated (it is
     the denominator) but only listed if asked for. fraction_of_opt is 1.0 where OPT hits nothing.
     """
     keys, times = lab_input(trace, every_read)
+    keys = np.asarray(keys).astype(np.int64, copy=False).ravel()
     for p in policies:
         if p not in POLICIES:
             raise ValueError(f"unknown policy {p!r}; choose one of {', '.join(POLICIES)}")
+    reuse = Reuse(keys, times)
     rows = []
     for cap in capacities:
-        opt = replay(keys, cap, "opt")
+        opt = replay(keys, cap, "opt", per_access=True)
         runs = []
         for p in policies:
             for d in (decays if p == "heat" else (None,)):
-                r = opt if p == "opt" else replay(keys, cap, p, decay=d if d is not None else 0.9, times=times)
+                r = opt if p == "opt" else replay(keys, cap, p, decay=d if d is not None else 0.9, times=times,
+                                                   per_access=True)
                 runs.append((_label(p, d), d, r))
         for label, d, r in runs:
+            why = miss_reasons(reuse, r["hit"], opt["hit"])
             rows.append({"policy": label, "decay": d, "capacity": int(cap), "hits": r["hits"],
                          "misses": r["misses"], "hit_rate": r["hit_rate"],
-                         "fraction_of_opt": r["hits"] / opt["hits"] if opt["hits"] else 1.0})
+                         "fraction_of_opt": r["hits"] / opt["hits"] if opt["hits"] else 1.0,
+                         "why_missed": {k: why[k] for k in LAB_REASONS},
+                         **{k: v for k, v in why.items() if k not in LAB_REASONS}})
     return rows
+
+
+def format_reasons(rows: list[dict], capacity: int) -> list[str]:
+    """Lines saying why each policy missed at `capacity`: cold and evicted counts, how many of the evicted OPT
+    would have kept, and the median time since an evicted block's previous use."""
+    at = [r for r in rows if r["capacity"] == capacity and "why_missed" in r]
+    if not at:
+        return []
+    lines = [f"why missed at {capacity:,} blocks (cold: first use of the block; evicted: cached before, evicted "
+             f"when full)"]
+    w0 = max(len(r["policy"]) for r in at) + 2
+    for r in at:
+        w, n = r["why_missed"], r["misses"]
+        pct = (lambda k: f"{100 * k / n:.1f}%") if n else (lambda k: "no data")
+        line = f"  {r['policy'].ljust(w0)}{n:,} misses: cold {w['cold']:,} ({pct(w['cold'])}), " \
+               f"evicted {w['evicted']:,} ({pct(w['evicted'])})"
+        if w["evicted"] and r["policy"] != "opt":
+            line += f", OPT would have kept {r['evicted_opt_keeps']:,} of them"
+        if r["evicted_gap_p50_s"] is not None:
+            line += f"; last used p50 {r['evicted_gap_p50_s']:.3g} s before"
+        elif r["evicted_gap_p50_accesses"] is not None:
+            line += f"; last used p50 {r['evicted_gap_p50_accesses']:,.0f} accesses before"
+        lines.append(line)
+    return lines
 
 
 def default_capacities(keys: np.ndarray, points: int = 8) -> list[int]:

@@ -117,6 +117,48 @@ def test_every_policy_is_at_most_opt(keys, cap, decay):
             assert r["misses"] == distinct
 
 
+@settings(max_examples=150, deadline=None)
+@given(keys=st.lists(st.integers(0, 25), min_size=1, max_size=250), cap=st.integers(1, 12),
+       decay=st.sampled_from([0.5, 0.9, 1.0]))
+def test_lab_miss_reasons_add_up_to_the_misses(keys, cap, decay):
+    """Every replayed miss gets one reason: cold (the key's first access) or evicted; OPT's kept share is a subset."""
+    keys = np.array(keys)
+    rows = run_lab(keys, [cap], decays=(decay,))
+    distinct = len(set(keys.tolist()))
+    opt_hit = replay(keys, cap, "opt", per_access=True)["hit"]
+    for r in rows:
+        w = r["why_missed"]
+        assert w["cold"] + w["evicted"] == r["misses"]
+        assert w["cold"] == distinct  # a first access misses under every demand-paging policy
+        assert 0 <= r["evicted_opt_keeps"] <= w["evicted"]
+        if r["policy"] == "opt":
+            assert r["evicted_opt_keeps"] == 0
+        # brute force: an evicted miss is a miss at an access whose key came before
+        p, d = (r["policy"].split("(")[0], r["decay"] or 0.9)
+        hit = replay(keys, cap, p, decay=d, per_access=True)["hit"]
+        seen, ev, kept = set(), 0, 0
+        for i, k in enumerate(keys.tolist()):
+            if not hit[i] and k in seen:
+                ev += 1
+                kept += bool(opt_hit[i])
+            seen.add(k)
+        assert (ev, kept) == (w["evicted"], r["evicted_opt_keeps"])
+
+
+def test_lab_miss_reasons_by_hand(capsys):
+    # cap 2, LRU: 1 2 3 1 2 3 -> all six miss; 1, 2, 3 cold, then 1, 2, 3 evicted (each last used 3 accesses
+    # before). OPT evicts 2 for 3 (hits 1), then 1 for 2 (hits 3): both are LRU's evicted misses that OPT kept.
+    keys = np.array([1, 2, 3, 1, 2, 3])
+    lru = next(r for r in run_lab(keys, [2], policies=("lru",)))
+    assert lru["why_missed"] == {"cold": 3, "evicted": 3}
+    assert lru["evicted_gap_p50_accesses"] == 3.0 and lru["evicted_gap_p50_s"] is None
+    opt = replay(keys, 2, "opt", per_access=True)
+    assert lru["evicted_opt_keeps"] == int(opt["hit"].sum()) == 2
+    assert main(["--synthetic", "scan", "--capacity", "500", "--policy", "lru", "opt"]) == 0
+    out = capsys.readouterr().out
+    assert "why missed at 500 blocks" in out and "cold" in out and "OPT would have kept" in out
+
+
 def engine_evictions(keys: list[int], cap: int, policy: str, decay: float = 0.9) -> list[int]:
     """Drive a BlockPool with the engine's `policy` over `keys` (one access per 0.01 s, the lab's clock for a trace
     without times): a hit reuses the cached block, a miss makes one; the keys of the evicted blocks, in order."""
@@ -250,6 +292,9 @@ def test_main_on_a_saved_trace_prints_a_table(tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["accesses"] == n and {r["capacity"] for r in doc["rows"]} == {10, 50}
     assert {r["policy"] for r in doc["rows"]} == {"lru", "heat(0.8)", "s3fifo", "opt"}
+    for r in doc["rows"]:  # the trace's own times: the gap is in seconds
+        assert sum(r["why_missed"].values()) == r["misses"]
+        assert r["evicted_gap_p50_s"] is None or r["evicted_gap_p50_s"] > 0
 
 
 def test_main_reports_bad_input(tmp_path, capsys):
