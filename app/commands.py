@@ -104,7 +104,8 @@ def _engine_stats(engine, load_s: float, first_token_s: float | None) -> dict:
         # one pool for every layer.
         "kv_groups": [{"title": g.title, "layers": list(g.layers), "window": g.window,
                        "device_blocks": p.tiers[0].capacity, "host_blocks": p.tiers[1].capacity,
-                       "block_bytes": p.block_bytes, "read_tokens": reads[0], "read_tokens_missed": reads[1]}
+                       "block_bytes": p.block_bytes, "read_tokens": reads[0], "read_tokens_missed": reads[1],
+                       "why_missed": reads[3]}
                       for g, p, reads in engine.kv.snapshot_groups()],
         # Self-checks at first use (engine/runtime/self_check.py): per feature its state and the deciding verdict.
         "self_checks": engine.runner.checks.summary(),

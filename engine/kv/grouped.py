@@ -18,6 +18,8 @@ all groups.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from typing import TYPE_CHECKING, Callable, Iterable
 
 import numpy as np
@@ -28,6 +30,7 @@ from engine.kv.block_pool import BlockPool, PoolEvent, Tier, blocks_for
 from engine.kv.tiers import chain_hash
 from engine.kv.groups import KVGroupSpec, SeqView, split_config
 from engine.kv.manager import KVManager
+from engine.kv.misses import group_summary
 from engine.kv.residency import EventSink, KVCounters, Residency
 from engine.sequence import GroupTable, Sequence
 
@@ -130,6 +133,9 @@ class GroupedKV:
         for m in self.mgrs:
             m.residency = GroupResidency(m.pool, GroupCounters(counters), events, self.drop_all)
         self.residency = GroupedResidencies(self)
+        # Per group, the prompt tokens whose miss its missing block caused, by reason (engine/kv/misses.py); its key
+        # reads' reasons are in its GroupCounters.
+        self.prompt_why: list[Counter] = [Counter() for _ in groups]
 
     # -- the groups ---------------------------------------------------------------------------
     @property
@@ -343,7 +349,9 @@ class GroupedKV:
                                                                       else {})}
 
         m0.count_misses(seq, len(hashes), lambda b: first_gap(b)[0], lambda b: hashes[b] in m0.pool.by_hash,
-                        detail)
+                        detail, lambda b: self.mgrs.index(first_gap(b)[1]), split := {})
+        for g, why in split.items():
+            self.prompt_why[g].update(why)
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
         if self.full:
@@ -521,8 +529,10 @@ class GroupedKV:
                     f"sequence {s.id}: group {g} holds {len(v.blocks)} blocks from block {v.base}, {s.num_cached} cached"
 
     def snapshot_groups(self) -> tuple:
-        """(KVGroupSpec, pool, key reads) per group, for EngineState.groups."""
-        return tuple((g, m.pool, m.residency.counters.reads()) for g, m in zip(self.groups, self.mgrs))
+        """(KVGroupSpec, pool, key reads) per group, for EngineState.groups; key reads are (read, missed, streamed,
+        why) with why the group's reasons (engine/kv/misses.py group_summary)."""
+        return tuple((g, m.pool, (*m.residency.counters.reads(), group_summary(why, m.residency.counters)))
+                     for g, m, why in zip(self.groups, self.mgrs, self.prompt_why))
 
     def device_bytes(self) -> int:
         return sum(p.tiers[Tier.DEVICE].used * p.block_bytes for p in self.pools)

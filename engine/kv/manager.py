@@ -288,7 +288,8 @@ class KVManager:
 
         self.count_misses(seq, len(hashes), reason, lambda b: hashes[b] in pool.by_hash, detail)
 
-    def count_misses(self, seq: Sequence, reusable: int, reason, cached, detail) -> None:
+    def count_misses(self, seq: Sequence, reusable: int, reason, cached, detail, group_of=None,
+                     split: dict | None = None) -> None:
         """explain_misses' counting, given each block's reason, whether it is cached and its removal's details
         (KV-cache groups: over every group, engine/kv/grouped.py). One "lookup" event says what the lookup served and
         why its first missed block missed (a debug record per prefix lookup)."""
@@ -299,7 +300,7 @@ class KVManager:
         c.lookup_served += seq.num_cached
         readmitted = not (seq.first_token_at is None and seq.preemptions == 0)
         why = explain_prompt(len(seq.tokens), seq.num_cached, self.config.block_size, reusable, readmitted, reason,
-                             cached)
+                             cached, group_of, split)
         for r, n in why.items():
             setattr(c, counter_name(r), getattr(c, counter_name(r)) + n)
             seq.why_missed[r] = seq.why_missed.get(r, 0) + n

@@ -135,13 +135,16 @@ class HashLedger:
 
 
 def explain_prompt(n_tokens: int, served: int, bs: int, reusable: int, readmitted: bool,
-                   block_reason: Callable[[int], str], blocks_cached: Callable[[int], bool]) -> Counter:
+                   block_reason: Callable[[int], str], blocks_cached: Callable[[int], bool],
+                   group_of: Callable[[int], int] | None = None, split: dict | None = None) -> Counter:
     """Reasons (token counts) for the n_tokens - served tokens a lookup did not serve (see the module docstring).
 
     `reusable`: blocks a cached prefix may give (full blocks before the last token, positions canonical);
     `readmitted`: the sequence was admitted before (what it misses it had computed: preempted); `block_reason(b)`:
     the reason of block b from its hash's history; `blocks_cached(b)`: whether block b's hash is cached now. (Only a
-    readmitted sequence can be past the context limit, where fewer blocks are looked up: a prompt is not.)"""
+    readmitted sequence can be past the context limit, where fewer blocks are looked up: a prompt is not.)
+    KV-cache groups: `group_of(b)` is the group whose missing block gave block b's reason; `split` then gets each
+    group's share ({group: Counter}); partial and preempted belong to the sequence, not to a group, and are not split."""
     out: Counter = Counter()
     missed = n_tokens - served
     if missed <= 0:
@@ -154,10 +157,14 @@ def explain_prompt(n_tokens: int, served: int, bs: int, reusable: int, readmitte
     for b in range(m, max(reusable, m)):
         if first is None:
             first = block_reason(b)
-            reason = first
+            reason, src = first, b
+        elif blocks_cached(b):
+            reason, src = first, m
         else:
-            reason = first if blocks_cached(b) else block_reason(b)
+            reason, src = block_reason(b), b
         out[reason] += bs
+        if split is not None and group_of is not None:
+            split.setdefault(group_of(src), Counter())[reason] += bs
     out["partial"] += missed - sum(out.values())
     return out
 
@@ -170,6 +177,17 @@ def summary(counters) -> dict:
             "prompt": {r: get(counter_name(r), 0) for r in PROMPT_REASONS},
             "read_tokens_missed": get("read_tokens_missed", 0),
             "reads": {r: get(counter_name(r), 0) for r in READ_REASONS}}
+
+
+def group_summary(prompt: dict[str, int], counters) -> dict[str, int]:
+    """A KV-cache group's reasons (JSON-ready, zeros left out): the prompt tokens whose miss this group's missing
+    block caused (`prompt`, {reason: tokens}), and its own key reads' reasons (from its GroupCounters)."""
+    out = {r: int(prompt.get(r, 0)) for r in PROMPT_REASONS if prompt.get(r, 0)}
+    for r in READ_REASONS:
+        n = int(getattr(counters, counter_name(r), 0))
+        if n:
+            out[r] = n
+    return out
 
 
 def seq_summary(why: dict[str, int]) -> dict:

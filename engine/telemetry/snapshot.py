@@ -87,7 +87,9 @@ class Snapshot:
     last_change: dict = field(default_factory=dict)
     # KV-cache groups (engine/kv/groups.py), () with one pool for every layer (and in files from before groups):
     # per group title, layers, window, device/host_budget_mb (its share), read_tokens / _missed / _streamed (its key
-    # reads), tiers (TierSnapshot device, host; the first group's are `tiers`).
+    # reads), why_missed ({reason: tokens}: the prompt tokens its missing blocks cost and its key reads' reasons,
+    # engine/kv/misses.py group_summary; {} in files from before it), tiers (TierSnapshot device, host; the first
+    # group's are `tiers`).
     kv_groups: tuple = ()
     # Cache health (engine/telemetry/health.py Health.summary): the MemOS targets (prefix hit rate, block utilization,
     # eviction rate) and the checklist (leaks, eviction check, lock wait, bandwidth, throughput drops); {} in files from

@@ -103,7 +103,7 @@ def _health(x: Any) -> dict:
 
 MAX_GROUPS = 64
 GROUP_KEYS = ("title", "layers", "window", "device_budget_mb", "host_budget_mb", "read_tokens", "read_tokens_missed",
-              "read_tokens_streamed", "tiers")
+              "read_tokens_streamed", "tiers")  # and, optional, why_missed
 
 
 def _kv_groups(x: Any, tiers: tuple[TierSnapshot, ...], block_size: int, model: dict) -> tuple[dict, ...]:
@@ -113,7 +113,7 @@ def _kv_groups(x: Any, tiers: tuple[TierSnapshot, ...], block_size: int, model: 
     layers = model.get("layers", 1 << 20)
     for i, g in enumerate(_list(x, "kv_groups", max_n=MAX_GROUPS)):
         where = f"kv_groups[{i}]"
-        g = _obj(g, where, GROUP_KEYS, closed=True)
+        g = _obj(g, where, GROUP_KEYS, ("why_missed",), closed=True)
         entry = {"title": _str(g["title"], f"{where}.title"),
                  "layers": [_int(v, f"{where}.layers[{j}]", 0, layers - 1)
                             for j, v in enumerate(_list(g["layers"], f"{where}.layers", max_n=layers))],
@@ -122,6 +122,7 @@ def _kv_groups(x: Any, tiers: tuple[TierSnapshot, ...], block_size: int, model: 
             entry[k] = _num(g[k], f"{where}.{k}", 0.0)
         for k in ("read_tokens", "read_tokens_missed", "read_tokens_streamed"):
             entry[k] = _int(g[k], f"{where}.{k}", 0)
+        entry["why_missed"] = _reasons(g.get("why_missed", {}), f"{where}.why_missed")  # {} in files from before it
         if i == 0:
             if g["tiers"] is not None:
                 raise _Bad(f"{where}.tiers", "expected null: the first group's tiers are the snapshot's tiers")

@@ -351,7 +351,7 @@ class Telemetry:
             out.append({"title": g.title, "layers": list(g.layers), "window": g.window,
                         "device_budget_mb": pool.config.device_budget_mb, "host_budget_mb": pool.config.host_budget_mb,
                         "read_tokens": reads[0], "read_tokens_missed": reads[1], "read_tokens_streamed": reads[2],
-                        "tiers": gt})
+                        "why_missed": dict(reads[3]) if len(reads) > 3 else {}, "tiers": gt})
         return tuple(out)
 
     def quality(self, e: EngineState) -> dict:

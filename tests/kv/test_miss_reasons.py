@@ -179,6 +179,52 @@ def test_groups_name_the_window_block_that_left(gemma3):
         eng.step()
     assert seq.why_missed.get("evicted", 0) > 0
     add_up(eng)
+    groups = add_up_groups(eng)
+    assert groups[1].get("evicted", 0) > 0 and "evicted" not in groups[0]  # the window group's block left
+
+
+def add_up_groups(eng: Engine) -> list[dict]:
+    """Per KV-cache group (snapshot kv_groups[g]["why_missed"]): the groups' prompt reasons plus the sequence-wide
+    ones (partial, preempted) add up to the engine's, and their key-read reasons too."""
+    snap = eng.snapshot()
+    groups = [g["why_missed"] for g in snap.kv_groups]
+    assert len(groups) == len(eng.kv.groups) >= 2
+    whole = {**reasons(eng), **reasons(eng, READ_REASONS)}
+    summed = {}
+    for g in groups:
+        assert "partial" not in g and "preempted" not in g
+        for r, n in g.items():
+            summed[r] = summed.get(r, 0) + n
+    for r in ("partial", "preempted"):
+        if whole.get(r):
+            summed[r] = whole[r]
+    assert summed == whole
+    return groups
+
+
+def test_group_reasons_add_up_under_pressure_and_travel_in_files(gemma3, tmp_path):
+    """Gemma 3 with small budgets, demotion and re-lays: each group's reasons, summed, are the engine's, in the
+    snapshot and after a save/load."""
+    from engine.telemetry import snapshot_io
+
+    now = [0.0]
+    bs = 4
+    eng = Engine(gemma3, CacheConfig(block_size=bs, device_budget_mb=budget_mb(gemma3, 40, bs),
+                                     host_budget_mb=budget_mb(gemma3, 80, bs, device=False), demote_after_s=1.0),
+                 clock=lambda: now[0])
+    base = prompts(15, [48])[0]
+    for i in range(6):
+        run_one(eng, base[:8 * i] + prompts(200 + i, [24])[0])
+        now[0] += 3.0
+        if i == 3:
+            eng.reconfigure(block_size=8)
+    add_up(eng)
+    groups = add_up_groups(eng)
+    assert sum(groups[0].values()) > 0 and sum(groups[1].values()) > 0
+    path = tmp_path / "g.json"
+    snapshot_io.save(str(path), eng.snapshot())
+    back, _ = snapshot_io.load(str(path))
+    assert [g["why_missed"] for g in back.kv_groups] == groups
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,

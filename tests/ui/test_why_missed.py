@@ -82,3 +82,41 @@ def test_a_sequences_row_and_a_blocks_hover_say_why(qtbot, engine_after_misses):
     host = snap.tiers[1]
     on_host = np.flatnonzero(host.state > 0)
     assert len(on_host) and "on the host tier: no device room" in bmap.tooltip_text(1, int(on_host[0]))
+
+
+def test_groups_get_a_bar_each_that_adds_up_to_the_engines(qtbot, tiny_gemma3):
+    """Gemma 3 (a full and a window group): one bar per group, since start; the groups' reasons plus the sequences'
+    partial and preempted tokens are the engine's reasons."""
+    from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name
+    from ui.panels.why_missed import WhyMissedPanel
+
+    model = load_model(tiny_gemma3)
+    eng = Engine(model, CacheConfig(block_size=4, device_budget_mb=budget_mb(model, 24, 4), host_budget_mb=1.0))
+    sp = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    a = prompts(72, [40])[0]
+    eng.generate([a], sp)
+    eng.generate([prompts(73, [60])[0]], sp)
+    eng.generate([a], sp)
+    snap = eng.snapshot()
+    panel = WhyMissedPanel()
+    qtbot.addWidget(panel)
+    panel.update_snapshot(snap)
+    panel.resize(700, 200)
+    panel.show()
+    qtbot.waitExposed(panel)
+    panel.grab()
+    lines = panel.texts()
+    assert len(lines) == 4 + len(snap.kv_groups) == 6
+    summed = {}
+    for g, line in zip(snap.kv_groups, lines[4:]):
+        assert line.startswith(f"{g['title']} · since start: ")
+        for r, n in g["why_missed"].items():
+            assert f"{r} {n:,}" in line
+            summed[r] = summed.get(r, 0) + n
+    c = eng.counters
+    whole = {r: getattr(c, counter_name(r)) for r in PROMPT_REASONS + READ_REASONS if getattr(c, counter_name(r))}
+    for r in ("partial", "preempted"):
+        if whole.get(r):
+            summed[r] = whole[r]
+    assert summed == whole and sum(whole.values()) > 0
+    assert any("because of group" in tip for _, tip in panel._hits)

@@ -3,6 +3,10 @@ started, for the prompt tokens a prefix-cache lookup did not serve and for the k
 from the device tier. Each bar is its misses split by reason (the segments add up to the bar's count exactly); "no
 data" where nothing was looked up or read, "no misses" where nothing missed. Painted, from the snapshot's counters
 (since start) and windowed figures (last 5 s): no engine object is read.
+
+With KV-cache groups, one more bar per group (since start): the prompt tokens whose miss that group's missing block
+caused and that group's own key reads, by reason (partial and preempted belong to a sequence, not to a group). The
+group bars share one scale, so the group that costs the most misses has the longest bar.
 """
 
 from __future__ import annotations
@@ -40,11 +44,16 @@ BARS = (  # (title, reasons, total counter, served counter or None, missed count
 )
 SCOPES = (("last 5 s", "windowed"), ("since start", "counters"))
 
+GROUP_SCOPE = "since start"
+
 TIP = ("Why tokens missed. Prompt tokens: every admission of a sequence holding no blocks looks its tokens up in "
        "the prefix cache; each token not served has one reason. Key reads: each key attention read not straight "
        "from the device tier (its block was on the host tier when the step began, or is there now) has one reason. "
        "Each bar is the misses, split by reason (the segments add up to them); its text, the misses as a share of "
-       "the tokens looked up (keys read). Hover a segment for what it counts.")
+       "the tokens looked up (keys read). With KV-cache groups, one bar per group (since start): the prompt tokens "
+       "whose miss the group's missing block caused (the first group lacking a needed block), and the group's own "
+       "key reads not from the device tier; partial and preempted misses belong to a whole sequence and are in no "
+       "group's bar. Group bars share one scale. Hover a segment for what it counts.")
 
 
 def _num(d: dict, k: str) -> float:
@@ -66,6 +75,11 @@ def bars(snap: Snapshot) -> list[dict]:
                 missed = math.nan
             out.append({"scope": scope, "title": title, "total": total, "missed": missed,
                         "segments": [(r, int(n)) for r, n in segs if n == n and n > 0]})
+    for g in snap.kv_groups:
+        why = g.get("why_missed") or {}
+        segs = [(r, int(why[r])) for r in PROMPT_REASONS + READ_REASONS if why.get(r)]
+        out.append({"scope": GROUP_SCOPE, "title": g["title"], "total": math.nan, "group": True,
+                    "missed": float(sum(n for _, n in segs)) if "why_missed" in g else math.nan, "segments": segs})
     return out
 
 
@@ -93,6 +107,9 @@ class WhyMissedPanel(QtWidgets.QWidget):
             head = f"{b['title']} · {b['scope']}: "
             if math.isnan(b["missed"]):
                 out.append(head + "no data")
+            elif b.get("group"):
+                parts = ", ".join(f"{r} {n:,}" for r, n in b["segments"])
+                out.append(head + (f"{int(b['missed']):,} missed ({parts})" if b["missed"] else "no misses"))
             elif b["missed"] == 0:
                 out.append(head + f"no misses of {int(b['total']):,}")
             else:
@@ -107,36 +124,48 @@ class WhyMissedPanel(QtWidgets.QWidget):
         text, dim = pal.color(QtGui.QPalette.WindowText), QtGui.QColor("#8a919c")
         fm = p.fontMetrics()
         w = self.width()
-        label_w = min(max(fm.horizontalAdvance(f"{t} · {s}") for t, *_ in BARS for s, _ in SCOPES) + 10, w // 2)
+        label_w = min(max(fm.horizontalAdvance(f"{b['title']} · {b['scope']}") for b in self._bars) + 10
+                      if self._bars else 60, w // 2)
         x0, bar_w = label_w, max(40, w - label_w - 6)
+        group_top = max([b["missed"] for b in self._bars if b.get("group") and b["missed"] > 0] + [1.0])
         y = 6
+        # Rows shrink (to 14 px) rather than push the legend out when group bars join the four.
+        row_h = max(14.0, min(float(self.ROW_H), (self.height() - 3 * (fm.height() + 2) - 18) / max(1, len(self._bars))))
         self._hits = []
         for b in self._bars:
             p.setPen(text)
             label = fm.elidedText(f"{b['title']} · {b['scope']}", QtCore.Qt.ElideRight, label_w - 8)
-            p.drawText(QtCore.QRectF(4, y, label_w - 8, self.ROW_H), QtCore.Qt.AlignVCenter, label)
-            frame = QtCore.QRectF(x0, y + 3, bar_w, self.ROW_H - 6)
+            p.drawText(QtCore.QRectF(4, y, label_w - 8, row_h), QtCore.Qt.AlignVCenter, label)
+            frame = QtCore.QRectF(x0, y + 3, bar_w, row_h - 6)
             p.setPen(dim)
             p.drawRect(frame)
             if math.isnan(b["missed"]) or b["missed"] == 0:
                 p.drawText(frame, QtCore.Qt.AlignCenter, "no data" if math.isnan(b["missed"]) else
-                           f"no misses of {int(b['total']):,}")
+                           "no misses" if b.get("group") else f"no misses of {int(b['total']):,}")
             else:
-                # The bar is the misses; its segments split them by reason.
-                share = b["missed"] / b["total"]
+                # The bar is the misses; its segments split them by reason. A group's bar: its length is its misses
+                # on the scale of the largest group's.
+                span = bar_w * (b["missed"] / group_top if b.get("group") else 1.0)
                 x = x0
                 for reason, n in b["segments"]:
-                    seg = bar_w * n / b["missed"]
-                    r = QtCore.QRectF(x, y + 3, max(seg, 1.0), self.ROW_H - 6)
+                    seg = span * n / b["missed"]
+                    r = QtCore.QRectF(x, y + 3, max(seg, 1.0), row_h - 6)
                     p.fillRect(r, QtGui.QColor(COLOURS[reason]))
-                    what = "prompt tokens" if b["title"] == "prompt" else "keys"
-                    self._hits.append((r, f"<b>{reason}</b>: {n:,} of the {int(b['missed']):,} {what} missed, "
-                                          f"{b['scope']} ({100 * n / b['missed']:.1f} %)<br>{MEANING[reason]}"))
+                    what = "keys" if b["title"] == "keys" or reason in READ_REASONS else "prompt tokens"
+                    whose = f" because of group {b['title']}'s blocks" if b.get("group") else ""
+                    self._hits.append((r, f"<b>{reason}</b>: {n:,} {what} missed{whose}, {b['scope']} "
+                                          f"({100 * n / b['missed']:.1f} % of the bar's {int(b['missed']):,})"
+                                          f"<br>{MEANING[reason]}"))
                     x += seg
-                p.setPen(QtGui.QColor("#101216"))  # dark on the segments' light colours
-                p.drawText(frame.adjusted(0, 0, -4, 0), QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter,
-                           f"{int(b['missed']):,} missed ({100 * share:.1f} %)")
-            y += self.ROW_H
+                text_x = frame.adjusted(0, 0, -4, 0)
+                if b.get("group"):
+                    label = f"{int(b['missed']):,} missed"
+                    p.setPen(text if span < bar_w - fm.horizontalAdvance(label) - 8 else QtGui.QColor("#101216"))
+                else:
+                    label = f"{int(b['missed']):,} missed ({100 * b['missed'] / b['total']:.1f} %)"
+                    p.setPen(QtGui.QColor("#101216"))  # dark on the segments' light colours
+                p.drawText(text_x, QtCore.Qt.AlignRight | QtCore.Qt.AlignVCenter, label)
+            y += row_h
         # Legend: every reason, in its colour.
         y += 6
         x = 4.0
