@@ -13,8 +13,11 @@ not store again. "With N more blocks, at least M of these re-stores would have b
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
+SLOW_PARTS_EVERY_S = 0.5  # the curve and gap percentiles (a sort of up to KEEP values) at most this often
 GONE_CAP = 1 << 17  # removed hashes remembered per cache (the oldest forgotten first: then a re-store reads compulsory)
 KEEP = 1 << 16  # re-stores whose need and gap are kept for the curve and percentiles (the newest)
 
@@ -28,6 +31,7 @@ class ReStores:
         self.re_stores = 0
         self._need = np.zeros(KEEP, np.int64)
         self._gap = np.zeros(KEEP, np.float64)
+        self._slow: tuple[float, int, dict] | None = None  # (when, re_stores then, the sorted parts)
 
     def removed(self, h, t: float | None, n_removed: int) -> None:
         """The cache removed block h, its n_removed-th removal."""
@@ -62,16 +66,22 @@ class ReStores:
             capacities = [1 << i for i in range(max(top - 1, 0).bit_length() + 1)]  # up to the first >= top
         return [(int(k), int(np.searchsorted(need, k, side="right"))) for k in capacities]
 
-    def summary(self) -> dict:
-        """Counts, share of stores that were re-stores (NaN: no store), gap percentiles (NaN: none), the curve."""
+    def summary(self, now: float | None = None) -> dict:
+        """Counts, share of stores that were re-stores (NaN: no store), gap percentiles (NaN: none), the curve.
+
+        The counts are current; the sorted parts (gap percentiles, kept, curve) are worked out again at most every
+        SLOW_PARTS_EVERY_S while re-stores arrive (every snapshot asks, under the cluster's lock)."""
+        now = time.monotonic() if now is None else now
         stores = self.compulsory + self.re_stores
-        gaps = self._gap[:min(self.re_stores, KEEP)]
-        gaps = gaps[np.isfinite(gaps)]
-        return {"stores": stores, "compulsory": self.compulsory, "re_stores": self.re_stores,
-                "re_store_share": self.re_stores / stores if stores else float("nan"),
+        if self._slow is None or (self._slow[1] != self.re_stores and now - self._slow[0] >= SLOW_PARTS_EVERY_S):
+            gaps = self._gap[:min(self.re_stores, KEEP)]
+            gaps = gaps[np.isfinite(gaps)]
+            self._slow = (now, self.re_stores, {
                 "gap_p50_s": float(np.percentile(gaps, 50)) if len(gaps) else float("nan"),
                 "gap_p90_s": float(np.percentile(gaps, 90)) if len(gaps) else float("nan"),
-                "kept": int(min(self.re_stores, KEEP)), "curve": self.curve()}
+                "kept": int(min(self.re_stores, KEEP)), "curve": self.curve()})
+        return {"stores": stores, "compulsory": self.compulsory, "re_stores": self.re_stores,
+                "re_store_share": self.re_stores / stores if stores else float("nan"), **self._slow[2]}
 
 
 def curve_text(summary: dict) -> str:

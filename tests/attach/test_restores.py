@@ -82,3 +82,51 @@ def test_a_map_title_says_how_many_blocks_were_re_stored(qtbot):
     m.set_snapshot(c.snapshot())
     assert "4 stores" not in m.label_texts()[0] and "1 re-stored (25.0 % of stores)" in m.label_texts()[0]
     assert np.isfinite(c.snapshot().groups[0].restores["gap_p50_s"])
+
+
+def test_the_sorted_parts_refresh_at_most_twice_a_second_while_counts_stay_current():
+    t = BlockTable()
+    for h in range(1, 5):
+        store(t, h, float(h))
+    t.remove(1, 5.0)
+    store(t, 1, 6.0)
+    rs = t.restores
+    first = rs.summary(now=100.0)
+    assert first["curve"] == [(1, 1)] and first["kept"] == 1
+    t.remove(2, 7.0)
+    t.remove(3, 8.0)
+    store(t, 2, 9.0)  # need 2 (removals 2 and 3)
+    stale = rs.summary(now=100.2)
+    assert (stale["re_stores"], stale["stores"]) == (2, 6)  # counts: current
+    assert stale["curve"] == [(1, 1)] and stale["kept"] == 1  # the sort: not yet
+    fresh = rs.summary(now=100.6)
+    assert fresh["curve"] == [(1, 1), (2, 2)] and fresh["kept"] == 2
+
+
+def test_the_re_stores_panel_draws_each_caches_curve_and_says_no_data_without_one(qtbot):
+    from engine.attach.cluster import ClusterState
+    from engine.attach.events import BlockRemoved, BlockStored, decode_batch
+    from engine.attach.fake.publisher import encode
+    from ui.attach.restores import RestoresPanel
+
+    c = ClusterState(["v", "w"])
+    panel = RestoresPanel()
+    qtbot.addWidget(panel)
+    panel.update_groups(c.snapshot().groups)
+    assert panel.note.isVisible() and panel.lines() == []
+    frames = ([BlockStored(list(range(1, 9)), None, list(range(128)), 16)], [BlockRemoved([1, 2, 3, 4])],
+              [BlockStored([4], None, list(range(16)), 16)], [BlockStored([1], None, list(range(16)), 16)])
+    for i, events in enumerate(frames):
+        c.apply(0, decode_batch(encode(events, float(i), 0, "vllm", "tagged")))
+    c.apply(1, decode_batch(encode([BlockStored([7], None, list(range(16)), 16)], 0.0, 0, "vllm", "tagged")))
+    groups = c.snapshot().groups
+    panel.update_groups(groups)
+    v, w = groups
+    assert v.restores["re_stores"] == 2
+    assert panel.lines()[0].startswith(f"{v.label}: re-stored 2 of 10 stores (20.0 %)")
+    assert "+4 blocks: ≥ 2 of 2 re-stores would have hit (lower bound)" in panel.lines()[0]
+    assert panel.lines()[1] == f"{w.label}: re-stored 0 of 1 stores (0.0 %), gap p50 no data; no re-stores: " \
+                               "nothing more blocks would buy that events can show"
+    x, y = panel.curve_points(v.label)
+    assert list(y) == [50.0, 50.0, 100.0]  # needs 1 and 4: +1 and +2 keep one of two, +4 both
+    assert panel.curve_points(w.label) is None and not panel.note.isVisible()

@@ -21,6 +21,7 @@ from engine.attach.session import LIMITS, Frame
 from ui import dock_layout
 from ui.attach.block_map import AttachMap, meta_lines
 from ui.attach.panels import AttachEventsPanel, MetricsPanel, SourcesPanel, behind_text, traffic_lines
+from ui.attach.restores import RestoresPanel
 
 REFRESH_MS = 100
 WANT_SIZE = QtCore.QSize(1400, 900)  # on a screen with room for it; a smaller one gets all of its free area
@@ -80,15 +81,19 @@ class AttachWindow(QtWidgets.QMainWindow):
         self.metrics = MetricsPanel(list(session.metrics_labels))
         self.sources = SourcesPanel()
         self.events = AttachEventsPanel()
+        self.restores = RestoresPanel()
         self.docks = {}
         for name, w, area in (("Metrics", self.metrics, QtCore.Qt.RightDockWidgetArea),
                               ("Sources", self.sources, QtCore.Qt.BottomDockWidgetArea),
-                              ("Events", self.events, QtCore.Qt.BottomDockWidgetArea)):
+                              ("Events", self.events, QtCore.Qt.BottomDockWidgetArea),
+                              ("Re-stores", self.restores, QtCore.Qt.BottomDockWidgetArea)):
             d = QtWidgets.QDockWidget(name, self)
             d.setObjectName(f"attach-{name}")
             d.setWidget(w)
             self.addDockWidget(area, d)
             self.docks[name] = d
+        self.tabifyDockWidget(self.docks["Events"], self.docks["Re-stores"])
+        self.docks["Events"].raise_()
         self.status = QtWidgets.QLabel()
         # Its text changes every half second: with a size hint that followed the text, each change re-laid out
         # the main window and repainted much of it (5 ms a frame in the soak); the bar's height stays as it is.
@@ -169,6 +174,8 @@ class AttachWindow(QtWidgets.QMainWindow):
             self.metrics.update_table([x.latest for x in m.metrics], [x.error for x in m.metrics],
                                       m.event_times or {})
             self._metrics_table = None
+        if every_panel or slot == 0:  # the slow frame carries the per-cache re-store summaries
+            self.restores.update_groups(snap.groups)
         if every_panel or slot == 2:  # from the same frame: the status line's totals are the table's sums
             self.sources.update_status(list(fr.statuses), [a.events for a in snap.activity],
                                        [a.bad_events for a in snap.activity])
