@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import pyqtgraph as pg
-from PySide6 import QtWidgets
+from PySide6 import QtCore, QtWidgets
 
 COLOURS = ("#4fc3f7", "#ffb74d", "#81c784", "#e57373", "#ba68c8", "#fff176", "#4db6ac", "#f06292")
 TIP = ("Re-stores, from KV events alone. A BlockStored of a hash this cache (endpoint × rank × medium × group) "
@@ -50,25 +50,28 @@ class RestoresPanel(QtWidgets.QWidget):
     def __init__(self):
         super().__init__()
         self.setToolTip(TIP)
-        lay = QtWidgets.QVBoxLayout(self)
+        lay = QtWidgets.QHBoxLayout(self)  # the chart beside the figures: a short dock keeps the chart's height
         lay.setContentsMargins(2, 2, 2, 2)
         self.plot = pg.PlotWidget()
         self.plot.setLogMode(x=True, y=False)
         self.plot.setYRange(0, 100, padding=0.02)
         self.plot.setLabel("bottom", "extra blocks (log scale)")
-        self.plot.setLabel("left", "re-stores that would have hit", units="%")
+        self.plot.setLabel("left", "would hit (%)")
         self.plot.showGrid(x=True, y=True, alpha=0.25)
         self.plot.setMouseEnabled(x=False, y=False)
         self.plot.setToolTip(TIP)
-        self.legend = self.plot.addLegend(offset=(-8, 8))
+        self.plot.setMinimumWidth(160)
+        self.legend = self.plot.addLegend(offset=(8, 4))  # top left: the curves rise to the right
         self.note = pg.TextItem("no data: no re-stores seen yet", color="#8a919c", anchor=(0.5, 0.5))
         self.plot.addItem(self.note, ignoreBounds=True)
         self.note.setPos(1.0, 50)
-        self.text = QtWidgets.QLabel()
+        self.text = QtWidgets.QListWidget()  # one row per cache, wrapped; scrolls when the caches outgrow the dock
         self.text.setWordWrap(True)
-        self.text.setTextInteractionFlags(self.text.textInteractionFlags())
-        lay.addWidget(self.plot, 1)
-        lay.addWidget(self.text)
+        self.text.setToolTip(TIP)
+        self.text.setHorizontalScrollBarPolicy(QtCore.Qt.ScrollBarAlwaysOff)
+        self.text.setMinimumWidth(120)
+        lay.addWidget(self.plot, 3)
+        lay.addWidget(self.text, 2)
         self._curves: dict[str, pg.PlotDataItem] = {}
         self._shown: tuple = ()
         self._lines: list[str] = []
@@ -80,7 +83,8 @@ class RestoresPanel(QtWidgets.QWidget):
             return
         self._shown = key
         self._lines = [line_text(g.label, g.restores) for g in groups]
-        self.text.setText("<br>".join(self._lines) if self._lines else "no caches yet")
+        self.text.clear()
+        self.text.addItems(self._lines or ["no caches yet"])
         drawn = set()
         for i, g in enumerate(groups):
             rs = g.restores or {}
@@ -93,7 +97,7 @@ class RestoresPanel(QtWidgets.QWidget):
             if item is None:
                 c = COLOURS[i % len(COLOURS)]
                 item = self.plot.plot(x, y, pen=pg.mkPen(c, width=2), symbol="o", symbolSize=5, symbolBrush=c,
-                                      name=g.label.split("  ")[0] + f" ({kept:,})")
+                                      name=" ".join(g.label.replace("full attention", "").split())[:48])
                 self._curves[g.label] = item
             else:
                 item.setData(x, y)

@@ -124,6 +124,7 @@ class AttachWindow(QtWidgets.QMainWindow):
         self.resize(WANT_SIZE)  # headless (offscreen) as before; on a screen show_fitted fits it
         self.resizeDocks([self.docks["Metrics"]], [430], QtCore.Qt.Horizontal)
         self.resizeDocks([self.docks["Sources"]], [170], QtCore.Qt.Vertical)
+        self.resizeDocks([self.docks["Sources"]], [370], QtCore.Qt.Horizontal)  # its columns; Events gets the rest
         self.timer = QtCore.QTimer(self)
         self.timer.timeout.connect(self.refresh)
         self.timer.start(refresh_ms)
@@ -140,6 +141,7 @@ class AttachWindow(QtWidgets.QMainWindow):
         self.setGeometry(rect)
         self.resizeDocks([self.docks["Metrics"]], [min(430, rect.width() // 3)], QtCore.Qt.Horizontal)
         self.resizeDocks([self.docks["Sources"]], [min(170, rect.height() // 4)], QtCore.Qt.Vertical)
+        self.resizeDocks([self.docks["Sources"]], [min(370, rect.width() // 3)], QtCore.Qt.Horizontal)
         if maximize:
             self.showMaximized()
         else:
