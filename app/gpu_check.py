@@ -241,27 +241,6 @@ def _stream_overlap(path: str, device: str, checks: dict, report: dict, lengths=
 
 
 # -- issue 24: the self-checks on real hardware --------------------------------------------------------------------
-class _OffBackend:
-    """A paged backend whose decode is off by `error` (an injected fault: the attention self-check must catch it)."""
-
-    def __init__(self, inner, error: float = 1e-2):
-        self.inner, self.error, self.name = inner, error, inner.name
-
-    def decode(self, q, layer, paged, batch, **kw):
-        return self.inner.decode(q, layer, paged, batch, **kw) + self.error
-
-    def prefill(self, *a, **kw):
-        return self.inner.prefill(*a, **kw)
-
-    def partial(self, *a, **kw):
-        return self.inner.partial(*a, **kw)
-
-
-def _flip_copier(copy):
-    def bad(src, src_slots, dst, dst_slots, stream, device):
-        copy(src, src_slots, dst, dst_slots, stream, device)
-        dst.k["data"][0][int(dst_slots[0])].reshape(-1)[:1].view(__import__("torch").uint8)[0] ^= 0x40
-    return bad
 
 
 def _flip_stage(copy):
@@ -274,6 +253,7 @@ def _flip_stage(copy):
 def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict, report: dict) -> None:
     """Each self-check on this hardware: the verdicts of engines that exercise every feature (tokens equal), the
     start-up cost, and each injected fault caught."""
+    from app.faults import WrongBackend, flip_one_byte
     from engine.config import CacheConfig, EngineOptions
     from engine.runtime.engine import Engine
 
@@ -312,7 +292,7 @@ def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict,
     # Injected faults, each through its seam: caught, the reference path serving, tokens still equal.
     faults = {}
     eng = Engine(model, CacheConfig(block_size=16), opts())
-    eng.model.backend = _OffBackend(eng.model.backend)
+    eng.model.backend = WrongBackend(eng.model.backend)
     faults["attention"] = (eng, lambda e: e.model.backend is None)
     eng = Engine(model, CacheConfig(block_size=16), opts(cuda_graphs="on" if device == "cuda" else "static"))
     real = eng.runner.graphs.capture
@@ -327,7 +307,7 @@ def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict,
     faults["graphs"] = (eng, lambda e: e.runner.graphs.fallback is not None)
     eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.25, host_budget_mb=8, demote_after_s=0.0),
                  opts(max_batched_tokens=128))
-    eng.pool.copier = _flip_copier(eng.pool.copier)
+    eng.pool.copier = flip_one_byte(eng.pool.copier)
     faults["migration"] = (eng, lambda e: e.pool.copy_stream is None)
     eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.05, host_budget_mb=16, host_reads="stream"),
                  opts(max_batched_tokens=128))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import budget_mb, prompts
-from faults import RaisingBackend, WrongBackend, flip_one_byte
+from app.faults import RaisingBackend, WrongBackend, flip_one_byte
 from engine.config import CacheConfig, EngineOptions
 from engine.kv.block_pool import RESERVED
 from engine.kv.tiers import copy_slots

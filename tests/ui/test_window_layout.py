@@ -251,7 +251,7 @@ def test_the_bottom_docks_keep_their_widths_when_another_tab_comes_to_the_front(
 def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
     """An attention backend that disagrees with the reference (engine/runtime/self_check.py): caught at the next step,
     said in the status bar and the Events feed."""
-    from faults import WrongBackend
+    from app.faults import WrongBackend
 
     eng = runner.engine
     eng.submit(lambda: setattr(eng.model, "backend", WrongBackend(eng.model.backend)))
