@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import Reference, prompts
+from grouped_runs import follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
 from engine.kv.groups import KVGroupSpec, kv_groups, split_config
@@ -24,10 +25,6 @@ W = 24  # tiny_gemma3's window
 @pytest.fixture(scope="module")
 def gemma3(tiny_gemma3):
     return load_model(tiny_gemma3), Reference(tiny_gemma3)
-
-
-def held_bytes(eng: Engine) -> int:
-    return eng.kv.device_bytes() + eng.kv.host_bytes()
 
 
 # -- the groups ---------------------------------------------------------------------------------------------------
@@ -101,21 +98,7 @@ def test_a_request_one_pool_holds_is_held_with_groups(gemma3):
 def test_window_tables_hold_only_the_window_and_tokens_equal_transformers(gemma3, bs):
     model, ref = gemma3
     p = prompts(41, [150])[0]
-    eng = Engine(model, CacheConfig(block_size=bs, device_budget_mb=1.0, host_budget_mb=1.0),
-                 EngineOptions(max_batched_tokens=64))
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True))
-    seq = eng.seqs[sid]
-    longest = 0
-    while not seq.done:
-        eng.step()
-        eng.check_invariants()
-        if seq.done:
-            break
-        t = seq.groups[0]
-        assert t.dropped >= seq.num_cached - W + 1 - 1  # every key out of the next query's window is dropped
-        assert len(t.blocks) == blocks_for(seq.num_cached, bs) - t.base
-        longest = max(longest, len(t.blocks)) if seq.pending == 1 else longest
-    assert longest <= blocks_for(W, bs) + 1  # decoding: the window, and the block it starts in
+    eng, seq = follow_a_window_table(model, p, bs, W, lambda seq: seq.groups[0])
     assert seq.output == ref.greedy(p, 20)
     assert eng.kv.pools[1].tiers[Tier.DEVICE].used + eng.kv.pools[1].tiers[Tier.HOST].used > 0  # cached for reuse
 
@@ -125,20 +108,7 @@ def test_kv_bytes_held_fall_with_groups_and_the_tokens_stay(gemma3):
     window and a block)."""
     model, ref = gemma3
     p = prompts(42, [400])[0]
-    out, held = {}, {}
-    for mode in ("auto", "off"):
-        eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=64, host_budget_mb=64),
-                     EngineOptions(kv_groups=mode, max_batched_tokens=128))
-        sid = eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
-        eng.kv.reset_prefix_cache()
-        while eng.seqs[sid].pending > 1:
-            eng.step()
-        eng.step()  # the last chunk: the first token
-        eng.kv.reset_prefix_cache()  # blocks that left the window and stayed cached: not held for this sequence
-        held[mode] = held_bytes(eng)
-        while not eng.seqs[sid].done:
-            eng.step()
-        out[mode] = eng.seqs[sid].output
+    out, held = held_at_the_first_token(model, p)
     assert out["auto"] == out["off"] == ref.greedy(p, 4)
     per_layer_token = held["off"] / (5 * blocks_for(401, 8) * 8)
     assert held["auto"] <= per_layer_token * (1 * blocks_for(401, 8) * 8 + 4 * (blocks_for(W, 8) + 1) * 8)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import Reference, prompts
+from grouped_runs import follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
 from engine.kv.groups import KVGroupSpec, kv_groups
@@ -26,10 +27,6 @@ def mistral(tiny_mistral):
     return load_model(tiny_mistral), Reference(tiny_mistral)
 
 
-def held_bytes(eng: Engine) -> int:
-    return eng.kv.device_bytes() + eng.kv.host_bytes()
-
-
 def test_every_layer_sliding_is_one_window_group(mistral):
     model, _ = mistral
     n = model.spec.num_layers
@@ -45,21 +42,11 @@ def test_every_layer_sliding_is_one_window_group(mistral):
 def test_the_table_starts_at_the_window_and_tokens_equal_transformers(mistral, bs):
     model, ref = mistral
     p = prompts(61, [150])[0]
-    eng = Engine(model, CacheConfig(block_size=bs, device_budget_mb=1.0, host_budget_mb=1.0),
-                 EngineOptions(max_batched_tokens=64))
-    sid = eng.add_request(p, SamplingParams(max_new_tokens=20, ignore_eos=True))
-    seq = eng.seqs[sid]
-    longest = 0
-    while not seq.done:
-        eng.step()
-        eng.check_invariants()
-        if seq.done:
-            break
-        assert seq.dropped >= seq.num_cached - W  # every key out of the next query's window is dropped
+
+    def base_is_the_first_visible_block(seq):
         assert seq.base == seq.dropped // bs or len(seq.blocks) == 1
-        assert len(seq.blocks) == blocks_for(seq.num_cached, bs) - seq.base
-        longest = max(longest, len(seq.blocks)) if seq.pending == 1 else longest
-    assert longest <= blocks_for(W, bs) + 1  # decoding: the window, and the block it starts in
+
+    _, seq = follow_a_window_table(model, p, bs, W, lambda seq: seq, also=base_is_the_first_visible_block)
     assert seq.output == ref.greedy(p, 20)
     assert not seq.blocks and seq.base == 0  # released whole
 
@@ -69,19 +56,7 @@ def test_kv_bytes_held_are_the_window_whatever_the_prompt(mistral):
     (the window and a block)."""
     model, ref = mistral
     p = prompts(62, [400])[0]
-    out, held = {}, {}
-    for mode in ("auto", "off"):
-        eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=64, host_budget_mb=64),
-                     EngineOptions(kv_groups=mode, max_batched_tokens=128))
-        sid = eng.add_request(p, SamplingParams(max_new_tokens=4, ignore_eos=True))
-        while eng.seqs[sid].pending > 1:
-            eng.step()
-        eng.step()  # the last chunk: the first token
-        eng.kv.reset_prefix_cache()  # blocks that left the window and stayed cached: not held for this sequence
-        held[mode] = held_bytes(eng)
-        while not eng.seqs[sid].done:
-            eng.step()
-        out[mode] = eng.seqs[sid].output
+    out, held = held_at_the_first_token(model, p)
     assert out["auto"] == out["off"] == ref.greedy(p, 4)
     per_block = held["off"] / blocks_for(401, 8)
     assert held["auto"] <= per_block * (blocks_for(W, 8) + 1)
