@@ -8,7 +8,6 @@ Plain values from the session's snapshot (engine/attach/restores.py ReStores.sum
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pyqtgraph as pg
