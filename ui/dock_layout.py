@@ -1,8 +1,9 @@
 """The inspector window's default dock arrangement, and how it shares a window of any size from 1280 x 720 up.
 
 The right column (Controls over Prompt) runs the full height; the left (Sequences over Events) and the block
-map sit above the charts (Hit rate | Memory | Heat, Residency, Cost, Why missed, Diagnostics, What if
-tabbed), which share the width left of the right column. Sizes follow the window: side columns as wide as
+map sit above the charts, three places each with its tabs (Hit rate, Why missed | Memory, Diagnostics | Heat,
+Residency, Cost, What if: at 1280 x 720 a place is ~300-370 px wide, which six tabs in one place could only show
+elided), which share the width left of the right column. Sizes follow the window: side columns as wide as
 their contents want, the charts a good third of the
 height, the prompt what the controls leave.
 """
@@ -24,7 +25,11 @@ DOCK_AREAS = (("Controls", Qt.RightDockWidgetArea), ("Prompt", Qt.RightDockWidge
               ("Diagnostics", Qt.BottomDockWidgetArea), ("What if", Qt.BottomDockWidgetArea))
 
 
-TABBED = ("Heat", "Residency", "Cost", "Why missed", "Diagnostics", "What if")  # docks that share a place
+# Docks that share a place, the first of each in front by default: why tokens missed beside the hit rate, the
+# checklist (leaks, lock wait, bandwidth) beside memory, what a change would buy in the widest place with the cache's
+# detail panels.
+TAB_PLACES = (("Hit rate", "Why missed"), ("Memory", "Diagnostics"), ("Heat", "Residency", "Cost", "What if"))
+TABBED = tuple(n for place in TAB_PLACES for n in place)
 
 
 def fitted_geometry(avail: QtCore.QRect, want: QtCore.QSize = DEFAULT_SIZE) -> tuple[QtCore.QRect, bool]:
@@ -53,18 +58,17 @@ def arrange(win: QtWidgets.QMainWindow) -> None:
         d.show()
     win.splitDockWidget(docks["Hit rate"], docks["Memory"], Qt.Horizontal)
     win.splitDockWidget(docks["Memory"], docks["Heat"], Qt.Horizontal)
-    win.tabifyDockWidget(docks["Heat"], docks["Residency"])
-    win.tabifyDockWidget(docks["Residency"], docks["Cost"])
-    win.tabifyDockWidget(docks["Cost"], docks["Why missed"])
-    win.tabifyDockWidget(docks["Why missed"], docks["Diagnostics"])
-    win.tabifyDockWidget(docks["Diagnostics"], docks["What if"])
-    docks["Heat"].raise_()
-    # The tabs share one place, so one least width: the widest tab's. Each tab's own, the place widened when a
-    # wider one came to the front and narrowed the charts beside it (and back on the next tab).
-    panels = [docks[n].widget() for n in TABBED]
-    least = max(p.minimumSizeHint().width() for p in panels)
-    for p in panels:
-        p.setMinimumWidth(least)
+    for place in TAB_PLACES:
+        for a, b in zip(place, place[1:]):
+            win.tabifyDockWidget(docks[a], docks[b])
+    for place in TAB_PLACES:
+        docks[place[0]].raise_()
+        # The tabs of a place share one least width: the widest tab's. Each tab's own, the place widened when a
+        # wider one came to the front and narrowed the charts beside it (and back on the next tab).
+        panels = [docks[n].widget() for n in place]
+        least = max(p.minimumSizeHint().width() for p in panels)
+        for p in panels:
+            p.setMinimumWidth(least)
     share(win)
 
 

@@ -31,7 +31,7 @@ from ui.charts.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
 SLOW_EVERY = 5  # plots refresh at 6 Hz, tables and histograms at 3 Hz
-STATE_VERSION = 4  # dock layouts saved by older versions (another arrangement) are not restored
+STATE_VERSION = 5  # dock layouts saved by older versions (another arrangement) are not restored
 
 
 class MainWindow(QtWidgets.QMainWindow):
@@ -182,8 +182,16 @@ class MainWindow(QtWidgets.QMainWindow):
         self.size_docks()  # sizes saved for another screen (or none) are shared out afresh
         if maximize:
             self.showMaximized()
+            # With no window manager to hold a maximized window to the screen (Xvfb, some kiosk set-ups), Qt may
+            # grow it to its docks' preferred heights: put it back on the screen once the show has settled.
+            QtCore.QTimer.singleShot(0, lambda: self._hold_to(avail))
         else:
             self.show()
+
+    def _hold_to(self, avail: QtCore.QRect) -> None:
+        if not avail.contains(self.geometry()):
+            self.setGeometry(avail)
+            self.size_docks()
 
     # -- refresh ------------------------------------------------------------------------------
     def refresh_all(self) -> None:

@@ -394,7 +394,7 @@ def test_a_reopened_snapshot_draws_the_charts_and_caption_it_was_saved_with(qtbo
     assert window.controls.apply("block_size", 8)  # a mark on every chart
     qtbot.wait(2500)  # some history of the window's own rates
     window.docks["Cost"].raise_()  # its tab in front, as the file reopens
-    qtbot.waitUntil(lambda: window.front_tabs() == ["Cost"], timeout=5000)
+    qtbot.waitUntil(lambda: window.front_tabs() == ["Hit rate", "Memory", "Cost"], timeout=5000)
     before = datetime.datetime.now().replace(microsecond=0)
     json_path = window.save_screenshot(str(tmp_path / "shot.png"))
     live = _charts(window)  # what the PNG shows (no refresh ran since)
@@ -414,7 +414,7 @@ def test_a_reopened_snapshot_draws_the_charts_and_caption_it_was_saved_with(qtbo
         else:
             assert again[key] == value, key
     assert ro.caption() == caption
-    qtbot.waitUntil(lambda: ro.front_tabs() == ["Cost"], timeout=5000)
+    qtbot.waitUntil(lambda: ro.front_tabs() == ["Hit rate", "Memory", "Cost"], timeout=5000)
     assert ro.cost.changed.text().startswith("last change (#1, ") and "block_size 4 -> 8" in ro.cost.changed.text()
     stamp = datetime.datetime.strptime(re.search(r"— (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)$", caption).group(1),
                                        "%Y-%m-%d %H:%M:%S")

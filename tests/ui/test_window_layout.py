@@ -235,17 +235,36 @@ def test_the_bottom_docks_keep_their_widths_when_another_tab_comes_to_the_front(
     window.size_docks()
     window.refresh_all()
     qtbot.wait(50)
-    names = ("Hit rate", "Memory", "Heat")
-    before = [window.docks[n].width() for n in names]
+    def widths() -> list[int]:  # each place's width, read off the dock in front there
+        return [window.docks[n].width() for n in window.front_tabs()]
+
+    before = widths()
+    assert window.front_tabs() == ["Hit rate", "Memory", "Heat"]
     window.cost.values[1][0].setText("71.3 % · 1.40 MiB/tok")  # the streamed row, once host reads stream
     window.cost.values[1][1].setText("71.3 % · 1.40 MiB/tok")
     monkeypatch.setattr(window.cost, "update_snapshot", lambda snap: None)  # the texts above stay
-    for tab in ("Cost", "Residency", "Heat", "Cost"):
+    for tab in ("Cost", "Residency", "Why missed", "What if", "Diagnostics", "Heat", "Hit rate", "Memory", "Cost"):
         window.docks[tab].raise_()
         window.refresh_all()
         qtbot.wait(50)
-        got = [window.docks[n].width() for n in names]
+        assert tab in window.front_tabs()
+        got = widths()
         assert got == before, (tab, before, got)
+
+
+@pytest.mark.parametrize("size", [(1280, 720), (1920, 1040)])
+def test_every_tab_shows_its_whole_name(qtbot, window, size):
+    """Six tabs in one place of ~330 px at 1280 x 720 showed as "H…", "Resi…", "Why …", "W…": the tabs now share
+    three places (ui/dock_layout.py TAB_PLACES), and no tab is narrower than its name needs."""
+    window.resize(*size)
+    window.size_docks()
+    qtbot.wait(50)
+    bars = [b for b in window.findChildren(QtWidgets.QTabBar) if b.isVisible() and b.count()]
+    names = {b.tabText(i) for b in bars for i in range(b.count())}
+    assert {"Hit rate", "Why missed", "Memory", "What if", "Heat", "Residency", "Cost", "Diagnostics"} <= names
+    for b in bars:
+        for i in range(b.count()):
+            assert b.tabRect(i).width() >= b.tabSizeHint(i).width(), (b.tabText(i), b.tabRect(i), b.tabSizeHint(i))
 
 
 def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
@@ -261,3 +280,4 @@ def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
     text = window.status.text()
     assert " | ⚠ cpu paged attention disagreed with the reference (max |Δ| 0.01" in text
     assert text.endswith("): using the reference path")
+

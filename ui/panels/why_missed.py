@@ -94,7 +94,7 @@ class WhyMissedPanel(QtWidgets.QWidget):
         self.setMouseTracking(True)
         self._bars: list[dict] = []
         self._hits: list[tuple[QtCore.QRectF, str]] = []  # painted segments and what each says on hover
-        self.setMinimumSize(260, 4 * self.ROW_H + 3 * 18 + 16)  # the bars and a legend of up to three lines
+        self.setMinimumSize(200, 4 * self.ROW_H + 3 * 18 + 16)  # the bars and a legend of up to three lines
 
     def update_snapshot(self, snap: Snapshot) -> None:
         self._bars = bars(snap)
@@ -159,7 +159,8 @@ class WhyMissedPanel(QtWidgets.QWidget):
                     x += seg
                 text_x = frame.adjusted(0, 0, -4, 0)
                 if b.get("group"):
-                    label = f"{int(b['missed']):,} missed"
+                    keys = sum(n for r, n in b["segments"] if r in READ_REASONS)
+                    label = f"{int(b['missed']) - keys:,} prompt · {keys:,} keys"
                     p.setPen(text if span < bar_w - fm.horizontalAdvance(label) - 8 else QtGui.QColor("#101216"))
                 else:
                     label = f"{int(b['missed']):,} missed ({100 * b['missed'] / b['total']:.1f} %)"
