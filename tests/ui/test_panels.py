@@ -373,3 +373,27 @@ def test_a_value_of_one_reads_in_the_singular(qtbot, app_style, name, one, two):
     assert c.spin.text() == two
     c.spin.setValue(1)  # typed: the same
     assert c.spin.text() == one
+
+
+@pytest.mark.parametrize("kv_dtype, per_value", [("fp32", 4.0), ("bf16", 2.0)])
+def test_the_sizing_formula_counts_each_groups_layers_and_tokens_kept(tiny_gemma3, tiny_llama, kv_dtype, per_value):
+    """Gemma 3 (layers S S F S S, window 24): B was the first pool's block bytes over every layer (0.8 B for fp32,
+    one layer of five), and every layer counted the whole context. Now B is the format's, and each group counts its
+    own layers and the tokens it keeps."""
+    from engine.config import CacheConfig
+    from engine.model.loader import load_model
+    from engine.runtime.engine import Engine
+    from ui.panels.charts import sizing_text
+
+    bs = 4
+    snap = Engine(load_model(tiny_gemma3), CacheConfig(block_size=bs, kv_dtype=kv_dtype)).snapshot()
+    ctx = snap.model["context_limit"]
+    (full, window) = snap.kv_groups
+    assert len(full["layers"]) == 1 and len(window["layers"]) == 4 and window["window"] == 24
+    total = 8 * (1 * ctx + 4 * min(ctx, 24 + bs)) * snap.model["kv_heads"] * snap.model["head_dim"] * 2 * per_value
+    text = sizing_text(snap)
+    assert f"8 × (1 × {ctx} + 4 × {24 + bs}) × " in text and f" × 2 × {per_value:.3g} B = " in text
+    assert text.endswith(f"= {total / 2**20:,.0f} MiB")
+    one = Engine(load_model(tiny_llama), CacheConfig(block_size=bs, kv_dtype=kv_dtype)).snapshot()
+    assert f"8 × {one.model['context_limit']} × {one.model['layers']} × " in sizing_text(one)
+    assert f" × 2 × {per_value:.3g} B = " in sizing_text(one)

@@ -172,18 +172,33 @@ class MemoryPanel(QtWidgets.QWidget):
             "ahead, to be read there (host_reads=stream); not part of either tier's budget\n"
             + ("" if gpu.get("available") else f"{gpu.get('reason', 'no GPU')}\n")
             + "sizing: the KV of a batch of 8 sequences at the context limit, in the live block format "
-              "(B = bytes per K or V value, scales included)")
-        m = snap.model
-        cfg = snap.config
-        dsize = snap.memory["block_bytes"] / (cfg["block_size"] * m["layers"] * m["kv_heads"] * m["head_dim"] * 2)
-        ctx = m.get("context_limit", 2048)
-        total = 8 * ctx * m["layers"] * m["kv_heads"] * m["head_dim"] * 2 * dsize
+              "(B = bytes per K or V value, scales included); with KV-cache groups each group's layers times the "
+              "tokens it keeps (a window group: at most its window and the block it starts in)")
         self.text.setText(
             "<table cellspacing=2><tr><th></th><th>blocks used</th><th>K MiB</th><th>V MiB</th><th>scales</th>"
             "<th>meta</th><th>on</th></tr>" + "".join(rows) + "</table>"
-            f"{gline}<br>"
-            f"KV = batch × context × layers × kv_heads × head_dim × 2 × B = 8 × {ctx} × {m['layers']} × "
-            f"{m['kv_heads']} × {m['head_dim']} × 2 × {dsize:.3g} B = {total / MB:,.0f} MiB")
+            f"{gline}<br>" + sizing_text(snap))
+
+
+def sizing_text(snap: Snapshot) -> str:
+    """The KV of a batch of 8 sequences at the context limit, in the live block format. With KV-cache groups each
+    group counts its own layers and the tokens it keeps: the context, or for a window group at most its window and
+    the block it starts in. B (bytes per K or V value, scales included) is read off the first pool's block size,
+    which holds the first group's layers only."""
+    m, cfg = snap.model, snap.config
+    bs = cfg["block_size"]
+    ctx = m.get("context_limit", 2048)
+    groups = snap.kv_groups or ({"layers": list(range(m["layers"])), "window": None},)
+    dsize = snap.memory["block_bytes"] / (bs * len(groups[0]["layers"]) * m["kv_heads"] * m["head_dim"] * 2)
+    kept = [(len(g["layers"]), ctx if g["window"] is None else min(ctx, g["window"] + bs)) for g in groups]
+    per_token_layers = sum(n * t for n, t in kept)
+    total = 8 * per_token_layers * m["kv_heads"] * m["head_dim"] * 2 * dsize
+    tail = f"{m['kv_heads']} × {m['head_dim']} × 2 × {dsize:.3g} B = {total / MB:,.0f} MiB"
+    if len(kept) == 1 and groups[0]["window"] is None:
+        return f"KV = batch × context × layers × kv_heads × head_dim × 2 × B = 8 × {ctx} × {m['layers']} × {tail}"
+    terms = " + ".join(f"{n} × {t}" for n, t in kept)
+    return (f"KV = batch × Σ<sub>groups</sub>(layers × tokens kept) × kv_heads × head_dim × 2 × B = "
+            f"8 × ({terms}) × {tail}")
 
 
 class HeatPanel(QtWidgets.QWidget):
