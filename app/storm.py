@@ -13,6 +13,8 @@ What it counts, and what must be 0 for exit 0:
 - lost: a request admitted that did not finish with its tokens (aborted, or still unfinished when the storm ends
   and its queue is drained);
 - invariant failures: the pool's own checks (engine/kv/invariants.py) run every few steps under the engine's locks;
+- reasons unaccounted: at those checks, why tokens missed (engine/kv/misses.py) does not add up to the misses,
+  engine-wide or over the KV-cache groups;
 - RSS growth: the process's resident memory after warm-up (the first fifth of the run) may not exceed its
   warm-up level by more than 10 %.
 Refusals (a change that cannot apply now: budgets below what live sequences hold, a value out of range) are
@@ -255,11 +257,18 @@ class Storm:
             self.c["checked equal"] += 1
 
     def check(self) -> None:
+        from engine.kv.misses import unaccounted
+
         with self.eng.step_lock, self.eng.lock:
             try:
                 self.eng.check_invariants()
             except Exception:
                 self._fail("invariant failures")
+            wrong = unaccounted(self.eng.counters, [r[3] for _, _, r in self.eng.kv.snapshot_groups()])
+            if wrong:
+                self.c["reasons unaccounted"] += 1
+                if len(self.failures) < 20:
+                    self.failures.append("reasons unaccounted: " + "; ".join(wrong))
 
     def events(self) -> None:
         for e in self.eng.take_events():
@@ -319,13 +328,13 @@ def run(args) -> dict:
            **{k: storm.c[k] for k in ("steps", "applied", "refused", "requests", "finished", "checked equal",
                                       "finished lossy", "request refused", "refusal events")},
            **{k: storm.c[k] for k in ("unexpected (reconfigure)", "unexpected (step)", "engine errors", "dropped",
-                                      "mismatched", "lost", "invariant failures")},
+                                      "mismatched", "lost", "invariant failures", "reasons unaccounted")},
            "rss_warm_mib": None if rss_warm is None else rss_warm >> 20, "rss_max_mib": rss_max >> 20,
            "rss_growth": None if growth is None else round(growth, 3), "rss_samples_mib": samples[:: max(1, len(samples) // 40)],
            "refusals": dict(storm.refusals.most_common(12)), "steps_under": dict(storm.steps_under), "failure_kinds": dict(storm.kinds),
            "failures": storm.failures}
     bad = sum(out[k] for k in ("unexpected (reconfigure)", "unexpected (step)", "engine errors", "dropped",
-                               "mismatched", "lost", "invariant failures"))
+                               "mismatched", "lost", "invariant failures", "reasons unaccounted"))
     out["ok"] = bad == 0 and (growth is None or growth <= 0.10)
     return out
 

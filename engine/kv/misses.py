@@ -190,6 +190,30 @@ def group_summary(prompt: dict[str, int], counters) -> dict[str, int]:
     return out
 
 
+def unaccounted(counters, groups: list[dict[str, int]] | None = None) -> list[str]:
+    """Where the reasons do not add up to the misses (empty: they do): prompt reasons to lookup tokens - served, key
+    read reasons to read_tokens_missed, and with KV-cache groups (each group's group_summary) the groups' reasons
+    plus the sequence-wide ones (partial, preempted) to the engine's. For checks that run while the engine does
+    (the reconfiguration storm)."""
+    s = summary(counters)
+    out = []
+    if sum(s["prompt"].values()) != s["lookup_missed"]:
+        out.append(f"prompt reasons {sum(s['prompt'].values()):,} != {s['lookup_missed']:,} prompt tokens missed")
+    if sum(s["reads"].values()) != s["read_tokens_missed"]:
+        out.append(f"key read reasons {sum(s['reads'].values()):,} != {s['read_tokens_missed']:,} keys missed")
+    if groups:
+        whole = {**s["prompt"], **s["reads"]}
+        summed = {r: whole[r] for r in ("partial", "preempted")}
+        for g in groups:
+            for r, n in g.items():
+                summed[r] = summed.get(r, 0) + n
+        wrong = {r: (summed.get(r, 0), n) for r, n in whole.items() if summed.get(r, 0) != n}
+        if wrong:
+            out.append("groups' reasons differ from the engine's: " +
+                       ", ".join(f"{r} {a:,} vs {b:,}" for r, (a, b) in wrong.items()))
+    return out
+
+
 def seq_summary(why: dict[str, int]) -> dict:
     """A sequence's why_missed as summary() lays reasons out: {"prompt": {...}, "reads": {...}}, every reason."""
     return {"prompt": {r: why.get(r, 0) for r in PROMPT_REASONS}, "reads": {r: why.get(r, 0) for r in READ_REASONS}}
