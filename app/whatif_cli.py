@@ -39,6 +39,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--validate", action="store_true",
                    help="run 3 built-in workloads on the real engine and compare the curve's prediction at 0.5x, 2x "
                         "and 4x the device budget with a rerun at that budget (needs no TRACE)")
+    g.add_argument("--time", type=int, nargs="?", const=1_000_000, metavar="ACCESSES",
+                   help="instead: time the curves (LRU, heat, S3-FIFO) of a synthetic Zipf trace of ACCESSES reads "
+                        "(default 1,000,000) and print seconds per policy beside the load average (needs no TRACE)")
+    g.add_argument("--backend", choices=("numba", "numpy"),
+                   help="the curves' inner loops: compiled with numba (the default where it imports) or numpy / "
+                        "Python (the fallback)")
     g.add_argument("--model", help="--validate: the model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--requests", type=int, default=24, help="--validate: requests per workload (default 24)")
     g.add_argument("--window", type=int, default=2, help="--validate: requests in the engine at once (default 2)")
@@ -46,7 +52,7 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def wants_what_if(args: argparse.Namespace) -> bool:
-    return bool(args.curve or args.block_sizes or args.thresholds or args.validate
+    return bool(args.curve or args.block_sizes or args.thresholds or args.validate or args.time is not None
                 or (args.trace and args.trace.endswith(".jsonl")))
 
 
@@ -118,6 +124,12 @@ def plot_curves(curves: list[Curve], path: str, current: int, title: str, mib: f
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.time is not None:
+        return time_command(args)
+    if args.backend:
+        from engine.lab.mrc import set_backend
+
+        set_backend(args.backend)
     if args.validate:
         return validate(args)
     t0 = time.perf_counter()
@@ -154,6 +166,15 @@ def main(args: argparse.Namespace) -> int:
         plot_curves(curves, args.plot, current, f"What if: {source}", args.block_mib)
         text.append(f"figure: {args.plot}")
     print(json.dumps(out) if args.json else "\n".join(text))
+    return 0
+
+
+def time_command(args: argparse.Namespace) -> int:
+    """`--time [N]`: seconds per policy on a synthetic N-access trace (app/bench/curves.py)."""
+    from app.bench.curves import format_timing, time_curves
+
+    r = time_curves(args.time, args.backend, args.seed)
+    print(json.dumps(r) if args.json else format_timing(r))
     return 0
 
 
