@@ -71,7 +71,8 @@ def _first_of_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _positions(trace: AccessTrace) -> np.ndarray:
-    """Each row's index in its chunk (one sequence's table read at one time): recorded, or rebuilt from runs."""
+    """Each row's block index in its sequence: recorded (a window group's rows start at its table's base), or,
+    in a trace from before positions, rebuilt as the index in its chunk (one sequence's table read at one time)."""
     if trace.pos is not None:
         return trace.pos.astype(np.int64)
     n = len(trace)
@@ -79,6 +80,26 @@ def _positions(trace: AccessTrace) -> np.ndarray:
     start[1:] = (trace.seq[1:] != trace.seq[:-1]) | (trace.t[1:] != trace.t[:-1])
     idx = np.arange(n)
     return idx - np.maximum.accumulate(np.where(start, idx, 0))
+
+
+def _chunk_starts(seq: np.ndarray, t: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Where each chunk (one read of a sequence's table: the same sequence and time, consecutive blocks) starts."""
+    start = np.ones(len(seq), dtype=bool)
+    start[1:] = (seq[1:] != seq[:-1]) | (t[1:] != t[:-1]) | (pos[1:] != pos[:-1] + 1)
+    return np.flatnonzero(start)
+
+
+def groups_of(trace: AccessTrace) -> list[int]:
+    """The KV-cache groups with rows in `trace` ([0] for a trace from before groups)."""
+    if trace.group is None or not len(trace):
+        return [0]
+    return [int(g) for g in np.unique(trace.group)]
+
+
+def _rows(trace: AccessTrace, group: int | None) -> np.ndarray:
+    if group is None or trace.group is None:
+        return np.arange(len(trace))
+    return np.flatnonzero(trace.group == group)
 
 
 def _content_keys(seq: np.ndarray, pos: np.ndarray, fallback: np.ndarray, tokens: dict[int, np.ndarray],
@@ -113,52 +134,82 @@ def _one_key_per_block(serial: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def _written_here(keys: np.ndarray, seq: np.ndarray, serial: np.ndarray | None, pos: np.ndarray, counted: np.ndarray,
+                  trace: AccessTrace, block_size: int) -> np.ndarray:
+    """A block past its sequence's prompt (some of its tokens generated) is computed by that sequence: no cache of
+    any size has it at the sequence's first read, even where an earlier sequence generated the same tokens (the
+    engine looks up prompts, whole blocks of them). That read gets a key of its own (a miss at every capacity); the
+    block's later reads keep its contents' key."""
+    here = counted & _past_prompt(trace, seq, pos, block_size)
+    if serial is not None:  # and it is the block's first read (a fork's read of a block it shares is not)
+        here &= _first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
+        own = -1 - serial[here] - (1 << 62)  # apart from every serial's own key
+    else:
+        own = -(1 << 62) - np.flatnonzero(here)
+    out = keys.copy()
+    out[here] = own
+    return out
+
+
+def _past_prompt(trace: AccessTrace, seq: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """True where block `pos` of the sequence holds a token past its prompt (False where the prompt is unknown)."""
+    prompt = dict(zip(trace.tok_seq.tolist(), trace.tok_prompt.tolist()))
+    plen = np.array([prompt.get(int(s), 1 << 62) for s in seq], dtype=np.int64) if len(seq) else np.zeros(0, np.int64)
+    return (pos + 1) * block_size > plen
+
+
 def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0) -> Stream:
     """The stream of `trace` (one KV-cache group's rows; None: every row) at its recorded block size."""
     if recency not in ("every", "first"):
         raise ValueError(f"recency must be 'every' or 'first', got {recency!r}")
-    rows = np.arange(len(trace))
-    if group is not None and trace.group is not None:
-        rows = np.flatnonzero(trace.group == group)
+    rows = _rows(trace, group)
     seq, serial, t = trace.seq[rows].astype(np.int64), trace.block[rows], trace.t[rows]
     pos = _positions(trace)[rows]
     keys = -1 - serial
     tokens = trace.token_lists()
     content = bool(tokens) and trace.block_size is not None
+    counted = _first_of_pairs(seq, serial)
     if content:
         keys = _one_key_per_block(serial, _content_keys(seq, pos, keys, tokens, trace.block_size))
-    counted = _first_of_pairs(seq, serial)
+        if trace.tok_prompt is not None:
+            keys = _written_here(keys, seq, serial, pos, counted, trace, trace.block_size)
     if recency == "first":
         return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content)
     return Stream(keys, t, counted, trace.block_size, content)
 
 
-def rebin(trace: AccessTrace, block_size: int, recency: str = "every") -> Stream:
-    """The stream `trace`'s recorded tokens would make at another block size: each chunk (a sequence's table of
-    m blocks read at once) covers m x recorded-size tokens (at most the sequence's length), read as the
-    ceil(tokens / block_size) blocks that hold them. Needs a trace with tokens (`generate --record-trace`)."""
+def rebin(trace: AccessTrace, block_size: int, recency: str = "every", group: int = 0) -> Stream:
+    """The stream `trace`'s recorded tokens would make at another block size: each chunk (a sequence's table
+    read at once, blocks a .. b at the recorded size) covers tokens a x size .. (b + 1) x size (at most the
+    sequence's length), read as the blocks of `block_size` that hold them (a window group's table starts where
+    its first visible block does). Needs a trace with tokens (`generate --record-trace`)."""
     tokens = trace.token_lists()
     if not tokens or trace.block_size is None:
         raise ValueError("this trace has no recorded tokens (record it again with this version): "
                          "a block size can only be re-cut from the tokens")
     if not 1 <= block_size <= 65536:
         raise ValueError(f"block size must be 1 .. 65,536, got {block_size}")
-    sel = np.arange(len(trace)) if trace.group is None else np.flatnonzero(trace.group == 0)
+    sel = _rows(trace, group)
     seq, t, pos = trace.seq[sel].astype(np.int64), trace.t[sel], _positions(trace)[sel]
-    start = np.flatnonzero(pos == 0)
+    start = _chunk_starts(seq, t, pos)
     ends = np.append(start[1:], len(seq))
-    lens = ends - start  # blocks per chunk
+    bs0 = trace.block_size
     cseq, ct = seq[start], t[start]
-    ntok = np.array([min(int(m) * trace.block_size, len(tokens.get(int(s), ()))) or int(m) * trace.block_size
-                     for s, m in zip(cseq, lens)], dtype=np.int64)
-    newm = -(-ntok // block_size)
+    lo_tok = pos[start] * bs0
+    hi_tok = np.array([min(int(p + 1) * bs0, len(tokens.get(int(s), ()))) or int(p + 1) * bs0
+                       for s, p in zip(cseq, pos[ends - 1])], dtype=np.int64)
+    first = lo_tok // block_size
+    newm = np.maximum(-(-hi_tok // block_size) - first, 1)
     rseq = np.repeat(cseq, newm)
     rt = np.repeat(ct, newm)
-    rpos = np.concatenate([np.arange(m, dtype=np.int64) for m in newm]) if len(newm) else np.zeros(0, np.int64)
+    rpos = np.concatenate([np.arange(f, f + m, dtype=np.int64) for f, m in zip(first, newm)]) if len(newm) else \
+        np.zeros(0, np.int64)
     # A block no full-block hash names (the tail, or an unrecorded sequence): its own key per (sequence, position).
     fallback = -1 - (rseq * (1 << 24) + rpos)
     keys = _content_keys(rseq, rpos, fallback, tokens, block_size)
     counted = _first_of_pairs(rseq, rpos)
+    if trace.tok_prompt is not None:
+        keys = _written_here(keys, rseq, None, rpos, counted, trace, block_size)
     if recency == "first":
         return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True)
     return Stream(keys, rt, counted, block_size, True)
@@ -222,12 +273,12 @@ def policy_curves(stream: Stream, capacities=None, policies=("lru", "heat", "s3f
 
 
 def block_size_curves(trace: AccessTrace, mib_per_token: float, sizes=BLOCK_SIZES, recency: str = "every",
-                      points: int = 40) -> list[tuple[int, np.ndarray, Curve]]:
+                      points: int = 40, group: int = 0) -> list[tuple[int, np.ndarray, Curve]]:
     """LRU curve per block size, each with its capacities in MiB (blocks x size x mib_per_token): the same
     bytes hold half as many blocks at twice the size. [(block size, MiB per point, curve)]."""
     out = []
     for b in sizes:
-        s = rebin(trace, b, recency)
+        s = rebin(trace, b, recency, group)
         caps = curve_capacities(s.distinct, points)
         c = lru_curve(s.keys, caps, s.counted)
         out.append((b, caps * b * mib_per_token, c))
@@ -251,13 +302,14 @@ def threshold_curve(stream: Stream, capacity: int, thresholds) -> np.ndarray:
     return np.array([np.count_nonzero(c & hit & (gap <= th)) / total for th in thresholds])
 
 
-def real_hit_rate(trace: AccessTrace) -> tuple[float, int]:
+def real_hit_rate(trace: AccessTrace, group: int | None = 0) -> tuple[float, int]:
     """What the curves predict, measured on a run: over the first read of each block by each sequence, the share
-    that found the block already computed (an earlier read of the same serial) and on the device tier. Returns
-    (rate, counted reads)."""
-    seq, serial = trace.seq.astype(np.int64), trace.block
+    that found the block already computed (an earlier read of the same serial) and on the device tier. One
+    KV-cache group's rows (serials are per pool); None: every row. Returns (rate, counted reads)."""
+    rows = _rows(trace, group)
+    seq, serial = trace.seq[rows].astype(np.int64), trace.block[rows]
     counted = _first_of_pairs(seq, serial)
     seen_before = ~_first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
-    hit = counted & seen_before & (trace.tier == 0)
+    hit = counted & seen_before & (trace.tier[rows] == 0)
     n = int(counted.sum())
     return (float(hit.sum() / n) if n else float("nan")), n
