@@ -200,22 +200,26 @@ def sample_mask(keys: np.ndarray, rate: float, seed: int = 0, hashed: np.ndarray
 
 def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
                      policy: str, rate: float, decay: float = 0.9, seed: int = 0,
-                     hashed: np.ndarray | None = None) -> float:
+                     hashed: np.ndarray | None = None, fresh: np.ndarray | None = None) -> float:
     """SHARDS estimate of `policy`'s hit rate at `capacity` (simulated at rate·capacity on the sampled keys).
-    With `counted`, the sampled stream is still every sampled access; the rate is over the counted ones."""
+    With `counted`, the sampled stream is still every sampled access; the rate is over the counted ones. A `fresh`
+    access counts as a miss (its block is computed by its reader)."""
     m = sample_mask(keys, rate, seed, hashed)
     k = keys[m]
     if len(k) == 0:
         return float("nan")
     cap = max(1, int(round(capacity * min(rate, 1.0))))
     t = times[m] if times is not None else None
+    hit = replay_hits(k, cap, policy, decay, t)
+    if fresh is not None:
+        hit &= ~fresh[m]
     if counted is None:
-        hits, got, total = int(replay_hits(k, cap, policy, decay, t).sum()), len(k), len(keys)
+        hits, got, total = int(hit.sum()), len(k), len(keys)
     else:
         c = counted[m]
         if not c.any():
             return float("nan")
-        hits = int(replay_hits(k, cap, policy, decay, t)[c].sum())
+        hits = int(hit[c].sum())
         got, total = int(c.sum()), int(np.count_nonzero(counted))
     if rate >= 1.0:
         return hits / got
@@ -226,7 +230,7 @@ def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.nda
 
 
 def windowed_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
-                      policy: str, decay: float = 0.9, windows: int = 8) -> float:
+                      policy: str, decay: float = 0.9, windows: int = 8, fresh: np.ndarray | None = None) -> float:
     """A small cache's hit rate from full-rate simulation of `windows` evenly spaced slices of the stream
     (MAX_SAMPLED_ACCESSES in all), each warmed by the 4·capacity + 1000 accesses before it (not counted): where
     SHARDS would shrink the cache to a handful of slots, time sampling is the better estimate, as a small cache
@@ -238,6 +242,8 @@ def windowed_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.nd
     for start in np.linspace(0, max(n - per, 0), windows).astype(np.int64):
         lo, hi = max(0, int(start) - warm), min(n, int(start) + per)
         hit = replay_hits(keys[lo:hi], capacity, policy, decay, None if times is None else times[lo:hi])
+        if fresh is not None:
+            hit &= ~fresh[lo:hi]
         c = np.zeros(hi - lo, dtype=bool)
         c[int(start) - lo:] = True
         if counted is not None:
@@ -282,10 +288,14 @@ class Curve:
 
 
 def lru_curve(keys: np.ndarray, capacities, counted: np.ndarray | None = None,
-              weights: np.ndarray | None = None, distances: np.ndarray | None = None) -> Curve:
+              weights: np.ndarray | None = None, distances: np.ndarray | None = None,
+              fresh: np.ndarray | None = None) -> Curve:
     """The exact LRU curve: every access moves its key to the top of the stack; the hit rate is over the
-    `counted` accesses (all if None), weighted by `weights` (e.g. tokens per block) if given."""
+    `counted` accesses (all if None), weighted by `weights` (e.g. tokens per block) if given; a `fresh` access
+    misses at every capacity (its block is computed by its reader) and still moves its key to the top."""
     d = stack_distances(keys) if distances is None else distances
+    if fresh is not None and fresh.any():
+        d = np.where(fresh, -1, d)
     sel = np.ones(len(d), dtype=bool) if counted is None else np.asarray(counted, dtype=bool)
     w = None if weights is None else np.asarray(weights, dtype=np.float64)[sel]
     total = float(sel.sum()) if w is None else float(w.sum())
@@ -296,16 +306,16 @@ def lru_curve(keys: np.ndarray, capacities, counted: np.ndarray | None = None,
 
 def sampled_curve(keys: np.ndarray, times: np.ndarray | None, capacities, policy: str,
                   counted: np.ndarray | None = None, decay: float = 0.9, seed: int = 0,
-                  sample_blocks: int = DEFAULT_SAMPLE_BLOCKS) -> Curve:
+                  sample_blocks: int = DEFAULT_SAMPLE_BLOCKS, fresh: np.ndarray | None = None) -> Curve:
     """`policy`'s curve by SHARDS-sampled simulation (exact where the rate comes out 1.0)."""
     keys = np.asarray(keys, dtype=np.int64)
     distinct = len(np.unique(keys))
     caps = np.asarray(capacities, dtype=np.int64)
     rates = np.array([sample_rate_for(distinct, int(c), sample_blocks, len(keys)) for c in caps])
     hashed = key_hash(keys, seed)
-    hr = np.array([windowed_hit_rate(keys, times, counted, int(c), policy, decay)
+    hr = np.array([windowed_hit_rate(keys, times, counted, int(c), policy, decay, fresh=fresh)
                    if r < 1.0 and r * c < MIN_SAMPLED_CAPACITY else
-                   sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed, hashed)
+                   sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed, hashed, fresh)
                    for c, r in zip(caps, rates)])
     return Curve(policy if policy != "heat" else f"heat({decay:g})", caps, hr, bool((rates >= 1.0).all()), rates)
 

@@ -43,6 +43,10 @@ class Stream:
     counted: np.ndarray
     block_size: int | None
     content: bool  # keys are contents (tokens were recorded), not serials
+    fresh: np.ndarray | None = None  # reads that miss at every capacity (a block its reader computes); None: none
+
+    def misses_anyway(self) -> np.ndarray:
+        return np.zeros(len(self.keys), dtype=bool) if self.fresh is None else self.fresh
 
     @property
     def distinct(self) -> int:
@@ -134,21 +138,16 @@ def _one_key_per_block(serial: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return out
 
 
-def _written_here(keys: np.ndarray, seq: np.ndarray, serial: np.ndarray | None, pos: np.ndarray, counted: np.ndarray,
+def _written_here(seq: np.ndarray, serial: np.ndarray | None, pos: np.ndarray, counted: np.ndarray,
                   trace: AccessTrace, block_size: int) -> np.ndarray:
-    """A block past its sequence's prompt (some of its tokens generated) is computed by that sequence: no cache of
-    any size has it at the sequence's first read, even where an earlier sequence generated the same tokens (the
-    engine looks up prompts, whole blocks of them). That read gets a key of its own (a miss at every capacity); the
-    block's later reads keep its contents' key."""
+    """The counted reads that miss at every capacity: a block past its sequence's prompt (some of its tokens
+    generated) is computed by that sequence, so no cache of any size has it at the sequence's first read, even where
+    an earlier sequence generated the same tokens (the engine looks up prompts, whole blocks of them). The read
+    still moves the block in the cache's order (it is written there); its later reads keep their outcome."""
     here = counted & _past_prompt(trace, seq, pos, block_size)
     if serial is not None:  # and it is the block's first read (a fork's read of a block it shares is not)
         here &= _first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
-        own = -1 - serial[here] - (1 << 62)  # apart from every serial's own key
-    else:
-        own = -(1 << 62) - np.flatnonzero(here)
-    out = keys.copy()
-    out[here] = own
-    return out
+    return here
 
 
 def _past_prompt(trace: AccessTrace, seq: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
@@ -171,11 +170,12 @@ def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0)
     counted = _first_of_pairs(seq, serial)
     if content:
         keys = _one_key_per_block(serial, _content_keys(seq, pos, keys, tokens, trace.block_size))
-        if trace.tok_prompt is not None:
-            keys = _written_here(keys, seq, serial, pos, counted, trace, trace.block_size)
+    fresh = _written_here(seq, serial, pos, counted, trace, trace.block_size) if content and \
+        trace.tok_prompt is not None else None
     if recency == "first":
-        return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content)
-    return Stream(keys, t, counted, trace.block_size, content)
+        return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content,
+                      None if fresh is None else fresh[counted])
+    return Stream(keys, t, counted, trace.block_size, content, fresh)
 
 
 def rebin(trace: AccessTrace, block_size: int, recency: str = "every", group: int = 0) -> Stream:
@@ -208,11 +208,11 @@ def rebin(trace: AccessTrace, block_size: int, recency: str = "every", group: in
     fallback = -1 - (rseq * (1 << 24) + rpos)
     keys = _content_keys(rseq, rpos, fallback, tokens, block_size)
     counted = _first_of_pairs(rseq, rpos)
-    if trace.tok_prompt is not None:
-        keys = _written_here(keys, rseq, None, rpos, counted, trace, block_size)
+    fresh = _written_here(rseq, None, rpos, counted, trace, block_size) if trace.tok_prompt is not None else None
     if recency == "first":
-        return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True)
-    return Stream(keys, rt, counted, block_size, True)
+        return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True,
+                      None if fresh is None else fresh[counted])
+    return Stream(keys, rt, counted, block_size, True, fresh)
 
 
 def block_stream(requests: list, merge: int = 1, outputs: bool = True) -> Stream:
@@ -265,10 +265,11 @@ def policy_curves(stream: Stream, capacities=None, policies=("lru", "heat", "s3f
     out = []
     for p in policies:
         if p == "lru":
-            out.append(lru_curve(stream.keys, caps, stream.counted))
+            out.append(lru_curve(stream.keys, caps, stream.counted, fresh=stream.fresh))
         else:
             c = stream.counted
-            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed))
+            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed,
+                                     fresh=None if stream.fresh is None else stream.fresh[c]))
     return out
 
 
@@ -280,7 +281,7 @@ def block_size_curves(trace: AccessTrace, mib_per_token: float, sizes=BLOCK_SIZE
     for b in sizes:
         s = rebin(trace, b, recency, group)
         caps = curve_capacities(s.distinct, points)
-        c = lru_curve(s.keys, caps, s.counted)
+        c = lru_curve(s.keys, caps, s.counted, fresh=s.fresh)
         out.append((b, caps * b * mib_per_token, c))
     return out
 
@@ -295,7 +296,7 @@ def threshold_curve(stream: Stream, capacity: int, thresholds) -> np.ndarray:
     same = ks[1:] == ks[:-1]
     gap[order[1:][same]] = stream.times[order[1:][same]] - stream.times[order[:-1][same]]
     c = stream.counted
-    hit = (d >= 0) & (d < capacity)
+    hit = (d >= 0) & (d < capacity) & ~stream.misses_anyway()
     total = int(c.sum())
     if not total:
         return np.full(len(thresholds), np.nan)

@@ -53,7 +53,7 @@ def test_each_groups_lru_curve_at_its_capacity_is_what_its_pool_hit(qwen3_slidin
         real, n = real_hit_rate(trace, g)
         cap = int(pool.sizes.dev_cap)
         assert s.distinct <= cap  # nothing was evicted: the pool is the cache the curve models at this size
-        got = lru_curve(s.keys, [cap, 1], s.counted).hit_rate
+        got = lru_curve(s.keys, [cap, 1], s.counted, fresh=s.fresh).hit_rate
         assert n == int(s.counted.sum()) and 0.2 < real < 1.0, (g, real, n)
         assert got[0] == pytest.approx(real, abs=1e-12), g
         assert got[1] < got[0]
@@ -104,5 +104,32 @@ def test_rebin_of_a_window_group_starts_at_its_table(qwen3_sliding):
     # per block either way)
     same = stream_of(trace, group=1)
     assert _canonical(s4.keys) == _canonical(same.keys) and s4.counted.tolist() == same.counted.tolist()
+    assert s4.fresh.tolist() == same.fresh.tolist() and 0 < s4.fresh.sum() < s4.counted.sum()
     assert (s4.keys >= 0).sum() > len(s4.keys) // 2 and s4.keys[s4.keys >= 0].tolist() == same.keys[same.keys >= 0].tolist()
     assert 0 < s8.distinct < s4.distinct
+
+
+def test_policy_lab_prints_every_groups_curves(qwen3_sliding, tmp_path, capsys):
+    import json
+
+    from app.policy_lab import main
+
+    _, trace = _run(qwen3_sliding, _workload()[:3])
+    p = str(tmp_path / "grouped.npz")
+    trace.save(p)
+    assert main([p, "--curve", "--current", "8", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [g["group"] for g in doc["groups"]] == [0, 1] and doc["group"] == 0
+    for g in doc["groups"]:
+        s = stream_of(trace, group=g["group"])
+        assert g["distinct_blocks"] == s.distinct and len(g["curves"][0]["capacities"]) >= min(32, s.distinct)
+    assert doc["groups"][1]["distinct_blocks"] < doc["groups"][0]["distinct_blocks"]
+    assert main([p, "--curve", "--group", "1", "--block-sizes", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    assert one["group"] == 1 and "groups" not in one and one["curves"] == doc["groups"][1]["curves"]
+    assert [r["block_size"] for r in one["block_sizes"]] == [8, 16, 32, 64]
+    assert main([p, "--curve"]) == 0
+    out = capsys.readouterr().out
+    assert "— KV-cache group 0 —" in out and "— KV-cache group 1 —" in out
+    assert main([p, "--curve", "--group", "5"]) == 2
+    assert "--group 5: the trace has groups 0, 1" in capsys.readouterr().err
