@@ -1,8 +1,8 @@
 """What a change would buy: the access stream a recorded trace implies, and the curves the window draws.
 
 `stream_of` turns an AccessTrace into the stream the curves replay: which key each read names, when, and
-whether it counts. A block is named by its contents where the trace recorded its sequence's tokens (the chained
-hash of its tokens and every token before it, as the prefix cache names it): a block evicted and recomputed
+whether it counts. A block is named by its contents where the trace recorded its sequence's tokens (`prefix_keys`:
+a hash of its tokens and every token before it, one key where the prefix cache's chained hash has one block): a block evicted and recomputed
 later is then the same block, so a larger cache is credited with the hit it would have had. Where the tokens are
 not known (an old trace, a block not yet full) a block is named by its serial.
 
@@ -21,6 +21,7 @@ this takes its requests by their fields). `real_hit_rate` measures on a run what
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -48,7 +49,7 @@ class Stream:
     def misses_anyway(self) -> np.ndarray:
         return np.zeros(len(self.keys), dtype=bool) if self.fresh is None else self.fresh
 
-    @property
+    @functools.cached_property
     def distinct(self) -> int:
         return int(len(np.unique(self.keys)))
 
@@ -61,6 +62,51 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
         h = chain_hash(h, tokens[j * block_size:(j + 1) * block_size])
         out[j] = h & _MASK63
     return out
+
+
+_P = 0x9E3779B97F4A7C15  # odd: invertible modulo 2^64
+_P_INV = pow(_P, -1, 1 << 64)
+
+
+def prefix_keys(tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """A content key for every full block of a token list, as int64 >= 0: a hash of the block's tokens and every
+    token before it, so two sequences' blocks get one key exactly where block_hashes (the prefix cache's chained
+    hash) gives them one (up to a 2^-63 chance of a collision). See `_prefix_keys_of`."""
+    flat, _, _ = _prefix_keys_of([np.asarray(tokens)], block_size)
+    return flat
+
+
+def _prefix_keys_of(lists: list, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`prefix_keys` of many token lists at once: (keys end to end, each list's first key's index, its count).
+    The polynomial hash of each prefix, H = sum_k (token_k + 1) · P^(e-k) mod 2^64 over a list's tokens before
+    block end e; over the lists laid end to end (global index g, a list starting at a) it is
+    P^e_g · (S(e_g - 1) - S(a - 1)) with S the running sum of (token + 1) · P^-g: one pass for every list. Then
+    splitmix64's finaliser, so every token bit reaches every key bit."""
+    lens = np.array([len(x) // block_size for x in lists], dtype=np.int64)
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    if not lens.sum():
+        return np.zeros(0, dtype=np.int64), offs, lens
+    toks = np.concatenate([np.asarray(x, dtype=np.int64).ravel() for x in lists])
+    starts = np.concatenate(([0], np.cumsum([len(x) for x in lists])[:-1])).astype(np.int64)
+    n = len(toks)
+    with np.errstate(over="ignore"):
+        inv = np.full(n, _P_INV, dtype=np.uint64)
+        inv[0] = 1
+        run = np.concatenate(([np.uint64(0)], np.cumsum((toks.view(np.uint64) + np.uint64(1)) *
+                                                        np.cumprod(inv, dtype=np.uint64), dtype=np.uint64)))
+        pw = np.full(n + 1, _P, dtype=np.uint64)
+        pw[0] = 1
+        pw = np.cumprod(pw, dtype=np.uint64)
+        owner = np.repeat(np.arange(len(lists)), lens)
+        local = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offs, lens)
+        ends = starts[owner] + (local + 1) * block_size  # global index just past each block
+        h = pw[ends] * (run[ends] - run[starts[owner]])
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return (h >> np.uint64(1)).astype(np.int64), offs, lens
 
 
 def _first_of_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -108,17 +154,17 @@ def _rows(trace: AccessTrace, group: int | None) -> np.ndarray:
 
 def _content_keys(seq: np.ndarray, pos: np.ndarray, fallback: np.ndarray, tokens: dict[int, np.ndarray],
                   block_size: int) -> np.ndarray:
-    """Content key of each (seq, pos) where the sequence's tokens fill that block, else `fallback`."""
+    """Content key of each (seq, pos) where the sequence's tokens fill that block, else `fallback`. One pass over
+    the rows: each sequence's block hashes laid end to end, a row's found at its sequence's offset + pos."""
     keys = fallback.copy()
-    for s in np.unique(seq):
-        toks = tokens.get(int(s))
-        if toks is None:
-            continue
-        hashes = block_hashes(toks, block_size)
-        rows = np.flatnonzero(seq == s)
-        p = pos[rows]
-        ok = (p >= 0) & (p < len(hashes))
-        keys[rows[ok]] = hashes[p[ok]]
+    if not len(seq):
+        return keys
+    useq, inv = np.unique(seq, return_inverse=True)
+    inv = inv.ravel()
+    empty = np.zeros(0, np.int64)
+    flat, offs, lens = _prefix_keys_of([tokens.get(int(s), empty) for s in useq], block_size)
+    ok = (pos >= 0) & (pos < lens[inv])
+    keys[ok] = flat[offs[inv[ok]] + pos[ok]]
     return keys
 
 
@@ -152,8 +198,11 @@ def _written_here(seq: np.ndarray, serial: np.ndarray | None, pos: np.ndarray, c
 
 def _past_prompt(trace: AccessTrace, seq: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
     """True where block `pos` of the sequence holds a token past its prompt (False where the prompt is unknown)."""
+    if not len(seq):
+        return np.zeros(0, dtype=bool)
     prompt = dict(zip(trace.tok_seq.tolist(), trace.tok_prompt.tolist()))
-    plen = np.array([prompt.get(int(s), 1 << 62) for s in seq], dtype=np.int64) if len(seq) else np.zeros(0, np.int64)
+    useq, inv = np.unique(seq, return_inverse=True)
+    plen = np.array([prompt.get(int(s), 1 << 40) for s in useq], dtype=np.int64)[inv.ravel()]
     return (pos + 1) * block_size > plen
 
 

@@ -11,7 +11,7 @@ import pytest
 from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.lab.mrc import lru_curve
-from engine.lab.whatif import block_hashes, groups_of, real_hit_rate, rebin, stream_of
+from engine.lab.whatif import block_hashes, groups_of, prefix_keys, real_hit_rate, rebin, stream_of
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
@@ -82,13 +82,15 @@ def test_a_window_groups_rows_name_the_blocks_it_reads(qwen3_sliding):
     assert table.base > 0
     rows = np.flatnonzero((trace.group == 1) & (trace.t == trace.t.max()))
     assert trace.pos[rows].tolist() == list(range(table.base, table.base + len(rows)))
-    hashes = block_hashes(np.asarray(seq.tokens), 4)
+    keys = prefix_keys(np.asarray(seq.tokens), 4)
     s = stream_of(trace, group=1)
     at = np.flatnonzero(trace.group == 1)
     last = np.isin(at, rows)
-    full = trace.pos[at][last] < len(hashes)
-    assert s.keys[last][full].tolist() == hashes[trace.pos[at][last][full]].tolist()
-    assert [h & ((1 << 63) - 1) for h in table.hashes[:int(full.sum())]] == s.keys[last][full].tolist()
+    full = trace.pos[at][last] < len(keys)
+    assert s.keys[last][full].tolist() == keys[trace.pos[at][last][full]].tolist()
+    # the pool's own names of those blocks (chained hashes) are the same blocks: block_hashes at the rows' places
+    pool = block_hashes(np.asarray(seq.tokens), 4)[trace.pos[at][last][full]]
+    assert [h & ((1 << 63) - 1) for h in table.hashes[:int(full.sum())]] == pool.tolist()
 
 
 def _canonical(keys: np.ndarray) -> list[int]:
