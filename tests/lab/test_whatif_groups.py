@@ -42,12 +42,25 @@ def _workload():
             [shared + tails[0] + tails[1] + tails[2]]]
 
 
-def test_each_groups_lru_curve_at_its_capacity_is_what_its_pool_hit(qwen3_sliding):
-    eng, trace = _run(qwen3_sliding, _workload())
-    assert groups_of(trace) == [0, 1]
+@pytest.mark.parametrize("name, groups", [("qwen3_sliding", [0, 1]), ("tiny_gemma3", [0, 1]),
+                                          ("tiny_mistral", [0])])
+def test_each_groups_lru_curve_at_its_capacity_is_what_its_pool_hit(name, groups, request):
+    """Qwen3 (full layer 0, window layers 1-2), Gemma 3 (S S F S S), Mistral (every layer slides: group 0 is a
+    window group, its table the sequence's own, starting at Sequence.base)."""
+    model = request.getfixturevalue(name)
+    eng, trace = _run(model if name == "qwen3_sliding" else load_model(model), _workload())
+    assert groups_of(trace) == groups
+    if name == "tiny_mistral":
+        g0 = np.flatnonzero(trace.group == 0)
+        assert trace.pos[g0].min() > 0  # its window slid past the first blocks too
+        return _each_group(eng, trace)
     g1 = np.flatnonzero(trace.group == 1)
     # the window slid past the first blocks: group 1's table reads start at its base, and the rows say where
     assert trace.pos[g1].min() > 0 and len(np.unique(trace.pos[g1])) > 4
+    _each_group(eng, trace)
+
+
+def _each_group(eng, trace):
     for g, pool in enumerate(eng.kv.pools):
         s = stream_of(trace, group=g)
         real, n = real_hit_rate(trace, g)
