@@ -109,6 +109,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--current must be a number of blocks from 1 to {MAX_CAPACITY:,}, got {args.current}")
     if args.block_mib is not None and not 0 < args.block_mib < 1 << 20:  # also refuses nan
         raise ValueError(f"--block-mib must be a positive number of MiB, got {args.block_mib}")
+    if args.time is not None and not 1 <= args.time <= 50_000_000:
+        raise ValueError(f"--time must be a number of accesses from 1 to 50,000,000, got {args.time}")
     for flag, v, top in (("--requests", args.requests, 10_000), ("--window", args.window, 64),
                          ("--max-new-tokens-cap", args.max_new_tokens_cap, 1 << 20)):
         if not 1 <= v <= top:
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     prints one line, "kvscope policy-lab: error: ...", and returns 2."""
     ap = build_parser()
     args = ap.parse_args(argv)
-    if (args.trace is None) == (args.synthetic is None) and not args.validate:
+    if (args.trace is None) == (args.synthetic is None) and not (args.validate or args.time is not None):
         ap.error("give a TRACE file or --synthetic scan (one of them)")
     try:
         check_args(args)

@@ -67,7 +67,7 @@ def check_workload(loaded, options, base_config, name: str, requests: list, fact
         t, c, _ = run_traced(loaded, cfg, options, requests, cap, window)
         reruns.append((f, cfg.device_budget_mb, c, t))
     caps = [cap0] + [c for _, _, c, _ in reruns]
-    curve = lru_curve(stream.keys, caps, stream.counted)
+    curve = lru_curve(stream.keys, caps, stream.counted, fresh=stream.fresh)
     rows = []
     for (f, mib, c, t), pred in zip([(1.0, base.device_budget_mb, cap0, trace)] + reruns, curve.hit_rate):
         real, n = real_hit_rate(t)

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from engine.lab.mrc import Curve, curve_capacities, what_if_line
-from engine.lab.whatif import BLOCK_SIZES, Stream, block_size_curves, policy_curves, stream_of, threshold_curve
+from engine.lab.whatif import BLOCK_SIZES, Stream, block_size_curves, groups_of, policy_curves, stream_of, threshold_curve
 
 TARGET = 0.75  # the seeds' monitoring target: device hit rate >= 75 %
 THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
@@ -31,6 +31,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--recency", choices=("every", "first"), default="every",
                    help="what moves a block in LRU's order: every read (as the engine's LRU) or only the counted "
                         "first reads (the policy lab's replay)")
+    g.add_argument("--group", metavar="G",
+                   help="the KV-cache group whose reads the curves replay (a trace of a grouped model records each "
+                        "group's), or 'all' (default: every group the trace read, each with its own rows)")
     g.add_argument("--block-sizes", action="store_true",
                    help="LRU curves at block sizes 8/16/32/64 by re-cutting the trace's recorded tokens (an .npz "
                         "recorded by this version), or at 1/2/4x a block-hash trace's block")
@@ -39,6 +42,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--validate", action="store_true",
                    help="run 3 built-in workloads on the real engine and compare the curve's prediction at 0.5x, 2x "
                         "and 4x the device budget with a rerun at that budget (needs no TRACE)")
+    g.add_argument("--time", type=int, nargs="?", const=1_000_000, metavar="ACCESSES",
+                   help="instead: time the curves (LRU, heat, S3-FIFO) of a synthetic Zipf trace of ACCESSES reads "
+                        "(default 1,000,000) and print seconds per policy beside the load average (needs no TRACE)")
+    g.add_argument("--backend", choices=("numba", "numpy"),
+                   help="the curves' inner loops: compiled with numba (the default where it imports) or numpy / "
+                        "Python (the fallback)")
     g.add_argument("--model", help="--validate: the model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--requests", type=int, default=24, help="--validate: requests per workload (default 24)")
     g.add_argument("--window", type=int, default=2, help="--validate: requests in the engine at once (default 2)")
@@ -46,11 +55,11 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
 
 
 def wants_what_if(args: argparse.Namespace) -> bool:
-    return bool(args.curve or args.block_sizes or args.thresholds or args.validate
+    return bool(args.curve or args.block_sizes or args.thresholds or args.validate or args.time is not None
                 or (args.trace and args.trace.endswith(".jsonl")))
 
 
-def load_stream(args: argparse.Namespace):
+def load_stream(args: argparse.Namespace, group: int = 0):
     """(stream, source text, trace or None, block-hash requests or None)."""
     from engine.kv.access_trace import AccessTrace
     from engine.lab.policy_lab import scan_polluted_trace
@@ -67,7 +76,10 @@ def load_stream(args: argparse.Namespace):
     trace = AccessTrace.load(args.trace)
     if len(trace) == 0:
         raise ValueError(f"{args.trace}: the trace is empty")
-    s = stream_of(trace, args.recency)
+    s = stream_of(trace, args.recency, group)
+    if len(s.keys) == 0:
+        raise ValueError(f"{args.trace}: no reads of KV-cache group {group} (it has groups "
+                         f"{', '.join(map(str, groups_of(trace)))})")
     named = "by contents" if s.content else "by serial (no tokens recorded)"
     return s, f"{args.trace} ({len(trace):,} reads; blocks named {named})", trace, None
 
@@ -118,10 +130,50 @@ def plot_curves(curves: list[Curve], path: str, current: int, title: str, mib: f
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.time is not None:
+        return time_command(args)
+    if args.backend:
+        from engine.lab.mrc import set_backend
+
+        set_backend(args.backend)
     if args.validate:
         return validate(args)
+    groups = _groups(args)
+    outs, text = [], []
+    for g in groups:
+        out, lines = _one_group(args, g, len(groups) > 1)
+        outs.append(out)
+        text += lines
+    doc = dict(outs[0])
+    if len(groups) > 1:  # the first group's curves at the top (as a one-group trace has them), then every group's
+        doc["groups"] = outs
+    print(json.dumps(doc) if args.json else "\n".join(text))
+    return 0
+
+
+def _groups(args: argparse.Namespace) -> list[int]:
+    """--group: one KV-cache group, or every group the trace read (the default; a block-hash trace has one)."""
+    if args.synthetic or (args.trace and args.trace.endswith(".jsonl")):
+        if args.group not in (None, "all", "0"):
+            raise ValueError(f"--group {args.group}: this trace has one group (0)")
+        return [0]
+    from engine.kv.access_trace import AccessTrace
+
+    have = groups_of(AccessTrace.load(args.trace))
+    if args.group in (None, "all"):
+        return have
+    try:
+        g = int(args.group)
+    except ValueError:
+        raise ValueError(f"--group must be a KV-cache group number or 'all', got {args.group!r}") from None
+    if g not in have:
+        raise ValueError(f"--group {g}: the trace has groups {', '.join(map(str, have))}")
+    return [g]
+
+
+def _one_group(args: argparse.Namespace, group: int, several: bool) -> tuple[dict, list[str]]:
     t0 = time.perf_counter()
-    stream, source, trace, reqs = load_stream(args)
+    stream, source, trace, reqs = load_stream(args, group)
     caps = curve_capacities(stream.distinct)
     policies = tuple(p for p in (args.policy or ("lru", "heat", "s3fifo")) if p != "opt")
     decay = (args.decay or [0.9])[0]
@@ -129,16 +181,17 @@ def main(args: argparse.Namespace) -> int:
     took = time.perf_counter() - t0
     lru = next((c for c in curves if c.policy == "lru"), curves[0])
     current = args.current or _nearest_half(lru)
-    out: dict = {"trace": source, "accesses": int(len(stream.keys)), "counted": int(stream.counted.sum()),
+    out: dict = {"trace": source, "group": group, "accesses": int(len(stream.keys)), "counted": int(stream.counted.sum()),
                  "distinct_blocks": stream.distinct, "current": current, "seconds": took,
                  "curves": [{"policy": c.policy, "exact": c.exact, "capacities": c.capacities.tolist(),
                              "hit_rate": c.hit_rate.tolist()} for c in curves]}
-    text = [f"{source}: {len(stream.keys):,} accesses, {int(stream.counted.sum()):,} counted (each sequence's first "
+    text = [f"— KV-cache group {group} —"] if several else []
+    text += [f"{source}: {len(stream.keys):,} accesses, {int(stream.counted.sum()):,} counted (each sequence's first "
             f"read of a block), {stream.distinct:,} distinct blocks; curves in {took:.2f} s",
             _curve_table(curves, args.block_mib)]
     text += [what_if_line(c, current, args.block_mib, TARGET) for c in curves]
     if args.block_sizes:
-        rows = _block_size_rows(args, trace, reqs)
+        rows = _block_size_rows(args, trace, reqs, group)
         out["block_sizes"] = rows
         text.append("LRU by block size (same bytes: capacity in MiB = blocks × block size × MiB per token)")
         for r in rows:
@@ -151,13 +204,24 @@ def main(args: argparse.Namespace) -> int:
         text.append(f"LRU at {current:,} blocks by demotion threshold: " + ", ".join(
             f"{t:g} s {100 * h:.1f} %" for t, h in zip(THRESHOLDS, th)))
     if args.plot:
-        plot_curves(curves, args.plot, current, f"What if: {source}", args.block_mib)
-        text.append(f"figure: {args.plot}")
-    print(json.dumps(out) if args.json else "\n".join(text))
+        stem, dot, ext = args.plot.rpartition(".")
+        path = args.plot if not group else (f"{stem}.g{group}.{ext}" if dot else f"{args.plot}.g{group}")
+        plot_curves(curves, path, current, f"What if: {source}" + (f", KV-cache group {group}" if several else ""),
+                    args.block_mib)
+        text.append(f"figure: {path}")
+    return out, text
+
+
+def time_command(args: argparse.Namespace) -> int:
+    """`--time [N]`: seconds per policy on a synthetic N-access trace (app/bench/curves.py)."""
+    from app.bench.curves import format_timing, time_curves
+
+    r = time_curves(args.time, args.backend, args.seed)
+    print(json.dumps(r) if args.json else format_timing(r))
     return 0
 
 
-def _block_size_rows(args, trace, reqs) -> list[dict]:
+def _block_size_rows(args, trace, reqs, group: int = 0) -> list[dict]:
     """Per block size: the hit rate at 0.5, 1, 2 and 4 times the current bytes."""
     from engine.lab.mrc import lru_curve
     from engine.lab.whatif import block_stream
@@ -177,14 +241,14 @@ def _block_size_rows(args, trace, reqs) -> list[dict]:
     if trace is None:
         raise ValueError("--block-sizes needs a TRACE (an .npz with recorded tokens, or a block-hash .jsonl)")
     bs0 = trace.block_size
-    tokens_cap = (current or max(1, stream_of(trace, args.recency).distinct // 4)) * (bs0 or 16)
+    tokens_cap = (current or max(1, stream_of(trace, args.recency, group).distinct // 4)) * (bs0 or 16)
     per_token = (args.block_mib / bs0) if (args.block_mib and bs0) else None
     for b, _, _ in [(b, None, None) for b in BLOCK_SIZES]:
         from engine.lab.whatif import rebin
 
-        s = rebin(trace, b, args.recency)
+        s = rebin(trace, b, args.recency, group)
         caps = [max(1, round(tokens_cap * f / b)) for f in factors]
-        c = lru_curve(s.keys, caps, s.counted)
+        c = lru_curve(s.keys, caps, s.counted, fresh=s.fresh)
         at = [round(tokens_cap * f * per_token, 2) for f in factors] if per_token else list(factors)
         rows.append({"block_size": b, "at": at, "capacities": caps, "hit_rate_at": c.hit_rate.tolist()})
     return rows

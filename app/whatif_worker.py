@@ -2,9 +2,9 @@
 tab plain numpy arrays (ui/panels/what_if.py draws them; ui never sees torch or the engine).
 
 `WhatIfService` wraps the live engine's runner: `record()` starts a trace (refused while one is recorded from
-Controls), `take()` stops it and returns it unsaved, `compute(source, done)` runs `what_if_result` on a daemon
-thread and calls done(result or an error message) from that thread: the tab passes a Qt signal's emit, so the
-result crosses to the GUI thread queued.
+Controls), `take()` stops it and returns it unsaved, `compute(source, done)` runs `what_if_results` (one result
+per KV-cache group the trace read) on a daemon thread and calls done(results or an error message) from that
+thread: the tab passes a Qt signal's emit, so the result crosses to the GUI thread queued.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.lab.mrc import curve_capacities, what_if_short
-from engine.lab.whatif import BLOCK_SIZES, block_size_curves, block_stream, policy_curves, stream_of, threshold_curve
+from engine.lab.whatif import (BLOCK_SIZES, block_size_curves, block_stream, groups_of, policy_curves, stream_of,
+                               threshold_curve)
 
 TARGET = 0.75
 THRESHOLDS_S = np.array([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0])
@@ -24,8 +25,9 @@ THRESHOLDS_S = np.array([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20
 
 @dataclass(frozen=True)
 class WhatIfResult:
-    """Everything the tab draws. curves: (label, capacities in blocks, hit rate, exact); block_sizes: (block size,
-    MiB, hit rate); thresholds: (seconds, hit rate) at the current capacity; lines: the what-if sentences."""
+    """Everything the tab draws for one KV-cache group. curves: (label, capacities in blocks, hit rate, exact);
+    block_sizes: (block size, MiB, hit rate); thresholds: (seconds, hit rate) at the current capacity; lines: the
+    what-if sentences; group, group_title: which group's reads (0 and "" for a trace of one group)."""
     source: str
     accesses: int
     counted: int
@@ -38,27 +40,46 @@ class WhatIfResult:
     thresholds: tuple | None = None
     lines: list = field(default_factory=list)
     seconds: float = 0.0
+    group: int = 0
+    group_title: str = ""
+
+    def saved(self) -> dict:
+        """The curves as a snapshot carries them (Snapshot.what_if's per-group entry; engine/telemetry/
+        snapshot_schema.py checks it): plain JSON and float64 / int64 arrays."""
+        return {"group": self.group, "title": self.group_title, "current_blocks": int(self.current_blocks),
+                "block_mib": None if self.block_mib is None else float(self.block_mib),
+                "accesses": int(self.accesses), "counted": int(self.counted), "distinct": int(self.distinct),
+                "curves": [{"policy": str(label), "exact": bool(exact),
+                            "capacities": np.asarray(caps, dtype=np.int64),
+                            "hit_rate": np.asarray(hit, dtype=np.float64)} for label, caps, hit, exact in self.curves],
+                "lines": [str(x) for x in self.lines]}
 
 
-def what_if_result(source, current_blocks: int, block_mib: float | None, demote_after_s: float | None = None,
-                   decay: float = 0.9) -> WhatIfResult:
-    """source: an AccessTrace, a path to one (.npz), or a path to a Mooncake / Bailian trace (.jsonl)."""
+def _load(source):
+    """(trace or None, block-hash stream or None, the source's name)."""
     from engine.kv.access_trace import AccessTrace
 
-    t0 = time.perf_counter()
-    trace = None
     if isinstance(source, str) and source.endswith(".jsonl"):
         from engine.workloads.public_traces import read_block_trace
 
         reqs = read_block_trace(source)
-        stream = block_stream(reqs)
-        name = f"{source} ({reqs[0].fmt})"
-    else:
-        trace = AccessTrace.load(source) if isinstance(source, str) else source
-        name = source if isinstance(source, str) else "recorded from this engine"
-        if len(trace) == 0:
-            raise ValueError("the trace is empty: nothing was read while it recorded")
-        stream = stream_of(trace)
+        return None, block_stream(reqs), f"{source} ({reqs[0].fmt})"
+    trace = AccessTrace.load(source) if isinstance(source, str) else source
+    if len(trace) == 0:
+        raise ValueError("the trace is empty: nothing was read while it recorded")
+    return trace, None, source if isinstance(source, str) else "recorded from this engine"
+
+
+def what_if_result(source, current_blocks: int, block_mib: float | None, demote_after_s: float | None = None,
+                   decay: float = 0.9, group: int = 0, group_title: str = "", _loaded=None) -> WhatIfResult:
+    """source: an AccessTrace, a path to one (.npz), or a path to a Mooncake / Bailian trace (.jsonl); one KV-cache
+    group's curves (a block-hash trace has one group)."""
+    t0 = time.perf_counter()
+    trace, stream, name = _loaded or _load(source)
+    if trace is not None:
+        stream = stream_of(trace, group=group)
+        if len(stream.keys) == 0:
+            raise ValueError(f"the trace has no reads of KV-cache group {group}")
     caps = curve_capacities(stream.distinct)
     caps = np.unique(np.append(caps, [max(1, current_blocks // 2), current_blocks, current_blocks * 2,
                                        current_blocks * 4]))
@@ -67,12 +88,27 @@ def what_if_result(source, current_blocks: int, block_mib: float | None, demote_
     sizes = []
     if trace is not None and trace.tokens is not None and trace.block_size and block_mib:
         per_token = block_mib / trace.block_size
-        sizes = [(b, mib, c.hit_rate) for b, mib, c in block_size_curves(trace, per_token, BLOCK_SIZES)]
+        sizes = [(b, mib, c.hit_rate) for b, mib, c in block_size_curves(trace, per_token, BLOCK_SIZES, group=group)]
     th = (THRESHOLDS_S, threshold_curve(stream, current_blocks, THRESHOLDS_S)) if trace is not None else None
     return WhatIfResult(name, int(len(stream.keys)), int(stream.counted.sum()), stream.distinct, current_blocks,
                         block_mib, demote_after_s,
                         [(c.policy, c.capacities, c.hit_rate, c.exact) for c in curves], sizes, th, lines,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, group, group_title)
+
+
+def what_if_results(source, groups: list[tuple[int, float | None, str]], demote_after_s: float | None = None,
+                    decay: float = 0.9) -> list[WhatIfResult]:
+    """One WhatIfResult per KV-cache group the trace read. groups: per live group (device-tier blocks, MiB a
+    block, title); a trace's group the live engine does not have is read at group 0's capacity."""
+    loaded = _load(source)
+    trace = loaded[0]
+    present = groups_of(trace) if trace is not None else [0]
+    out = []
+    for g in present:
+        blocks, mib, title = groups[g] if g < len(groups) else (groups[0][0], groups[0][1], f"group {g}")
+        out.append(what_if_result(source, blocks, mib, demote_after_s, decay, g,
+                                  title if len(present) > 1 or g else "", _loaded=loaded))
+    return out
 
 
 class WhatIfService:
@@ -81,10 +117,18 @@ class WhatIfService:
         self._mine = False  # the recording running is the tab's
 
     def current(self) -> tuple[int, float, float, float]:
-        """(device-tier blocks, MiB a block, demote_after_s, decay) of the live config."""
+        """(device-tier blocks, MiB a block, demote_after_s, decay) of the live config (the first KV-cache group)."""
         eng = self.runner.engine
         pool, cfg = eng.pool, eng.config
         return int(pool.sizes.dev_cap), pool.block_bytes / 2**20, float(cfg.demote_after_s), float(cfg.decay)
+
+    def groups(self) -> list[tuple[int, float, str]]:
+        """Per KV-cache group of the live engine: (device-tier blocks, MiB a block, title)."""
+        eng = self.runner.engine
+        pools = getattr(eng.kv, "pools", None) or [eng.pool]
+        specs = getattr(eng.kv, "groups", None) or [None] * len(pools)
+        return [(int(p.sizes.dev_cap), p.block_bytes / 2**20, spec.title if spec is not None else "")
+                for p, spec in zip(pools, specs)]
 
     def record(self) -> str | None:
         """Start recording; an error message instead if a trace is being recorded already (from Controls)."""
@@ -102,11 +146,14 @@ class WhatIfService:
         return self.runner.engine.stop_trace(None)
 
     def compute(self, source, done) -> None:
-        blocks, mib, demote, decay = self.current()
+        """done(a list of WhatIfResult, one per KV-cache group the trace read; or an error message), called on
+        the worker thread."""
+        _, _, demote, decay = self.current()
+        groups = self.groups()
 
         def work():
             try:
-                done(what_if_result(source, blocks, mib, demote, decay))
+                done(what_if_results(source, groups, demote, decay))
             except (ValueError, OSError) as e:  # a bad file: TraceFileError, a bad JSONL line; refused in one line
                 done(str(e))
 

@@ -1,7 +1,8 @@
 """Two snapshots side by side (`kvscope --compare A.json B.json`, File → Compare…): "before / after my change" as
 one file pair.
 
-Each side shows its caption, its block maps (one per KV-cache group) and its "why missed" bars; beneath them one
+Each side shows its caption, its block maps (one per KV-cache group), its "why missed" bars and the what-if curves
+it carries (hit rate against capacity, per KV-cache group; "no data" where it carries none); beneath them one
 table lists every knob that differs and every counter of either snapshot with A, B, B − A and the change in %
 (rates as a difference in points). `compare_rows` computes that table from the two snapshots alone (no Qt), so the
 window, its screenshot JSON and a test read the same rows.
@@ -12,10 +13,12 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from engine.telemetry.snapshot import Snapshot
 from ui.block_map.groups import GroupMaps
+from ui.panels.what_if import WhatIfPanel
 from ui.panels.why_missed import WhyMissedPanel
 
 RATES = ("device_hit_rate", "prefix_hit_rate")
@@ -57,6 +60,29 @@ def compare_rows(a: Snapshot, b: Snapshot) -> list[tuple[str, str, str, str, str
             change = "—" if math.isnan(d) or not va else f"{100 * d / va:+.1f} %"
             section = "why missed" if k.startswith(("miss_", "read_miss_", "lookup_")) else "counters"
             rows.append((section, k, _fmt(_int(va)), _fmt(_int(vb)), _fmt(_int(d)), change))
+    return rows + what_if_rows(a, b)
+
+
+def what_if_rows(a: Snapshot, b: Snapshot) -> list[tuple[str, str, str, str, str, str]]:
+    """Per KV-cache group and policy either snapshot has curves of: the hit rate its curve reads at the capacity
+    that snapshot had (Snapshot.what_if; "—" where a side has no curve)."""
+    def at(snap: Snapshot) -> dict:
+        out = {}
+        for g in snap.what_if.get("groups", []):
+            for c in g["curves"]:
+                caps, hit = np.asarray(c["capacities"], dtype=np.float64), np.asarray(c["hit_rate"])
+                x = np.log(max(g["current_blocks"], 1))
+                out[(g["group"], c["policy"])] = float(np.interp(x, np.log(caps), hit)) if len(caps) else math.nan
+        return out
+
+    va, vb = at(a), at(b)
+    rows = []
+    for g, policy in sorted(set(va) | set(vb)):
+        x, y = va.get((g, policy), math.nan), vb.get((g, policy), math.nan)
+        pct = lambda v: "—" if math.isnan(v) else f"{100 * v:.1f} %"  # noqa: E731
+        d = "—" if math.isnan(y - x) else f"{100 * (y - x):+.1f}"
+        rows.append(("what if", f"group {g} {policy} at its capacity", pct(x), pct(y), d,
+                     "—" if d == "—" else f"{d} points"))
     return rows
 
 
@@ -81,6 +107,9 @@ class _Side(QtWidgets.QWidget):
         self.why = WhyMissedPanel()
         self.why.update_snapshot(snap)
         lay.addWidget(self.why, 1)
+        self.what_if = WhatIfPanel(None)  # the what-if curves the snapshot carries (Snapshot.what_if), if any
+        self.what_if.show_saved(snap.what_if)
+        lay.addWidget(self.what_if, 1)
 
 
 class CompareWindow(QtWidgets.QMainWindow):

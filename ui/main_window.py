@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import datetime
 import math
 import os
@@ -320,7 +321,7 @@ class MainWindow(QtWidgets.QMainWindow):
         """Write the window as PNG with a caption strip, and beside it as JSON the snapshot drawn in it (every
         block table), with what the window drew that a snapshot does not hold: the rates' lines, the events, the
         caption, the workload. `--open-snapshot` draws the same picture from it."""
-        snap = self.controller.snapshot("all")
+        snap = self.with_what_if(self.controller.snapshot("all"))
         self.refresh(every_panel=True, snap=snap)
         caption = self.caption(datetime.datetime.now())
         shot = self.grab().toImage()
@@ -348,6 +349,11 @@ class MainWindow(QtWidgets.QMainWindow):
                                                  "tabs": self.front_tabs(),
                                                  "health_targets": self.controls.targets.as_dict()})
         return json_path
+
+    def with_what_if(self, snap: Snapshot) -> Snapshot:
+        """`snap` with the What if tab's curves (Snapshot.what_if), so they travel in the file and compare."""
+        saved = self.what_if.saved()
+        return dataclasses.replace(snap, what_if=saved) if saved else snap
 
     def _save_dialog(self) -> None:
         path, _ = QtWidgets.QFileDialog.getSaveFileName(self, "Save screenshot", "kvscope.png", "PNG (*.png)")
@@ -395,7 +401,7 @@ class MainWindow(QtWidgets.QMainWindow):
         if len(loaded) == 1:
             if self.snapshot is None:
                 raise snapshot_io.SnapshotFileError("this window has drawn no snapshot yet: choose two files")
-            loaded.append((self.snapshot, {"caption": self.caption()}))
+            loaded.append((self.with_what_if(self.snapshot), {"caption": self.caption()}))
             names = (os.path.basename(paths[0]), "this window")
         else:
             names = tuple(os.path.basename(p) for p in paths)
@@ -549,6 +555,8 @@ def open_snapshot_window(path: str) -> MainWindow:
     win.events.add_lines([tuple(e) for e in extra.get("events", [])])
     if extra.get("health_targets"):  # the strip's targets as it was saved (checked by the snapshot's schema)
         win.controls.set_targets(HealthTargets.from_dict(extra["health_targets"]))
+    if snap.what_if:  # the what-if curves computed before it was saved
+        win.what_if.show_saved(snap.what_if)
     for name in extra.get("tabs", []):  # the tab that was in front when it was saved
         if name in TABBED:
             win.docks[name].raise_()

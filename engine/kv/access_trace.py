@@ -20,10 +20,12 @@ from engine.user_file import UserFileError, open_regular
 
 COLUMNS = ("t", "seq", "block", "tier", "hit")
 # Columns a trace may lack (traces saved before them still load): per row, `pos` (the block's index in its
-# sequence's table, -1 unknown) and `group` (the KV-cache group whose pool holds it, 0: the full-attention one);
+# sequence, counted from its first token: a sliding-window group's table starts at its base; -1 unknown) and `group` (the KV-cache group whose pool holds it, 0: the full-attention one);
 # per sequence, its token ids (`tok_seq`, `tok_len`, the concatenated `tokens`) and the `block_size` (one value)
-# they were cut at, so the what-if curves can name a block by its contents and re-cut the tokens at other sizes.
-OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size")
+# they were cut at, so the what-if curves can name a block by its contents and re-cut the tokens at other sizes;
+# and per sequence its prompt's length (`tok_prompt`, with the token columns): a block past the prompt is written by
+# its sequence, never found in a cache at its first read.
+OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size", "tok_prompt")
 
 # The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
 # their widest), so a file that passes holds at most ~1.65 GB of columns however well it compresses: a
@@ -37,6 +39,7 @@ MAX_FILE_BYTES = 2 * 2**30
 _KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block": ("iu", "integers"),
           "tier": ("iu", "integers"), "hit": ("b", "booleans"), "pos": ("iu", "integers"),
           "group": ("iu", "integers"), "tok_seq": ("iu", "integers"), "tok_len": ("iu", "integers"),
+          "tok_prompt": ("iu", "integers"),
           "tokens": ("iu", "integers"), "block_size": ("iu", "integers")}
 _READ_CHUNK = 1 << 24  # bytes decompressed per read: the only buffer besides the columns themselves
 # The compressions np.savez and np.savez_compressed write, and the most bytes one stored byte can become
@@ -189,6 +192,11 @@ def _checked_optional(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.nd
             raise TraceFileError(f"{path}: block_size must be one value from 1 to 65,536")
         if tl.dtype.kind == "i" and (tl < 0).any() or int(tl.sum(dtype=np.uint64)) != len(tk):
             raise TraceFileError(f"{path}: tok_len adds up to {int(tl.sum()):,} tokens but tokens holds {len(tk):,}")
+        if "tok_prompt" in cols:
+            tp = cols["tok_prompt"]
+            if len(tp) != len(ts) or (tp.dtype.kind == "i" and (tp < 0).any()):
+                raise TraceFileError(f"{path}: tok_prompt must hold one length >= 0 per entry of tok_seq")
+            out["tok_prompt"] = tp.astype(np.int64)
         out.update(tok_seq=ts.astype(np.int64), tok_len=tl.astype(np.int64), tokens=tk.astype(np.int64),
                    block_size=int(bs[0]))
     return out
@@ -201,10 +209,11 @@ class AccessTrace:
     block: np.ndarray  # int64 block serial
     tier: np.ndarray  # int8: where the block was when read (0 device, 1 host)
     hit: np.ndarray  # bool: served from the device tier (a prefetched block counts as a hit)
-    pos: np.ndarray | None = None  # int32: the block's index in its sequence's table (-1: not known)
+    pos: np.ndarray | None = None  # int32: the block's index in its sequence (block j holds tokens j·bs ..; -1: not known)
     group: np.ndarray | None = None  # int8: KV-cache group (None: all 0, the full-attention group)
     tok_seq: np.ndarray | None = None  # per recorded sequence: its id,
     tok_len: np.ndarray | None = None  # its number of tokens,
+    tok_prompt: np.ndarray | None = None  # (optional) how many of them are its prompt,
     tokens: np.ndarray | None = None  # and its token ids, all sequences' concatenated
     block_size: int | None = None  # the block size the trace's blocks were cut at
 
@@ -220,7 +229,7 @@ class AccessTrace:
 
     def save(self, path: str) -> None:
         cols = {c: getattr(self, c) for c in COLUMNS}
-        for c in ("pos", "group", "tok_seq", "tok_len", "tokens"):
+        for c in ("pos", "group", "tok_seq", "tok_len", "tokens", "tok_prompt"):
             if getattr(self, c) is not None:
                 cols[c] = getattr(self, c)
         if self.block_size is not None:
@@ -267,7 +276,7 @@ class TraceRecorder:
     """
 
     def __init__(self, seq_of=None, block_size: int | None = None, group: int = 0):
-        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray, int]] = []
+        self._chunks: list[tuple[float, int, np.ndarray, np.ndarray, np.ndarray, int, int]] = []
         self.rows = 0
         self._seq_of = seq_of
         self._seqs: dict = {}
@@ -275,9 +284,11 @@ class TraceRecorder:
         self.group = group
 
     def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray,
-            group: int | None = None) -> None:
+            group: int | None = None, first: int = 0) -> None:
+        """One read of a sequence's table: `blocks` (serials) in order, the first being the sequence's block
+        `first` (a sliding-window group's table starts at its first visible block, Sequence.base / GroupTable.base)."""
         self._chunks.append((t, seq, blocks.copy(), tiers.astype(np.int8), hits.astype(bool),
-                             self.group if group is None else group))
+                             self.group if group is None else group, int(first)))
         self.rows += len(blocks)
         if self._seq_of is not None and seq not in self._seqs:
             self._seqs[seq] = self._seq_of(seq)
@@ -298,13 +309,16 @@ class TraceRecorder:
             extra = dict(tok_seq=np.array(list(toks), dtype=np.int64),
                          tok_len=np.array([len(v) for v in toks.values()], dtype=np.int64),
                          tokens=np.concatenate(list(toks.values())), block_size=int(self.block_size))
+            prompt = [getattr(self._seqs[s], "prompt_len", None) for s in toks]
+            if all(isinstance(n, int) for n in prompt):
+                extra["tok_prompt"] = np.array(prompt, dtype=np.int64)
         return AccessTrace(
             t=np.repeat([c[0] for c in self._chunks], lens).astype(np.float64),
             seq=np.repeat([c[1] for c in self._chunks], lens).astype(np.int32),
             block=np.concatenate([c[2] for c in self._chunks]).astype(np.int64),
             tier=np.concatenate([c[3] for c in self._chunks]),
             hit=np.concatenate([c[4] for c in self._chunks]),
-            pos=np.concatenate([np.arange(n, dtype=np.int32) for n in lens]),
+            pos=np.concatenate([np.arange(c[6], c[6] + n, dtype=np.int32) for c, n in zip(self._chunks, lens)]),
             group=np.repeat([c[5] for c in self._chunks], lens).astype(np.int8),
             **extra,
         )
@@ -316,8 +330,8 @@ class _GroupRecorder:
     def __init__(self, whole: TraceRecorder, group: int):
         self.whole, self.group = whole, group
 
-    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray) -> None:
-        self.whole.add(t, seq, blocks, tiers, hits, self.group)
+    def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray, first: int = 0) -> None:
+        self.whole.add(t, seq, blocks, tiers, hits, self.group, first)
 
     @property
     def rows(self) -> int:

@@ -158,7 +158,9 @@ class GroupedKV:
 
     @trace.setter
     def trace(self, recorder) -> None:
-        self.mgrs[0].trace = recorder
+        """Every group records into `recorder`, its rows tagged with the group (access_trace.TraceRecorder.for_group)."""
+        for g, m in enumerate(self.mgrs):
+            m.trace = recorder if recorder is None or g == 0 else recorder.for_group(g)
 
     def table(self, seq: Sequence, g: int) -> GroupTable | Sequence:
         """Window group g's table of the sequence (group 0's is the sequence itself: its blocks, base, dropped)."""

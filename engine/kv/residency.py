@@ -182,7 +182,7 @@ class Residency:
         if self.trace is not None:
             hits = np.ones(len(table), dtype=bool)
             hits[host_rows] = False
-            self.trace.add(now, seq.id, p.serial[table], tiers.copy(), hits)
+            self.trace.add(now, seq.id, p.serial[table], tiers.copy(), hits, first=seq.base)  # a window's table starts at base
         if len(promote):
             t0 = time.perf_counter()
             for j in range(0, len(promote), group):

@@ -13,23 +13,85 @@ sample is a cache's traffic in miniature and its hit rate estimates the full one
 1/sqrt(sampled blocks). Small capacities, where rate·C would be a handful of blocks, are simulated at a higher
 rate (at least MIN_SAMPLED_CAPACITY sampled blocks) or in full.
 
+The inner loops (the stack distances, the sampled simulations) run compiled with numba where it imports
+(engine/lab/mrc_jit.py: a Fenwick-tree Mattson pass, array simulators), the same answers access for access; the
+numpy / Python path below is the fallback (`set_backend("numpy")`, or KVSCOPE_NO_JIT=1 in the environment).
+
 Every curve counts what the policy lab counts (engine/lab/policy_lab.py): by default the first read of each
 block by each sequence. `counted` lets every access move a block in the LRU stack while only some are counted.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.kv.eviction_sim import replay
+from engine.kv.eviction import s3fifo_sizes
+from engine.kv.eviction_sim import SECONDS_PER_ACCESS, replay
 
 MIN_CURVE_POINTS = 32
 MIN_SAMPLED_CAPACITY = 32  # the smallest sampled cache SHARDS simulates; below it the rate goes up
 DEFAULT_SAMPLE_BLOCKS = 4096  # distinct blocks a sampled simulation aims to keep
 MAX_SAMPLED_ACCESSES = 25_000  # and the most accesses one capacity's simulation replays (its rate is capped)
 _P = np.uint64(0x9E3779B97F4A7C15)
+
+
+_backend: str | None = None  # "numba" or "numpy"; None: decided at first use
+
+
+def backend() -> str:
+    """"numba" where numba imports (and KVSCOPE_NO_JIT is not set), else "numpy"."""
+    global _backend
+    if _backend is None:
+        _backend = "numpy"
+        if os.environ.get("KVSCOPE_NO_JIT", "") in ("", "0"):
+            try:
+                import engine.lab.mrc_jit  # noqa: F401
+
+                _backend = "numba"
+            except ImportError:
+                pass
+    return _backend
+
+
+def set_backend(name: str) -> str:
+    """Use the compiled loops ("numba") or the numpy / Python ones ("numpy"); returns the previous choice."""
+    global _backend
+    if name not in ("numba", "numpy"):
+        raise ValueError(f"backend must be 'numba' or 'numpy', got {name!r}")
+    if name == "numba":
+        import engine.lab.mrc_jit  # noqa: F401  (ImportError where numba is missing)
+    old, _backend = backend(), name
+    return old
+
+
+def replay_hits(keys: np.ndarray, capacity: int, policy: str, decay: float = 0.9,
+                times: np.ndarray | None = None) -> np.ndarray:
+    """Per-access hit (bool) of `policy` (lru, heat, s3fifo) at `capacity` over `keys`: eviction_sim.replay's
+    answer, computed by the compiled simulators where the backend is numba."""
+    keys = np.asarray(keys, dtype=np.int64)
+    if backend() == "numpy" or policy not in ("lru", "heat", "s3fifo"):
+        return replay(keys, capacity, policy, decay=decay, times=times, per_access=True)["hit"]
+    from engine.lab import mrc_jit
+
+    if capacity < 1:
+        raise ValueError(f"capacity must be >= 1 block, got {capacity}")
+    if not 0.0 < decay <= 1.0:
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
+    ids, m = mrc_jit.dense(keys)
+    if policy == "lru":
+        hit = mrc_jit.lru(ids, m, int(capacity))
+    elif policy == "heat":
+        t = np.arange(len(keys)) * SECONDS_PER_ACCESS if times is None else np.asarray(times, dtype=np.float64)
+        if len(t) != len(keys):
+            raise ValueError(f"{len(t)} times for {len(keys)} accesses")
+        hit = mrc_jit.heat(ids, np.ascontiguousarray(t), m, int(capacity), float(decay))
+    else:
+        small, ghost = s3fifo_sizes(int(capacity))
+        hit = mrc_jit.s3fifo(ids, m, int(capacity), small, ghost)
+    return hit.view(bool)
 
 
 def _prev_index(keys: np.ndarray) -> np.ndarray:
@@ -59,6 +121,10 @@ def stack_distances(keys: np.ndarray) -> np.ndarray:
     n = len(keys)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
+    if backend() == "numba":
+        from engine.lab import mrc_jit
+
+        return mrc_jit.stack_distances(*mrc_jit.dense(keys))
     prev = _prev_index(keys)
     shifted = prev + 1  # 0 .. n
     big = np.int64(n + 1)
@@ -134,22 +200,26 @@ def sample_mask(keys: np.ndarray, rate: float, seed: int = 0, hashed: np.ndarray
 
 def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
                      policy: str, rate: float, decay: float = 0.9, seed: int = 0,
-                     hashed: np.ndarray | None = None) -> float:
+                     hashed: np.ndarray | None = None, fresh: np.ndarray | None = None) -> float:
     """SHARDS estimate of `policy`'s hit rate at `capacity` (simulated at rate·capacity on the sampled keys).
-    With `counted`, the sampled stream is still every sampled access; the rate is over the counted ones."""
+    With `counted`, the sampled stream is still every sampled access; the rate is over the counted ones. A `fresh`
+    access counts as a miss (its block is computed by its reader)."""
     m = sample_mask(keys, rate, seed, hashed)
     k = keys[m]
     if len(k) == 0:
         return float("nan")
     cap = max(1, int(round(capacity * min(rate, 1.0))))
     t = times[m] if times is not None else None
+    hit = replay_hits(k, cap, policy, decay, t)
+    if fresh is not None:
+        hit &= ~fresh[m]
     if counted is None:
-        hits, got, total = replay(k, cap, policy, decay=decay, times=t)["hits"], len(k), len(keys)
+        hits, got, total = int(hit.sum()), len(k), len(keys)
     else:
         c = counted[m]
         if not c.any():
             return float("nan")
-        hits = int(replay(k, cap, policy, decay=decay, times=t, per_access=True)["hit"][c].sum())
+        hits = int(hit[c].sum())
         got, total = int(c.sum()), int(np.count_nonzero(counted))
     if rate >= 1.0:
         return hits / got
@@ -160,7 +230,7 @@ def sampled_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.nda
 
 
 def windowed_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.ndarray | None, capacity: int,
-                      policy: str, decay: float = 0.9, windows: int = 8) -> float:
+                      policy: str, decay: float = 0.9, windows: int = 8, fresh: np.ndarray | None = None) -> float:
     """A small cache's hit rate from full-rate simulation of `windows` evenly spaced slices of the stream
     (MAX_SAMPLED_ACCESSES in all), each warmed by the 4·capacity + 1000 accesses before it (not counted): where
     SHARDS would shrink the cache to a handful of slots, time sampling is the better estimate, as a small cache
@@ -171,13 +241,14 @@ def windowed_hit_rate(keys: np.ndarray, times: np.ndarray | None, counted: np.nd
     hits = total = 0
     for start in np.linspace(0, max(n - per, 0), windows).astype(np.int64):
         lo, hi = max(0, int(start) - warm), min(n, int(start) + per)
-        r = replay(keys[lo:hi], capacity, policy, decay=decay, times=None if times is None else times[lo:hi],
-                   per_access=True)
+        hit = replay_hits(keys[lo:hi], capacity, policy, decay, None if times is None else times[lo:hi])
+        if fresh is not None:
+            hit &= ~fresh[lo:hi]
         c = np.zeros(hi - lo, dtype=bool)
         c[int(start) - lo:] = True
         if counted is not None:
             c &= counted[lo:hi]
-        hits += int(r["hit"][c].sum())
+        hits += int(hit[c].sum())
         total += int(c.sum())
     return hits / total if total else float("nan")
 
@@ -217,10 +288,14 @@ class Curve:
 
 
 def lru_curve(keys: np.ndarray, capacities, counted: np.ndarray | None = None,
-              weights: np.ndarray | None = None, distances: np.ndarray | None = None) -> Curve:
+              weights: np.ndarray | None = None, distances: np.ndarray | None = None,
+              fresh: np.ndarray | None = None) -> Curve:
     """The exact LRU curve: every access moves its key to the top of the stack; the hit rate is over the
-    `counted` accesses (all if None), weighted by `weights` (e.g. tokens per block) if given."""
+    `counted` accesses (all if None), weighted by `weights` (e.g. tokens per block) if given; a `fresh` access
+    misses at every capacity (its block is computed by its reader) and still moves its key to the top."""
     d = stack_distances(keys) if distances is None else distances
+    if fresh is not None and fresh.any():
+        d = np.where(fresh, -1, d)
     sel = np.ones(len(d), dtype=bool) if counted is None else np.asarray(counted, dtype=bool)
     w = None if weights is None else np.asarray(weights, dtype=np.float64)[sel]
     total = float(sel.sum()) if w is None else float(w.sum())
@@ -231,16 +306,16 @@ def lru_curve(keys: np.ndarray, capacities, counted: np.ndarray | None = None,
 
 def sampled_curve(keys: np.ndarray, times: np.ndarray | None, capacities, policy: str,
                   counted: np.ndarray | None = None, decay: float = 0.9, seed: int = 0,
-                  sample_blocks: int = DEFAULT_SAMPLE_BLOCKS) -> Curve:
+                  sample_blocks: int = DEFAULT_SAMPLE_BLOCKS, fresh: np.ndarray | None = None) -> Curve:
     """`policy`'s curve by SHARDS-sampled simulation (exact where the rate comes out 1.0)."""
     keys = np.asarray(keys, dtype=np.int64)
     distinct = len(np.unique(keys))
     caps = np.asarray(capacities, dtype=np.int64)
     rates = np.array([sample_rate_for(distinct, int(c), sample_blocks, len(keys)) for c in caps])
     hashed = key_hash(keys, seed)
-    hr = np.array([windowed_hit_rate(keys, times, counted, int(c), policy, decay)
+    hr = np.array([windowed_hit_rate(keys, times, counted, int(c), policy, decay, fresh=fresh)
                    if r < 1.0 and r * c < MIN_SAMPLED_CAPACITY else
-                   sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed, hashed)
+                   sampled_hit_rate(keys, times, counted, int(c), policy, float(r), decay, seed, hashed, fresh)
                    for c, r in zip(caps, rates)])
     return Curve(policy if policy != "heat" else f"heat({decay:g})", caps, hr, bool((rates >= 1.0).all()), rates)
 

@@ -1,8 +1,8 @@
 """What a change would buy: the access stream a recorded trace implies, and the curves the window draws.
 
 `stream_of` turns an AccessTrace into the stream the curves replay: which key each read names, when, and
-whether it counts. A block is named by its contents where the trace recorded its sequence's tokens (the chained
-hash of its tokens and every token before it, as the prefix cache names it): a block evicted and recomputed
+whether it counts. A block is named by its contents where the trace recorded its sequence's tokens (`prefix_keys`:
+a hash of its tokens and every token before it, one key where the prefix cache's chained hash has one block): a block evicted and recomputed
 later is then the same block, so a larger cache is credited with the hit it would have had. Where the tokens are
 not known (an old trace, a block not yet full) a block is named by its serial.
 
@@ -21,6 +21,7 @@ this takes its requests by their fields). `real_hit_rate` measures on a run what
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -43,8 +44,12 @@ class Stream:
     counted: np.ndarray
     block_size: int | None
     content: bool  # keys are contents (tokens were recorded), not serials
+    fresh: np.ndarray | None = None  # reads that miss at every capacity (a block its reader computes); None: none
 
-    @property
+    def misses_anyway(self) -> np.ndarray:
+        return np.zeros(len(self.keys), dtype=bool) if self.fresh is None else self.fresh
+
+    @functools.cached_property
     def distinct(self) -> int:
         return int(len(np.unique(self.keys)))
 
@@ -59,6 +64,51 @@ def block_hashes(tokens: np.ndarray, block_size: int) -> np.ndarray:
     return out
 
 
+_P = 0x9E3779B97F4A7C15  # odd: invertible modulo 2^64
+_P_INV = pow(_P, -1, 1 << 64)
+
+
+def prefix_keys(tokens: np.ndarray, block_size: int) -> np.ndarray:
+    """A content key for every full block of a token list, as int64 >= 0: a hash of the block's tokens and every
+    token before it, so two sequences' blocks get one key exactly where block_hashes (the prefix cache's chained
+    hash) gives them one (up to a 2^-63 chance of a collision). See `_prefix_keys_of`."""
+    flat, _, _ = _prefix_keys_of([np.asarray(tokens)], block_size)
+    return flat
+
+
+def _prefix_keys_of(lists: list, block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`prefix_keys` of many token lists at once: (keys end to end, each list's first key's index, its count).
+    The polynomial hash of each prefix, H = sum_k (token_k + 1) · P^(e-k) mod 2^64 over a list's tokens before
+    block end e; over the lists laid end to end (global index g, a list starting at a) it is
+    P^e_g · (S(e_g - 1) - S(a - 1)) with S the running sum of (token + 1) · P^-g: one pass for every list. Then
+    splitmix64's finaliser, so every token bit reaches every key bit."""
+    lens = np.array([len(x) // block_size for x in lists], dtype=np.int64)
+    offs = np.concatenate(([0], np.cumsum(lens)[:-1])).astype(np.int64)
+    if not lens.sum():
+        return np.zeros(0, dtype=np.int64), offs, lens
+    toks = np.concatenate([np.asarray(x, dtype=np.int64).ravel() for x in lists])
+    starts = np.concatenate(([0], np.cumsum([len(x) for x in lists])[:-1])).astype(np.int64)
+    n = len(toks)
+    with np.errstate(over="ignore"):
+        inv = np.full(n, _P_INV, dtype=np.uint64)
+        inv[0] = 1
+        run = np.concatenate(([np.uint64(0)], np.cumsum((toks.view(np.uint64) + np.uint64(1)) *
+                                                        np.cumprod(inv, dtype=np.uint64), dtype=np.uint64)))
+        pw = np.full(n + 1, _P, dtype=np.uint64)
+        pw[0] = 1
+        pw = np.cumprod(pw, dtype=np.uint64)
+        owner = np.repeat(np.arange(len(lists)), lens)
+        local = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(offs, lens)
+        ends = starts[owner] + (local + 1) * block_size  # global index just past each block
+        h = pw[ends] * (run[ends] - run[starts[owner]])
+        h ^= h >> np.uint64(31)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(27)
+        h *= np.uint64(0x94D049BB133111EB)
+        h ^= h >> np.uint64(31)
+    return (h >> np.uint64(1)).astype(np.int64), offs, lens
+
+
 def _first_of_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """True at the first occurrence of each (a, b) pair, in order."""
     n = len(a)
@@ -71,7 +121,8 @@ def _first_of_pairs(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def _positions(trace: AccessTrace) -> np.ndarray:
-    """Each row's index in its chunk (one sequence's table read at one time): recorded, or rebuilt from runs."""
+    """Each row's block index in its sequence: recorded (a window group's rows start at its table's base), or,
+    in a trace from before positions, rebuilt as the index in its chunk (one sequence's table read at one time)."""
     if trace.pos is not None:
         return trace.pos.astype(np.int64)
     n = len(trace)
@@ -81,19 +132,39 @@ def _positions(trace: AccessTrace) -> np.ndarray:
     return idx - np.maximum.accumulate(np.where(start, idx, 0))
 
 
+def _chunk_starts(seq: np.ndarray, t: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """Where each chunk (one read of a sequence's table: the same sequence and time, consecutive blocks) starts."""
+    start = np.ones(len(seq), dtype=bool)
+    start[1:] = (seq[1:] != seq[:-1]) | (t[1:] != t[:-1]) | (pos[1:] != pos[:-1] + 1)
+    return np.flatnonzero(start)
+
+
+def groups_of(trace: AccessTrace) -> list[int]:
+    """The KV-cache groups with rows in `trace` ([0] for a trace from before groups)."""
+    if trace.group is None or not len(trace):
+        return [0]
+    return [int(g) for g in np.unique(trace.group)]
+
+
+def _rows(trace: AccessTrace, group: int | None) -> np.ndarray:
+    if group is None or trace.group is None:
+        return np.arange(len(trace))
+    return np.flatnonzero(trace.group == group)
+
+
 def _content_keys(seq: np.ndarray, pos: np.ndarray, fallback: np.ndarray, tokens: dict[int, np.ndarray],
                   block_size: int) -> np.ndarray:
-    """Content key of each (seq, pos) where the sequence's tokens fill that block, else `fallback`."""
+    """Content key of each (seq, pos) where the sequence's tokens fill that block, else `fallback`. One pass over
+    the rows: each sequence's block hashes laid end to end, a row's found at its sequence's offset + pos."""
     keys = fallback.copy()
-    for s in np.unique(seq):
-        toks = tokens.get(int(s))
-        if toks is None:
-            continue
-        hashes = block_hashes(toks, block_size)
-        rows = np.flatnonzero(seq == s)
-        p = pos[rows]
-        ok = (p >= 0) & (p < len(hashes))
-        keys[rows[ok]] = hashes[p[ok]]
+    if not len(seq):
+        return keys
+    useq, inv = np.unique(seq, return_inverse=True)
+    inv = inv.ravel()
+    empty = np.zeros(0, np.int64)
+    flat, offs, lens = _prefix_keys_of([tokens.get(int(s), empty) for s in useq], block_size)
+    ok = (pos >= 0) & (pos < lens[inv])
+    keys[ok] = flat[offs[inv[ok]] + pos[ok]]
     return keys
 
 
@@ -113,55 +184,84 @@ def _one_key_per_block(serial: np.ndarray, keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def _written_here(seq: np.ndarray, serial: np.ndarray | None, pos: np.ndarray, counted: np.ndarray,
+                  trace: AccessTrace, block_size: int) -> np.ndarray:
+    """The counted reads that miss at every capacity: a block past its sequence's prompt (some of its tokens
+    generated) is computed by that sequence, so no cache of any size has it at the sequence's first read, even where
+    an earlier sequence generated the same tokens (the engine looks up prompts, whole blocks of them). The read
+    still moves the block in the cache's order (it is written there); its later reads keep their outcome."""
+    here = counted & _past_prompt(trace, seq, pos, block_size)
+    if serial is not None:  # and it is the block's first read (a fork's read of a block it shares is not)
+        here &= _first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
+    return here
+
+
+def _past_prompt(trace: AccessTrace, seq: np.ndarray, pos: np.ndarray, block_size: int) -> np.ndarray:
+    """True where block `pos` of the sequence holds a token past its prompt (False where the prompt is unknown)."""
+    if not len(seq):
+        return np.zeros(0, dtype=bool)
+    prompt = dict(zip(trace.tok_seq.tolist(), trace.tok_prompt.tolist()))
+    useq, inv = np.unique(seq, return_inverse=True)
+    plen = np.array([prompt.get(int(s), 1 << 40) for s in useq], dtype=np.int64)[inv.ravel()]
+    return (pos + 1) * block_size > plen
+
+
 def stream_of(trace: AccessTrace, recency: str = "every", group: int | None = 0) -> Stream:
     """The stream of `trace` (one KV-cache group's rows; None: every row) at its recorded block size."""
     if recency not in ("every", "first"):
         raise ValueError(f"recency must be 'every' or 'first', got {recency!r}")
-    rows = np.arange(len(trace))
-    if group is not None and trace.group is not None:
-        rows = np.flatnonzero(trace.group == group)
+    rows = _rows(trace, group)
     seq, serial, t = trace.seq[rows].astype(np.int64), trace.block[rows], trace.t[rows]
     pos = _positions(trace)[rows]
     keys = -1 - serial
     tokens = trace.token_lists()
     content = bool(tokens) and trace.block_size is not None
+    counted = _first_of_pairs(seq, serial)
     if content:
         keys = _one_key_per_block(serial, _content_keys(seq, pos, keys, tokens, trace.block_size))
-    counted = _first_of_pairs(seq, serial)
+    fresh = _written_here(seq, serial, pos, counted, trace, trace.block_size) if content and \
+        trace.tok_prompt is not None else None
     if recency == "first":
-        return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content)
-    return Stream(keys, t, counted, trace.block_size, content)
+        return Stream(keys[counted], t[counted], np.ones(int(counted.sum()), dtype=bool), trace.block_size, content,
+                      None if fresh is None else fresh[counted])
+    return Stream(keys, t, counted, trace.block_size, content, fresh)
 
 
-def rebin(trace: AccessTrace, block_size: int, recency: str = "every") -> Stream:
-    """The stream `trace`'s recorded tokens would make at another block size: each chunk (a sequence's table of
-    m blocks read at once) covers m x recorded-size tokens (at most the sequence's length), read as the
-    ceil(tokens / block_size) blocks that hold them. Needs a trace with tokens (`generate --record-trace`)."""
+def rebin(trace: AccessTrace, block_size: int, recency: str = "every", group: int = 0) -> Stream:
+    """The stream `trace`'s recorded tokens would make at another block size: each chunk (a sequence's table
+    read at once, blocks a .. b at the recorded size) covers tokens a x size .. (b + 1) x size (at most the
+    sequence's length), read as the blocks of `block_size` that hold them (a window group's table starts where
+    its first visible block does). Needs a trace with tokens (`generate --record-trace`)."""
     tokens = trace.token_lists()
     if not tokens or trace.block_size is None:
         raise ValueError("this trace has no recorded tokens (record it again with this version): "
                          "a block size can only be re-cut from the tokens")
     if not 1 <= block_size <= 65536:
         raise ValueError(f"block size must be 1 .. 65,536, got {block_size}")
-    sel = np.arange(len(trace)) if trace.group is None else np.flatnonzero(trace.group == 0)
+    sel = _rows(trace, group)
     seq, t, pos = trace.seq[sel].astype(np.int64), trace.t[sel], _positions(trace)[sel]
-    start = np.flatnonzero(pos == 0)
+    start = _chunk_starts(seq, t, pos)
     ends = np.append(start[1:], len(seq))
-    lens = ends - start  # blocks per chunk
+    bs0 = trace.block_size
     cseq, ct = seq[start], t[start]
-    ntok = np.array([min(int(m) * trace.block_size, len(tokens.get(int(s), ()))) or int(m) * trace.block_size
-                     for s, m in zip(cseq, lens)], dtype=np.int64)
-    newm = -(-ntok // block_size)
+    lo_tok = pos[start] * bs0
+    hi_tok = np.array([min(int(p + 1) * bs0, len(tokens.get(int(s), ()))) or int(p + 1) * bs0
+                       for s, p in zip(cseq, pos[ends - 1])], dtype=np.int64)
+    first = lo_tok // block_size
+    newm = np.maximum(-(-hi_tok // block_size) - first, 1)
     rseq = np.repeat(cseq, newm)
     rt = np.repeat(ct, newm)
-    rpos = np.concatenate([np.arange(m, dtype=np.int64) for m in newm]) if len(newm) else np.zeros(0, np.int64)
+    rpos = np.concatenate([np.arange(f, f + m, dtype=np.int64) for f, m in zip(first, newm)]) if len(newm) else \
+        np.zeros(0, np.int64)
     # A block no full-block hash names (the tail, or an unrecorded sequence): its own key per (sequence, position).
     fallback = -1 - (rseq * (1 << 24) + rpos)
     keys = _content_keys(rseq, rpos, fallback, tokens, block_size)
     counted = _first_of_pairs(rseq, rpos)
+    fresh = _written_here(rseq, None, rpos, counted, trace, block_size) if trace.tok_prompt is not None else None
     if recency == "first":
-        return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True)
-    return Stream(keys, rt, counted, block_size, True)
+        return Stream(keys[counted], rt[counted], np.ones(int(counted.sum()), dtype=bool), block_size, True,
+                      None if fresh is None else fresh[counted])
+    return Stream(keys, rt, counted, block_size, True, fresh)
 
 
 def block_stream(requests: list, merge: int = 1, outputs: bool = True) -> Stream:
@@ -214,22 +314,23 @@ def policy_curves(stream: Stream, capacities=None, policies=("lru", "heat", "s3f
     out = []
     for p in policies:
         if p == "lru":
-            out.append(lru_curve(stream.keys, caps, stream.counted))
+            out.append(lru_curve(stream.keys, caps, stream.counted, fresh=stream.fresh))
         else:
             c = stream.counted
-            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed))
+            out.append(sampled_curve(stream.keys[c], stream.times[c], few, p, decay=decay, seed=seed,
+                                     fresh=None if stream.fresh is None else stream.fresh[c]))
     return out
 
 
 def block_size_curves(trace: AccessTrace, mib_per_token: float, sizes=BLOCK_SIZES, recency: str = "every",
-                      points: int = 40) -> list[tuple[int, np.ndarray, Curve]]:
+                      points: int = 40, group: int = 0) -> list[tuple[int, np.ndarray, Curve]]:
     """LRU curve per block size, each with its capacities in MiB (blocks x size x mib_per_token): the same
     bytes hold half as many blocks at twice the size. [(block size, MiB per point, curve)]."""
     out = []
     for b in sizes:
-        s = rebin(trace, b, recency)
+        s = rebin(trace, b, recency, group)
         caps = curve_capacities(s.distinct, points)
-        c = lru_curve(s.keys, caps, s.counted)
+        c = lru_curve(s.keys, caps, s.counted, fresh=s.fresh)
         out.append((b, caps * b * mib_per_token, c))
     return out
 
@@ -244,20 +345,21 @@ def threshold_curve(stream: Stream, capacity: int, thresholds) -> np.ndarray:
     same = ks[1:] == ks[:-1]
     gap[order[1:][same]] = stream.times[order[1:][same]] - stream.times[order[:-1][same]]
     c = stream.counted
-    hit = (d >= 0) & (d < capacity)
+    hit = (d >= 0) & (d < capacity) & ~stream.misses_anyway()
     total = int(c.sum())
     if not total:
         return np.full(len(thresholds), np.nan)
     return np.array([np.count_nonzero(c & hit & (gap <= th)) / total for th in thresholds])
 
 
-def real_hit_rate(trace: AccessTrace) -> tuple[float, int]:
+def real_hit_rate(trace: AccessTrace, group: int | None = 0) -> tuple[float, int]:
     """What the curves predict, measured on a run: over the first read of each block by each sequence, the share
-    that found the block already computed (an earlier read of the same serial) and on the device tier. Returns
-    (rate, counted reads)."""
-    seq, serial = trace.seq.astype(np.int64), trace.block
+    that found the block already computed (an earlier read of the same serial) and on the device tier. One
+    KV-cache group's rows (serials are per pool); None: every row. Returns (rate, counted reads)."""
+    rows = _rows(trace, group)
+    seq, serial = trace.seq[rows].astype(np.int64), trace.block[rows]
     counted = _first_of_pairs(seq, serial)
     seen_before = ~_first_of_pairs(np.zeros(len(serial), dtype=np.int64), serial)
-    hit = counted & seen_before & (trace.tier == 0)
+    hit = counted & seen_before & (trace.tier[rows] == 0)
     n = int(counted.sum())
     return (float(hit.sum() / n) if n else float("nan")), n

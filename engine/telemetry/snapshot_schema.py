@@ -45,7 +45,7 @@ SERIES_DTYPE = "<f8"
 RESIDENCY_DTYPE = "<f4"
 
 SNAPSHOT_KEYS = ("t", "model", "config", "tiers", "seqs", "counters", "windowed", "memory", "series", "residency")
-SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups", "health", "self_checks")  # files from before marks (quality, the last
+SNAPSHOT_OPTIONAL = ("timing", "marks", "quality", "last_change", "kv_groups", "health", "self_checks", "what_if")  # files from before marks (quality, the last
 # change's counters) existed have none
 # Knobs added after snapshot files were first written: a file without one shows the default.
 LATER_KNOBS = ("shadow_every_s",)
@@ -74,9 +74,64 @@ def _snapshot(body: Any) -> Snapshot:
     kv_groups = _kv_groups(body.get("kv_groups", []), tiers, config["block_size"], model)
     health = _health(body.get("health", {}))
     self_checks = _self_checks(body.get("self_checks", {}))
+    what_if = _what_if(body.get("what_if", {}))
     return Snapshot(t=t, model=model, config=config, tiers=tiers, seqs=seqs, counters=counters, windowed=windowed,
                     memory=memory, series=series, residency=residency, timing=timing, marks=marks, quality=quality,
-                    last_change=last_change, kv_groups=kv_groups, health=health, self_checks=self_checks)
+                    last_change=last_change, kv_groups=kv_groups, health=health, self_checks=self_checks,
+                    what_if=what_if)
+
+
+MAX_WHAT_IF_GROUPS = 128  # KV-cache groups (a trace's group column is 0 .. 127)
+MAX_WHAT_IF_CURVES = 16
+MAX_WHAT_IF_LINES = 64
+
+
+def _what_if(x: Any) -> dict:
+    """Snapshot.what_if (the window's what-if curves, app/whatif_worker.py WhatIfResult.saved), {} in files from
+    before it: per group its curves, each capacities (int64, >= 1 block, ascending) and hit rates (float64 in
+    [0, 1], NaN: no data) of one length. Fields the compare window does not read are kept as free-form JSON."""
+    w = _obj(x, "what_if")
+    if not w:
+        return {}
+    _obj(w, "what_if", ("source", "groups"))
+    out = _rest(w, "what_if", ("source", "groups"))
+    out["source"] = _str(w["source"], "what_if.source")
+    groups = []
+    for i, g in enumerate(_list(w["groups"], "what_if.groups", max_n=MAX_WHAT_IF_GROUPS)):
+        where = f"what_if.groups[{i}]"
+        known = ("group", "title", "current_blocks", "block_mib", "accesses", "counted", "distinct", "curves", "lines")
+        _obj(g, where, ("group", "current_blocks", "curves"))
+        one = _rest(g, where, known)
+        one["group"] = _int(g["group"], f"{where}.group", 0, MAX_WHAT_IF_GROUPS - 1)
+        one["title"] = _str(g.get("title", ""), f"{where}.title")
+        one["current_blocks"] = _int(g["current_blocks"], f"{where}.current_blocks", 0)
+        mib = g.get("block_mib")
+        one["block_mib"] = None if mib is None else _num(mib, f"{where}.block_mib", 0.0)
+        for k in ("accesses", "counted", "distinct"):
+            one[k] = _int(g.get(k, 0), f"{where}.{k}", 0)
+        curves = []
+        for j, c in enumerate(_list(g["curves"], f"{where}.curves", max_n=MAX_WHAT_IF_CURVES)):
+            cw = f"{where}.curves[{j}]"
+            _obj(c, cw, ("policy", "capacities", "hit_rate"))
+            caps = _array(c["capacities"], f"{cw}.capacities", "<i8", max_len=MAX_POINTS)
+            _ints(caps, f"{cw}.capacities", 1)
+            if caps.size > 1 and (np.diff(caps) <= 0).any():
+                raise _Bad(f"{cw}.capacities", "not ascending")
+            hit = _array(c["hit_rate"], f"{cw}.hit_rate", "<f8", max_len=MAX_POINTS)
+            if len(hit) != len(caps):
+                raise _Bad(f"{cw}.hit_rate", f"{len(hit):,} points, expected {len(caps):,} (as capacities)")
+            _floats(hit, f"{cw}.hit_rate", 0.0, nan_ok=True)
+            if hit.size and float(np.fmax.reduce(hit)) > 1.0:
+                raise _Bad(f"{cw}.hit_rate", f"holds {float(np.fmax.reduce(hit)):g}, above 1 (a rate)")
+            curves.append({"policy": _str(c["policy"], f"{cw}.policy"), "exact": _bool(c.get("exact", False),
+                                                                                     f"{cw}.exact"),
+                           "capacities": caps, "hit_rate": hit})
+        one["curves"] = curves
+        one["lines"] = [_str(v, f"{where}.lines[{k}]")
+                        for k, v in enumerate(_list(g.get("lines", []), f"{where}.lines", max_n=MAX_WHAT_IF_LINES))]
+        groups.append(one)
+    out["groups"] = groups
+    return out
 
 
 def _health(x: Any) -> dict:

@@ -4,6 +4,7 @@ simulators, the demotion-threshold curve against a by-hand simulation, the what-
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -11,9 +12,23 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.kv.eviction_sim import replay
-from engine.lab.mrc import (MIN_CURVE_POINTS, Curve, curve_capacities, lru_curve, sampled_curve, stack_distances,
-                            what_if_line, what_if_short)
+from engine.lab import mrc
+from engine.lab.mrc import (MIN_CURVE_POINTS, Curve, curve_capacities, lru_curve, replay_hits, sampled_curve,
+                            stack_distances, what_if_line, what_if_short)
 from engine.lab.whatif import Stream, threshold_curve
+
+# Every curve test runs on both paths: the numba-compiled loops (engine/lab/mrc_jit.py) and the numpy / Python
+# fallback. numba is a dependency, so a machine without it fails here rather than skipping the compiled path.
+BACKENDS = ("numba", "numpy")
+
+
+@contextmanager
+def on(backend: str):
+    old = mrc.set_backend(backend)
+    try:
+        yield
+    finally:
+        mrc.set_backend(old)
 
 
 def brute_lru(keys, cap, counted=None, times=None, max_gap=np.inf):
@@ -36,9 +51,15 @@ def brute_lru(keys, cap, counted=None, times=None, max_gap=np.inf):
     return hits, total
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.integers(0, 12), min_size=1, max_size=80), st.data())
-def test_lru_curve_equals_brute_force_at_every_capacity(keys, data):
+def test_lru_curve_equals_brute_force_at_every_capacity(backend, keys, data):
+    with on(backend):
+        _lru_curve_equals_brute_force(keys, data)
+
+
+def _lru_curve_equals_brute_force(keys, data):
     keys = np.array(keys, dtype=np.int64)
     counted = np.array(data.draw(st.lists(st.booleans(), min_size=len(keys), max_size=len(keys))))
     if not counted.any():
@@ -54,10 +75,12 @@ def test_lru_curve_equals_brute_force_at_every_capacity(keys, data):
         assert rate * len(keys) == pytest.approx(replay(keys, int(cap), "lru")["hits"])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 2**62), min_size=0, max_size=60))
-def test_stack_distance_is_the_distinct_keys_since_the_last_access(keys):
-    d = stack_distances(np.array(keys, dtype=np.int64))
+@given(st.lists(st.integers(-2**62, 2**62), min_size=0, max_size=60))
+def test_stack_distance_is_the_distinct_keys_since_the_last_access(backend, keys):
+    with on(backend):
+        d = stack_distances(np.array(keys, dtype=np.int64))
     for i, k in enumerate(keys):
         before = [j for j in range(i) if keys[j] == k]
         expected = -1 if not before else len(set(keys[before[-1] + 1:i]))
@@ -77,8 +100,9 @@ def _zipf_trace(n=60_000, blocks=6_000, seed=3):
     return rng.choice(blocks, size=n, p=w / w.sum()).astype(np.int64)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("policy", ["lru", "s3fifo", "heat"])
-def test_shards_estimate_is_near_the_full_simulation(policy):
+def test_shards_estimate_is_near_the_full_simulation(policy, backend):
     """SHARDS keeps ~4,096 of the 6,000 blocks here at the mid capacities, and one rate 0.68 the tail; the error
     of a hit rate estimated from a spatial sample of B blocks with heavy-tailed access counts is O(1/sqrt(B))
     (Waldspurger et al. report < 1 point mean absolute error at 8K samples); 5 points is about 3 standard errors
@@ -86,30 +110,82 @@ def test_shards_estimate_is_near_the_full_simulation(policy):
     keys = _zipf_trace()
     times = np.arange(len(keys)) * 0.01
     caps = [200, 800, 2_400]
-    est = sampled_curve(keys, times, caps, policy, seed=0)
+    with on(backend):
+        est = sampled_curve(keys, times, caps, policy, seed=0)
     assert not est.exact
     for cap, rate in zip(caps, est.hit_rate):
         full = replay(keys, cap, policy, times=times)["hit_rate"]
         assert abs(rate - full) <= 0.05, (cap, rate, full)
 
 
-def test_sampled_curve_is_exact_when_nothing_is_sampled_away():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_sampled_curve_is_exact_when_nothing_is_sampled_away(backend):
     keys = _zipf_trace(n=3_000, blocks=300)
     caps = [10, 50, 150]
-    est = sampled_curve(keys, None, caps, "s3fifo")
+    with on(backend):
+        est = sampled_curve(keys, None, caps, "s3fifo")
     assert est.exact
     assert est.hit_rate.tolist() == [replay(keys, c, "s3fifo")["hit_rate"] for c in caps]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 8), min_size=1, max_size=50), st.integers(1, 8), st.floats(0.0, 0.3))
-def test_threshold_curve_equals_lru_with_idle_demotion(keys, cap, threshold):
+def test_threshold_curve_equals_lru_with_idle_demotion(backend, keys, cap, threshold):
     times = np.arange(len(keys)) * 0.02
     s = Stream(np.array(keys, dtype=np.int64), times, np.ones(len(keys), dtype=bool), None, False)
-    got = threshold_curve(s, cap, [threshold, np.inf])
+    with on(backend):
+        got = threshold_curve(s, cap, [threshold, np.inf])
     hits, total = brute_lru(keys, cap, times=times.tolist(), max_gap=threshold + 1e-12)
     assert got[0] == pytest.approx(hits / total)
     assert got[1] == pytest.approx(brute_lru(keys, cap)[0] / len(keys))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(-3, 12), min_size=1, max_size=300), st.integers(1, 12),
+       st.sampled_from(["lru", "heat", "s3fifo"]), st.sampled_from([0.3, 0.9, 1.0]), st.data())
+def test_compiled_simulators_equal_the_python_ones_access_for_access(keys, cap, policy, decay, data):
+    """The numba simulators (mrc_jit.lru, heat, s3fifo) against eviction_sim's: the same hit or miss at every
+    access, with times that tie (heat's tie-breaks: older second-to-last access, then insertion order)."""
+    keys = np.array(keys, dtype=np.int64) * 1_000_003
+    gaps = data.draw(st.lists(st.sampled_from([0.0, 0.01, 0.5, 3.0]), min_size=len(keys), max_size=len(keys)))
+    times = np.cumsum(gaps)
+    want = replay(keys, cap, policy, decay=decay, times=times, per_access=True)["hit"]
+    with on("numba"):
+        got = replay_hits(keys, cap, policy, decay, times)
+    assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat", "s3fifo"])
+def test_compiled_simulators_equal_the_python_ones_on_random_traces(policy):
+    """200 fixed random traces, each over fewer or more keys than the cache holds."""
+    rng = np.random.default_rng(11)
+    for _ in range(200):
+        n, m, cap = int(rng.integers(1, 400)), int(rng.integers(1, 50)), int(rng.integers(1, 45))
+        keys = rng.integers(0, m, n).astype(np.int64) * 7919 - 50
+        times = np.cumsum(rng.choice([0.0, 0.01, 0.5], n))
+        want = replay(keys, cap, policy, decay=0.9, times=times, per_access=True)["hit"]
+        with on("numba"):
+            got = replay_hits(keys, cap, policy, 0.9, times)
+        assert got.tolist() == want.tolist(), (n, m, cap)
+
+
+def test_compiled_heat_compacts_its_heap_without_changing_an_answer():
+    """A long trace over a small cache: the heap outgrows 2 x capacity + 1024 entries many times over."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, 60, 20_000).astype(np.int64)
+    times = np.cumsum(rng.choice([0.0, 0.02, 0.3], len(keys)))
+    want = replay(keys, 7, "heat", decay=0.8, times=times, per_access=True)["hit"]
+    with on("numba"):
+        got = replay_hits(keys, 7, "heat", 0.8, times)
+    assert (got == want).all() and 0 < want.sum() < len(keys)
+
+
+def test_backend_is_named_or_refused():
+    with pytest.raises(ValueError, match="numba"):
+        mrc.set_backend("fortran")
+    with on("numpy"):
+        assert mrc.backend() == "numpy"
 
 
 def test_what_if_line_reads_the_curve():

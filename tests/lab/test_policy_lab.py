@@ -575,3 +575,20 @@ def test_a_trace_with_no_rows_gets_one_error_line(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == ""
     assert_one_error_line(err, f"{path}: the trace is empty")
+
+
+@pytest.mark.parametrize("backend", ["numba", "numpy"])
+def test_time_prints_seconds_per_policy_and_the_load(backend, capsys):
+    """`policy-lab --time N`: the three curves of a synthetic N-access trace, timed (the seconds are printed, not
+    judged), on the backend asked for; the JSON says which ran and how many capacities each curve has."""
+    assert main(["--time", "4000", "--backend", backend, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["backend"] == backend and doc["accesses"] == 4000 and 0 < doc["distinct"] <= 2000
+    assert set(doc["seconds"]) == {"lru", "heat", "s3fifo"} and all(s >= 0 for s in doc["seconds"].values())
+    assert doc["points"]["lru"] >= 32 and doc["points"]["heat"] == doc["points"]["s3fifo"] == 32
+    assert len(doc["load_before"]) == 3
+    assert main(["--time", "3000"]) == 0
+    out = capsys.readouterr().out
+    assert "3,000 accesses" in out and "load average" in out and " s  " in out
+    assert main(["--time", "0"]) == 2
+    assert "--time must be" in capsys.readouterr().err

@@ -72,3 +72,35 @@ def test_block_hash_trace_has_no_threshold_view(tmp_path):
                                      "hash_ids": [0, i % 3 + 1]}) + "\n" for i in range(12)))
     r = what_if_result(str(p), 2, None)
     assert r.thresholds is None and r.block_sizes == [] and r.curves[0][2][-1] > 0
+
+
+def test_a_grouped_engine_gets_curves_per_kv_cache_group(qtbot, tiny_qwen3_sliding):
+    """Tiny Qwen3 with a window-24 group: the tab's group selector lists both groups; each group's curves are read
+    at that group's own device capacity, and the window group's differ from the full group's."""
+    from engine.config import CacheConfig, EngineOptions
+    from engine.model.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.sequence import SamplingParams
+
+    eng = Engine(load_model(tiny_qwen3_sliding), CacheConfig(block_size=4, device_budget_mb=1.0),
+                 EngineOptions(attention="cpu"))
+    runner = EngineRunner(eng)
+    panel = WhatIfPanel(runner.what_if())
+    qtbot.addWidget(panel)
+    panel._record_clicked()
+    shared = list(range(20, 80))
+    for tail in ([5, 6, 7], [8, 9], [10], [5, 6, 7]):
+        eng.generate([shared + tail], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    with qtbot.waitSignal(panel.resultReady, timeout=120_000):
+        panel._record_clicked()
+    assert [r.group for r in panel.results] == [0, 1]
+    assert not panel.group.isHidden() and panel.group.count() == 2
+    assert "sliding window 24" in panel.group.itemText(1)
+    assert [r.current_blocks for r in panel.results] == [int(p.sizes.dev_cap) for p in eng.kv.pools]
+    full, window = panel.results
+    assert window.distinct < full.distinct  # the window group holds the last window's blocks only
+    panel.group.setCurrentIndex(1)
+    assert panel.result is window and "KV-cache group 1" in panel.text.text()
+    saved = panel.saved()
+    assert [g["group"] for g in saved["groups"]] == [0, 1]
+    assert saved["groups"][1]["curves"][0]["hit_rate"].tolist() == window.curves[0][2].tolist()

@@ -8,11 +8,13 @@ import zipfile
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from app.policy_lab import main
 from engine.kv.access_trace import AccessTrace, TraceFileError, TraceRecorder
 from engine.kv.tiers import chain_hash
-from engine.lab.whatif import block_hashes, real_hit_rate, rebin, stream_of
+from engine.lab.whatif import _prefix_keys_of, block_hashes, prefix_keys, real_hit_rate, rebin, stream_of
 
 
 def _trace(rows, tokens=None, block_size=4):
@@ -84,10 +86,29 @@ def test_a_recomputed_block_is_the_same_block_by_contents():
     tr = _trace([(0.0, 1, 100, 0, 0), (0.0, 1, 101, 1, 0), (1.0, 2, 200, 0, 0), (1.0, 2, 201, 1, 0)],
                 {1: toks, 2: toks})
     s = stream_of(tr)
-    h = block_hashes(np.array(toks), 4)
+    h = prefix_keys(np.array(toks), 4)
     assert s.content and s.keys.tolist() == [h[0], h[1], h[0], h[1]]
-    assert h[1] == chain_hash(chain_hash(0, np.array(toks[:4])), np.array(toks[4:])) & ((1 << 63) - 1)
+    c = block_hashes(np.array(toks), 4)
+    assert c[1] == chain_hash(chain_hash(0, np.array(toks[:4])), np.array(toks[4:])) & ((1 << 63) - 1)
     assert real_hit_rate(tr) == (0.0, 4)  # on the run itself none of them was found computed
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=0, max_size=24), st.lists(st.lists(st.integers(0, 3), max_size=24),
+       min_size=1, max_size=4), st.sampled_from([1, 2, 4]))
+def test_prefix_keys_name_blocks_as_the_chained_hash_does(shared, tails, bs):
+    """Two blocks get one prefix key exactly where the prefix cache's chained hash (block_hashes) gives them one:
+    token lists from a 4-letter alphabet sharing prefixes, blocks of 1, 2 and 4 tokens."""
+    lists = [np.array(shared + t, dtype=np.int64) for t in tails] + [np.array(shared, dtype=np.int64)]
+    fast = np.concatenate([prefix_keys(x, bs) for x in lists])
+    slow = np.concatenate([block_hashes(x, bs) for x in lists])
+    assert (fast >= 0).all() and fast.dtype == np.int64
+    batch, offs, lens = _prefix_keys_of(lists, bs)  # every list in one pass, as stream_of computes them
+    assert batch.tolist() == fast.tolist() and lens.tolist() == [len(x) // bs for x in lists]
+    _, a = np.unique(fast, return_inverse=True)
+    _, b = np.unique(slow, return_inverse=True)
+    assert len(set(zip(a.ravel().tolist(), b.ravel().tolist()))) == len(set(a.ravel().tolist())) == \
+        len(set(b.ravel().tolist()))
 
 
 def test_a_block_is_one_key():
@@ -98,14 +119,14 @@ def test_a_block_is_one_key():
     s = stream_of(tr)
     assert len(set(s.keys.tolist())) == 2 and (s.keys >= 0).all()
     partial = _trace([(0.0, 1, 100, 0, 0), (0.0, 1, 101, 1, 0)], {1: [5, 6, 7, 8, 9, 10]})  # never filled
-    assert stream_of(partial).keys.tolist() == [block_hashes(np.array([5, 6, 7, 8]), 4)[0], -102]
+    assert stream_of(partial).keys.tolist() == [prefix_keys(np.array([5, 6, 7, 8]), 4)[0], -102]
 
 
 def test_rebin_recuts_the_tokens():
     toks = list(range(1, 17))
     tr = _trace([(0.0, 1, 1, 0, 0), (0.0, 1, 2, 1, 0), (0.0, 1, 3, 2, 0), (0.0, 1, 4, 3, 0)], {1: toks}, 4)
     s8 = rebin(tr, 8)
-    assert s8.keys.tolist() == block_hashes(np.array(toks), 8).tolist()
+    assert s8.keys.tolist() == prefix_keys(np.array(toks), 8).tolist()
     assert rebin(tr, 4).keys.tolist() == stream_of(tr).keys.tolist()
     with pytest.raises(ValueError, match="no recorded tokens"):
         rebin(AccessTrace(tr.t, tr.seq, tr.block, tr.tier, tr.hit), 8)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import math
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
@@ -29,6 +30,45 @@ COUNTED = ("Hit rate here = the share of counted reads that find their block alr
            "Not the Hit rate panel's device hit rate, which counts every key of every read.")
 
 
+@dataclass(frozen=True)
+class SavedResult:
+    """One KV-cache group's curves as a snapshot carries them (Snapshot.what_if; app/whatif_worker.py WhatIfResult
+    .saved writes them): what the tab draws of a WhatIfResult, without the block-size and threshold views."""
+    source: str
+    accesses: int
+    counted: int
+    distinct: int
+    current_blocks: int
+    block_mib: float | None
+    demote_after_s: float | None = None
+    curves: list = field(default_factory=list)
+    block_sizes: list = field(default_factory=list)
+    thresholds: tuple | None = None
+    lines: list = field(default_factory=list)
+    seconds: float = float("nan")
+    group: int = 0
+    group_title: str = ""
+    saved_only: bool = True
+
+    def saved(self) -> dict:
+        return {"group": self.group, "title": self.group_title, "current_blocks": self.current_blocks,
+                "block_mib": self.block_mib, "accesses": self.accesses, "counted": self.counted,
+                "distinct": self.distinct, "lines": list(self.lines),
+                "curves": [{"policy": p, "exact": e, "capacities": c, "hit_rate": h} for p, c, h, e in self.curves]}
+
+
+def saved_results(what_if: dict) -> list[SavedResult]:
+    """Snapshot.what_if as the tab's results, one per group ([] for a snapshot without curves)."""
+    out = []
+    for g in (what_if or {}).get("groups", []):
+        out.append(SavedResult(str(what_if.get("source", "")), g.get("accesses", 0), g.get("counted", 0),
+                               g.get("distinct", 0), g["current_blocks"], g.get("block_mib"),
+                               curves=[(c["policy"], np.asarray(c["capacities"]), np.asarray(c["hit_rate"]),
+                                        bool(c.get("exact", False))) for c in g["curves"]],
+                               lines=list(g.get("lines", [])), group=g["group"], group_title=g.get("title", "")))
+    return out
+
+
 def _log(x: float) -> float:
     return math.log10(max(x, 1e-9))
 
@@ -39,7 +79,8 @@ class WhatIfPanel(QtWidgets.QWidget):
     def __init__(self, service=None, parent=None):
         super().__init__(parent)
         self.service = service
-        self.result = None
+        self.result = None  # the result drawn: the selected KV-cache group's
+        self.results: list = []  # one per KV-cache group the trace read
         self._left = 0
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(4, 4, 4, 4)
@@ -52,9 +93,14 @@ class WhatIfPanel(QtWidgets.QWidget):
                              "Mooncake / Bailian block-hash trace (.jsonl)")
         self.view = QtWidgets.QComboBox()
         self.view.addItems(VIEWS)
+        self.group = QtWidgets.QComboBox()
+        self.group.setToolTip("which KV-cache group's reads the curves replay: each group has its own pool, capacity "
+                              "and blocks (a sliding-window group holds only its window's blocks)")
+        self.group.setVisible(False)
         row.addWidget(self.record)
         row.addWidget(self.open)
         row.addWidget(self.view)
+        row.addWidget(self.group)
         row.addStretch(1)
         lay.addLayout(row)
         self.plot = pg.PlotWidget()
@@ -76,6 +122,7 @@ class WhatIfPanel(QtWidgets.QWidget):
         self.record.clicked.connect(self._record_clicked)
         self.open.clicked.connect(self._open_clicked)
         self.view.currentIndexChanged.connect(lambda _: self.draw())
+        self.group.currentIndexChanged.connect(self._group_changed)
         self.resultReady.connect(self.show_result)
         if service is None:
             self.record.setEnabled(False)
@@ -138,8 +185,39 @@ class WhatIfPanel(QtWidgets.QWidget):
         if isinstance(result, str):
             self._say(f"<span style='color:#e06c75'>{html.escape(result)}</span>")
             return
-        self.result = result
+        self.results = list(result) if isinstance(result, (list, tuple)) else [result]
+        self.result = self.results[0] if self.results else None
+        self.group.blockSignals(True)
+        self.group.clear()
+        for r in self.results:
+            title = getattr(r, "group_title", "")
+            self.group.addItem(f"group {getattr(r, 'group', 0)}" + (f": {title}" if title else ""))
+        self.group.blockSignals(False)
+        self.group.setVisible(len(self.results) > 1)
         self.draw()
+
+    def show_saved(self, what_if: dict) -> None:
+        """Draw the curves a snapshot carries (Snapshot.what_if): a saved window's or a compare window's side."""
+        results = saved_results(what_if)
+        if results:
+            self.show_result(results)
+        else:
+            self.results, self.result = [], None
+            self.group.setVisible(False)
+            self._no_data = "no data: this snapshot holds no what-if curves (compute them in the What if tab " \
+                "before saving)"
+            self.draw()
+
+    def _group_changed(self, i: int) -> None:
+        if 0 <= i < len(self.results):
+            self.result = self.results[i]
+            self.draw()
+
+    def saved(self) -> dict:
+        """The curves computed last, as a snapshot carries them (Snapshot.what_if): {} when none were."""
+        if not self.results:
+            return {}
+        return {"source": str(self.results[0].source), "groups": [r.saved() for r in self.results]}
 
     def _say(self, text: str) -> None:
         self.text.setText(text)
@@ -156,7 +234,8 @@ class WhatIfPanel(QtWidgets.QWidget):
         if r is None:
             p.setLogMode(x=False, y=False)
             msg = "no data: record the engine for a while, or open a trace" if self.service is not None else \
-                "no data: the what-if curves need the live engine (a saved snapshot holds no trace)"
+                getattr(self, "_no_data", "no data: the what-if curves need the live engine (a saved snapshot "
+                        "holds no trace)")
             self._say(msg)
             p.addItem(pg.TextItem("no data", color="#8a8f98", anchor=(0.5, 0.5)))
             return
@@ -165,8 +244,11 @@ class WhatIfPanel(QtWidgets.QWidget):
         scale = r.block_mib or 1.0
         target = pg.InfiniteLine(pos=100 * TARGET, angle=0, pen=pg.mkPen("#e06c75", width=1, style=QtCore.Qt.DashLine))
         p.addItem(target)
-        head = (f"{html.escape(str(r.source))}: {r.accesses:,} reads, {r.counted:,} counted, {r.distinct:,} distinct "
-                f"blocks; computed in {r.seconds:.1f} s. Dashed red: the 75 % target.")
+        title = getattr(r, "group_title", "")
+        which = f" · KV-cache group {r.group} ({html.escape(title)})" if title else ""
+        took = "saved in the snapshot" if getattr(r, "saved_only", False) else f"computed in {r.seconds:.1f} s"
+        head = (f"{html.escape(str(r.source))}{which}: {r.accesses:,} reads, {r.counted:,} counted, {r.distinct:,} "
+                f"distinct blocks; {took}. Dashed red: the 75 % target.")
         if view == 0:
             p.setLogMode(x=True, y=False)
             p.setLabel("bottom", f"device capacity ({unit}, log scale)")
@@ -184,6 +266,9 @@ class WhatIfPanel(QtWidgets.QWidget):
         elif view == 1:
             p.setLogMode(x=True, y=False)
             p.setLabel("bottom", "device capacity (MiB, log scale)")
+            if not r.block_sizes and getattr(r, "saved_only", False):
+                self._say(f"no data: a snapshot carries the capacity curves only<br><small>{head}</small>")
+                return
             if not r.block_sizes:
                 self._say("no data: re-cutting block sizes needs a trace recorded by this version (it records the "
                           f"tokens) from the live engine<br><small>{head}</small>")
@@ -200,6 +285,9 @@ class WhatIfPanel(QtWidgets.QWidget):
         else:
             p.setLogMode(x=True, y=False)
             p.setLabel("bottom", "demote_after_s (s, log scale)")
+            if r.thresholds is None and getattr(r, "saved_only", False):
+                self._say(f"no data: a snapshot carries the capacity curves only<br><small>{head}</small>")
+                return
             if r.thresholds is None:
                 self._say(f"no data: a block-hash trace has no read times to idle on<br><small>{head}</small>")
                 return
