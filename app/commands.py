@@ -23,7 +23,7 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
     hears the load's stages (the first start's conversion)."""
     from engine.config import EngineOptions
     from engine.runtime.engine import Engine
-    from engine.model.loader import load_model, resolve_weights_dtype
+    from engine.model.loader import load_model
 
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
@@ -35,8 +35,8 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.
-    dtype = resolve_weights_dtype(options.weights_dtype, options.device)
-    model = load_model(args.model, progress=progress, dtype=dtype, device=options.device)
+    # (the option's name, not its torch dtype: int8 / int4 load packed, engine/model/quant.py)
+    model = load_model(args.model, progress=progress, dtype=options.weights_dtype, device=options.device)
     engine = Engine(model, config, options)
     return engine, time.perf_counter() - t0
 

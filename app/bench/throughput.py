@@ -181,6 +181,7 @@ def model_weight_bytes(model) -> int:
     """Bytes of the forward pass's weights, each storage once (a tied lm_head is the embedding)."""
     seen: dict[int, int] = {}
     tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer if t is not None]
+    tensors = [p for t in tensors for p in (t.tensors() if hasattr(t, "tensors") else (t,))]  # packed: its parts
     for t in tensors:
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
