@@ -349,7 +349,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from engine.model.loader import load_model
 
     config = cache_config(args)
-    model = load_model(args.model, progress=progress_printer)
+    weights_dtype = getattr(args, "weights_dtype", None) or "auto"
+    model = load_model(args.model, progress=progress_printer, dtype=weights_dtype)
     s = model.spec
     per_dtype = {}
     for dt in KVDtype:
@@ -365,14 +366,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     from engine.config import EngineOptions
 
     engine = Engine(model, config, EngineOptions(kv_groups=getattr(args, "kv_groups", None) or "auto",
-                                                 context_limit=getattr(args, "context_limit", None)))
+                                                 context_limit=getattr(args, "context_limit", None),
+                                                 weights_dtype=weights_dtype))
+    from engine.runtime.bandwidth import weight_bytes
     mem = engine.memory()
     groups = _group_sizing(engine, args.batch, args.context, dsize)
     info = {
         "model": {"name": s.name, "architecture": s.architecture, "layers": s.num_layers, "heads": s.num_heads,
                   "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden": s.hidden_size, "vocab": s.vocab_size,
                   "max_position_embeddings": s.max_position_embeddings,
-                  "sliding_window": [w for w in s.sliding_window]},
+                  "sliding_window": [w for w in s.sliding_window],
+                  "weights": engine.model.weights_format, "weights_bytes": weight_bytes(engine.model)},
         "bytes_per_token": per_dtype,
         "fp32_bytes_per_token_check": fp32_token,
         "sizing": {"batch": args.batch, "context": args.context, "dtype": config.kv_dtype.label, "bytes": total,
@@ -388,6 +392,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     m = info["model"]
     print(f"model      {m['name']} ({m['architecture']}): {m['layers']} layers, {m['heads']} heads, "
           f"{m['kv_heads']} KV heads, head dim {m['head_dim']}, vocab {m['vocab']}")
+    print(f"weights    {m['weights']}: {m['weights_bytes'] / 2**20:.1f} MiB (--weights-dtype {weights_dtype})")
     print("bytes/token " + ", ".join(f"{k} {v:,.0f}" for k, v in per_dtype.items()) +
           f"  (block size {config.block_size}; scales included)")
     print(f"sizing     {formula}")

@@ -42,6 +42,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from app.bench.kv_memory import cmd_bench_kv_memory
 
         return cmd_bench_kv_memory(args)
+    if getattr(args, "compare", "hf") == "llamacpp" or getattr(args, "weights_quality", False):
+        from app.bench.llamacpp import cmd_bench_llamacpp, cmd_bench_weights_quality
+
+        return cmd_bench_weights_quality(args) if args.weights_quality else cmd_bench_llamacpp(args)
     if getattr(args, "quality", False):
         from app.bench.quality import cmd_bench_quality
 

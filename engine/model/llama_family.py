@@ -321,7 +321,8 @@ class LlamaFamily:
             for i in range(spec.num_layers)]
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
         # What the weights are held as: "fp32", or the packed kinds and where their values came from (quant.describe).
-        self.weights_format = describe(w) or str(self.dtype).replace("torch.", "")
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        self.weights_format = describe(w) or names[self.dtype]
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe

@@ -61,6 +61,55 @@ if AVAILABLE:
                     w[base + half + j] = s * np.float32(np.int32(q[n, at + j]) >> np.int32(4)) + z
             _dot_rows(w, x, out, n)
 
+    @njit(inline="always")
+    def _group_sums(x, group):  # pragma: no cover - compiled
+        """[G] sums of x[0]'s groups: the zero term of every row is zero . these."""
+        G = x.shape[1] // group
+        xs = np.empty(G, dtype=np.float32)
+        for g in range(G):
+            s = np.float32(0.0)
+            for k in range(g * group, (g + 1) * group):
+                s += x[0, k]
+            xs[g] = s
+        return xs
+
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _int8_mv(x, q, scale, zero, group, out):  # pragma: no cover - compiled
+        """One row of x: lane-wise accumulators across groups (scale folded per group), one horizontal sum a row."""
+        G = x.shape[1] // group
+        xs = _group_sums(x, group)
+        for n in prange(q.shape[0]):
+            acc = np.zeros(group, dtype=np.float32)
+            for g in range(G):
+                s, base = scale[n, g], g * group
+                for j in range(group):
+                    acc[j] += s * (np.float32(q[n, base + j]) * x[0, base + j])
+            t = np.float32(0.0)
+            for j in range(group):
+                t += acc[j]
+            for g in range(G):
+                t += zero[n, g] * xs[g]
+            out[0, n] = t
+
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _int4_mv(x, q, scale, zero, half, out):  # pragma: no cover - compiled
+        G = x.shape[1] // (2 * half)
+        xs = _group_sums(x, 2 * half)
+        for n in prange(q.shape[0]):
+            acc = np.zeros(2 * half, dtype=np.float32)
+            for g in range(G):
+                s, base, at = scale[n, g], g * 2 * half, g * half
+                for j in range(half):
+                    b = np.int32(q[n, at + j])
+                    acc[j] += s * (np.float32(b & np.int32(15)) * x[0, base + j])
+                    acc[half + j] += s * (np.float32(b >> np.int32(4)) * x[0, base + half + j])
+            t = np.float32(0.0)
+            for j in range(2 * half):
+                t += acc[j]
+            for g in range(G):
+                t += zero[n, g] * xs[g]
+            out[0, n] = t
+
     @njit(parallel=True, cache=True, nogil=True)
     def _int8_rows(q, scale, zero, group, ids, out):  # pragma: no cover - compiled
         """Embedding lookup: rows ids of the dequantized weight."""
@@ -85,13 +134,13 @@ if AVAILABLE:
 
 def int8_mm(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int) -> np.ndarray:
     out = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
-    _int8_mm(x, q, scale, zero, group, out)
+    (_int8_mv if x.shape[0] == 1 else _int8_mm)(x, q, scale, zero, group, out)
     return out
 
 
 def int4_mm(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> np.ndarray:
     out = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
-    _int4_mm(x, q, scale, zero, 16, out)
+    (_int4_mv if x.shape[0] == 1 else _int4_mm)(x, q, scale, zero, 16, out)
     return out
 
 

@@ -253,7 +253,7 @@ def test_cli_flag_loads_straight_into_the_dtype(tiny_llama, capsys):
         main(["generate", "hi", "--model", tiny_llama, "--weights-dtype", "fp64"])
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.splitlines()[-1].endswith(
-        "argument --weights-dtype: invalid choice: 'fp64' (choose from 'auto', 'fp32', 'bf16', 'fp16')")
+        "argument --weights-dtype: invalid choice: 'fp64' (choose from 'auto', 'fp32', 'bf16', 'fp16', 'int8', 'int4')")
     args = build_parser().parse_args(["generate", "hi", "--model", tiny_llama, "--weights-dtype", "bf16",
                                       "--device-budget-mb", "1", "--host-budget-mb", "0"])
     engine, _ = open_engine(args)
