@@ -17,6 +17,8 @@ by a row permutation of the packed rows, as transformers' GGUF loader does to it
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -51,47 +53,134 @@ def hf_name(name: str) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor of a GGUF's table: what unpack_tensor needs (GGUFReader's ReaderTensor names)."""
+
+    name: str
+    tensor_type: "object"  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]  # GGML order: inputs first
+    data_offset: int  # absolute, in the file
+    n_bytes: int
+
+
+def tensor_table(path: str) -> list[TensorInfo]:
+    """The GGUF's tensor table, read by a small parser of its header (metadata values skipped, not built):
+    GGUFReader builds a numpy view per vocabulary string (~100k for the default model's tokenizer), 100+ MB of
+    Python objects that would be the peak of a packed load."""
+    import mmap
+    import struct
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # fixed-size value types
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        if m[:4] != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (magic {bytes(m[:4])!r})")
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", m, 4)
+        if version < 2:
+            raise ModelLoadError(f"{path}: GGUF version {version} is not read (2 and up are)")
+        pos = 24
+        alignment = 32
+
+        def string(at: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, at)
+            return bytes(m[at + 8: at + 8 + n]).decode("utf-8", "replace"), at + 8 + n
+
+        def skip(kind: int, at: int) -> int:
+            if kind in sizes:
+                return at + sizes[kind]
+            if kind == 8:
+                return at + 8 + struct.unpack_from("<Q", m, at)[0]
+            if kind == 9:
+                item, n = struct.unpack_from("<IQ", m, at)
+                at += 12
+                if item in sizes:
+                    return at + n * sizes[item]
+                for _ in range(n):
+                    at = skip(item, at)
+                return at
+            raise ModelLoadError(f"{path}: unknown GGUF metadata type {kind}")
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if key == "general.alignment" and kind == 4:
+                (alignment,) = struct.unpack_from("<I", m, pos)
+            pos = skip(kind, pos)
+        infos = []
+        for _ in range(n_tensors):
+            name, pos = string(pos)
+            (n_dims,) = struct.unpack_from("<I", m, pos)
+            shape = struct.unpack_from(f"<{n_dims}Q", m, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", m, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, kind, shape, offset))
+        start = (pos + alignment - 1) // alignment * alignment
+        size = len(m)
+    out = []
+    for name, kind, shape, offset in infos:
+        qtype = GGMLQuantizationType(kind)
+        block, nbytes = GGML_QUANT_SIZES[qtype]
+        n = 1
+        for d in shape:
+            n *= d
+        info = TensorInfo(name, qtype, tuple(int(d) for d in shape), start + offset, n // block * nbytes)
+        if info.data_offset + info.n_bytes > size:
+            raise ModelLoadError(f"{path}: tensor {name} ends past the end of the file (truncated?)")
+        out.append(info)
+    return out
+
+
 def read_gguf(path: str, config: dict, quant: str, device: torch.device = torch.device("cpu")) -> dict:
     """HF-named weights of a Llama GGUF: QuantWeight for the linear weights and embeddings, fp32 tensors else."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(path)  # memory-mapped: a tensor's bytes are read when its blocks are unpacked
-    except Exception as e:
+        table = tensor_table(path)
+    except (OSError, ValueError, KeyError) as e:
         raise ModelLoadError(f"cannot read GGUF {path}: {e}") from None
     heads, kv_heads = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     weights: dict = {}
-    for t in reader.tensors:
-        name = hf_name(t.name)
-        if name is None:
-            if t.name.startswith("rope_freqs"):
-                continue
-            raise ModelLoadError(f"GGUF {path}: tensor {t.name} has no HF name in the Llama family's map")
-        w = unpack_tensor(t, quant)
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute(w, heads if "q_proj" in name else kv_heads)
-        weights[name] = w.to(device) if isinstance(w, QuantWeight) else w.to(device)
+    with open(path, "rb", buffering=0) as f:
+        for t in table:
+            name = hf_name(t.name)
+            if name is None:
+                if t.name.startswith("rope_freqs"):
+                    continue
+                raise ModelLoadError(f"GGUF {path}: tensor {t.name} has no HF name in the Llama family's map")
+            # Read into a buffer of this tensor's size (no map: mapped pages once touched count in the RSS).
+            raw = np.empty(t.n_bytes, dtype=np.uint8)
+            f.seek(t.data_offset)
+            if f.readinto(memoryview(raw)) != raw.nbytes:
+                raise ModelLoadError(f"GGUF {path}: tensor {t.name} is cut short")
+            w = unpack_tensor(t, quant, raw)
+            del raw
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                w = _unpermute(w, heads if "q_proj" in name else kv_heads)
+            weights[name] = w.to(device)
     return weights
 
 
-def unpack_tensor(t, quant: str) -> "QuantWeight | torch.Tensor":
-    """One GGUF tensor (a GGUFReader tensor): packed when quantized, or a 2-D float one quantized to `quant`;
-    a 1-D float one (a norm) as fp32."""
+def unpack_tensor(t, quant: str, data: np.ndarray | None = None) -> "QuantWeight | torch.Tensor":
+    """One GGUF tensor (a GGUFReader tensor; `data`: its bytes read already, else t.data): packed when
+    quantized, or a 2-D float one quantized to `quant`; a 1-D float one (a norm) as fp32."""
+    data = t.data if data is None else data
     kind = t.tensor_type.name
     N = int(np.prod(t.shape[1:])) if len(t.shape) > 1 else 1
     K = int(t.shape[0])
     if kind in ("F32", "F16", "BF16"):
         if kind == "BF16":
-            f = torch.from_numpy(np.asarray(t.data).view(np.int16).astype(np.int32) << 16).view(torch.float32)
+            f = torch.from_numpy((np.ascontiguousarray(data).view(np.int16).astype(np.int32) << 16).view(np.float32))
         else:
-            f = torch.from_numpy(np.asarray(t.data, dtype=np.float32).copy())
+            f = torch.from_numpy(np.ascontiguousarray(data).view(np.float16 if kind == "F16" else np.float32)
+                                 .astype(np.float32))
         f = f.reshape(N, K) if len(t.shape) > 1 else f.reshape(K)
         return quantize(f, quant) if f.dim() == 2 and can_quantize(f, quant) else f
     unpack = _UNPACK.get(kind)
     if unpack is None:
         raise ModelLoadError(f"GGUF tensor {t.name}: type {kind} is not loaded packed (Q4_0, Q4_1, Q4_K, Q5_0, "
                              "Q6_K, Q8_0, F16, F32 are); use --weights-dtype fp32")
-    blocks = np.asarray(t.data).reshape(N, -1)  # [N, bytes per row]
+    blocks = np.asarray(data).reshape(N, -1)  # [N, bytes per row]
     w = unpack(blocks, N, K)
     w.source = kind
     return w
