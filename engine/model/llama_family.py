@@ -346,12 +346,17 @@ class LlamaFamily:
         """A linear weight (or the embedding) as the forward reads it: packed when the weights dtype is int8/int4
         (quantized here, and the dict's float entry replaced, when the loader gave a float tensor), else own()."""
         t = w[name]
-        if isinstance(t, QuantWeight):
-            return t.to(self._dev)
-        if self.quant is None or not can_quantize(t, self.quant):
-            return self._own(t)
-        w[name] = quantize(t, self.quant).to(self._dev)
-        return w[name]
+        if not isinstance(t, QuantWeight):
+            if self.quant is None or not can_quantize(t, self.quant):
+                return self._own(t)
+            t = quantize(t, self.quant)
+        w[name] = t = t.to(self._dev)  # the dict names what the model holds: the float original can go
+        if self._dev.type == "cuda" and "embed_tokens" not in name:
+            try:  # torch's CUDA kernels take fewer layouts than the CPU's: refuse now, not at the first step
+                t.prepare_cuda()
+            except NotImplementedError as e:
+                raise ConfigError(f"weights_dtype: {name}: {e}") from None
+        return t
 
     def _fits(self, t: torch.Tensor) -> bool:
         return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()

@@ -25,6 +25,8 @@ from engine.model import quant_kernels
 
 QUANT_KINDS = ("int8", "int4")
 INT4_GROUP = 32
+PREFILL_ROWS = 32  # rows of x from which a matmul dequantizes the weight and runs gemm (prompt chunks)
+PREFILL_TILE_BYTES = 32 << 20  # ... when the weight's fp32 copy is at most this (never the LM head's 113 MB)
 
 
 @dataclass
@@ -57,6 +59,11 @@ class QuantWeight:
         x = x.float().contiguous()
         if not quant_kernels.AVAILABLE:
             return F.linear(x, self.dequantize())  # no numba: correct, slow (a dequantized copy per call)
+        N, K = self.shape
+        if x.shape[0] >= PREFILL_ROWS and N * K * 4 <= PREFILL_TILE_BYTES:
+            # A prompt chunk is compute-bound: the weight dequantized once into a scratch buffer (one layer's
+            # matrix, freed after) and multiplied by MKL's gemm, as llama.cpp hands large batches to BLAS.
+            return F.linear(x, self.lookup(torch.arange(N)))
         xn, q, s, z = x.numpy(), self.q.numpy(), self.scale.numpy(), self.zero.numpy()
         out = (quant_kernels.int8_mm(xn, q, s, z, self.group) if self.kind == "int8"
                else quant_kernels.int4_mm(xn, q, s, z))
@@ -122,6 +129,11 @@ class QuantWeight:
         q, s = self._cuda
         return torch.ops.aten._weight_int8pack_mm(x.float().contiguous(), q, s)
 
+    def prepare_cuda(self) -> None:
+        """Build the CUDA kernels' packing now (NotImplementedError for a layout they do not take)."""
+        if self._cuda is None:
+            self._cuda = self._pack_cuda()
+
     def _pack_cuda(self) -> tuple:
         N, K = self.shape
         if self.kind == "int8":
@@ -133,7 +145,12 @@ class QuantWeight:
         nib = unpack_int4(self.q).to(torch.int32)  # [N, K] values 0..15
         # tinygemm's packing takes uint8 [N, K/2] with the even input in the high nibble.
         pairs = nib.view(N, K // 2, 2)
-        packed = torch.ops.aten._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).to(torch.uint8), 8)
+        tiles = next((t for t in (8, 4, 2) if K % (16 * t) == 0), None)  # tinygemm: K in tiles of 16 x innerKTiles
+        if tiles is None or N % 8:
+            raise NotImplementedError(f"int4 weights on CUDA: tinygemm needs inputs in multiples of 32 and outputs "
+                                      f"in multiples of 8; this weight is {N} x {K}")
+        packed = torch.ops.aten._convert_weight_to_int4pack((pairs[..., 0] << 4 | pairs[..., 1]).to(torch.uint8),
+                                                            tiles)
         sz = torch.stack((self.scale.t(), (self.zero + 8 * self.scale).t()), dim=-1)  # [K/g, N, 2]
         return packed, sz.to(torch.bfloat16).contiguous()
 

@@ -29,7 +29,7 @@ KINDS = ("int8", "int4")
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 40])  # 40: the prompt-chunk path (quant.PREFILL_ROWS)
 def test_packed_matmul_equals_the_dequantized_weights_matmul(kind, rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 576, generator=g) * 0.05
