@@ -116,20 +116,22 @@ if AVAILABLE:
         K = q.shape[1]
         for i in prange(ids.shape[0]):
             r = ids[i]
-            for k in range(K):
-                g = k // group
-                out[i, k] = scale[r, g] * np.float32(q[r, k]) + zero[r, g]
+            for g in range(K // group):
+                s, z, base = scale[r, g], zero[r, g], g * group
+                for k in range(base, base + group):
+                    out[i, k] = s * np.float32(q[r, k]) + z
 
     @njit(parallel=True, cache=True, nogil=True)
     def _int4_rows(q, scale, zero, ids, out):  # pragma: no cover - compiled
-        G = q.shape[1] // 16
+        half = ids.shape[0] * 0 + 16  # a run-time 16: a constant trip count is unrolled into scalar code
         for i in prange(ids.shape[0]):
             r = ids[i]
-            for g in range(G):
-                for j in range(16):
-                    byte = q[r, g * 16 + j]
-                    out[i, g * 32 + j] = scale[r, g] * np.float32(byte & np.uint8(15)) + zero[r, g]
-                    out[i, g * 32 + 16 + j] = scale[r, g] * np.float32(byte >> np.uint8(4)) + zero[r, g]
+            for g in range(q.shape[1] // half):
+                s, z, base, at = scale[r, g], zero[r, g], g * 2 * half, g * half
+                for j in range(half):
+                    out[i, base + j] = s * np.float32(np.int32(q[r, at + j]) & np.int32(15)) + z
+                for j in range(half):
+                    out[i, base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
 
 
 def int8_mm(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int) -> np.ndarray:
