@@ -65,8 +65,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cache_flags(i)
 
     b = sub.add_parser("bench", help="throughput against transformers on the same model, in one run")
-    b.add_argument("--compare", choices=("hf",), default="hf",
-                   help="the default run: tokens/s of the engine against transformers' generate on the same model")
+    b.add_argument("--compare", choices=("hf", "llamacpp"), default="hf",
+                   help="the default run: tokens/s of the engine against transformers' generate on the same model; "
+                        "llamacpp: against llama.cpp (llama-cpp-python, optional) on the same GGUF, batch 1 and "
+                        "--batch (give --weights-dtype int4 to keep the GGUF's blocks packed)")
     b.add_argument("--prompt-tokens", type=_count(1, 1_000_000), default=275, metavar="N",
                    help="prompt length of every request in the --compare run (default 275)")
     b.add_argument("--batch1-new-tokens", type=_count(1, 1_000_000), default=128, metavar="N",
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quality-prompts", type=_count(1, 10_000), default=5, metavar="P", help="with --quality: prompts")
     b.add_argument("--quality-dtypes", default="fp16,bf16,fp8,int8,int8-delta,int8-kivi", metavar="LIST",
                    help="with --quality: the KV dtypes to measure, comma-separated")
+    b.add_argument("--weights-quality", action="store_true",
+                   help="instead: greedy agreement and KL divergence of int8 / int4 weights against fp32 weights "
+                        "(--quality-tokens, --quality-prompts; teacher-forced on the fp32 run's tokens)")
     b.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     _add_model_flags(b)
     _add_cache_flags(b)

@@ -23,7 +23,7 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
     hears the load's stages (the first start's conversion)."""
     from engine.config import EngineOptions
     from engine.runtime.engine import Engine
-    from engine.model.loader import load_model, resolve_weights_dtype
+    from engine.model.loader import load_model
 
     config = cache_config(args)  # validate knobs before the (slow) model load
     options = EngineOptions(device=args.device, context_limit=getattr(args, "context_limit", None),
@@ -35,8 +35,8 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.
-    dtype = resolve_weights_dtype(options.weights_dtype, options.device)
-    model = load_model(args.model, progress=progress, dtype=dtype, device=options.device)
+    # (the option's name, not its torch dtype: int8 / int4 load packed, engine/model/quant.py)
+    model = load_model(args.model, progress=progress, dtype=options.weights_dtype, device=options.device)
     engine = Engine(model, config, options)
     return engine, time.perf_counter() - t0
 
@@ -350,7 +350,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from engine.model.loader import load_model
 
     config = cache_config(args)
-    model = load_model(args.model, progress=progress_printer)
+    weights_dtype = getattr(args, "weights_dtype", None) or "auto"
+    model = load_model(args.model, progress=progress_printer, dtype=weights_dtype)
     s = model.spec
     per_dtype = {}
     for dt in KVDtype:
@@ -366,14 +367,17 @@ def cmd_info(args: argparse.Namespace) -> int:
     from engine.config import EngineOptions
 
     engine = Engine(model, config, EngineOptions(kv_groups=getattr(args, "kv_groups", None) or "auto",
-                                                 context_limit=getattr(args, "context_limit", None)))
+                                                 context_limit=getattr(args, "context_limit", None),
+                                                 weights_dtype=weights_dtype))
+    from engine.runtime.bandwidth import weight_bytes
     mem = engine.memory()
     groups = _group_sizing(engine, args.batch, args.context, dsize)
     info = {
         "model": {"name": s.name, "architecture": s.architecture, "layers": s.num_layers, "heads": s.num_heads,
                   "kv_heads": s.num_kv_heads, "head_dim": s.head_dim, "hidden": s.hidden_size, "vocab": s.vocab_size,
                   "max_position_embeddings": s.max_position_embeddings,
-                  "sliding_window": [w for w in s.sliding_window]},
+                  "sliding_window": [w for w in s.sliding_window],
+                  "weights": engine.model.weights_format, "weights_bytes": weight_bytes(engine.model)},
         "bytes_per_token": per_dtype,
         "fp32_bytes_per_token_check": fp32_token,
         "sizing": {"batch": args.batch, "context": args.context, "dtype": config.kv_dtype.label, "bytes": total,
@@ -389,6 +393,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     m = info["model"]
     print(f"model      {m['name']} ({m['architecture']}): {m['layers']} layers, {m['heads']} heads, "
           f"{m['kv_heads']} KV heads, head dim {m['head_dim']}, vocab {m['vocab']}")
+    print(f"weights    {m['weights']}: {m['weights_bytes'] / 2**20:.1f} MiB (--weights-dtype {weights_dtype})")
     print("bytes/token " + ", ".join(f"{k} {v:,.0f}" for k, v in per_dtype.items()) +
           f"  (block size {config.block_size}; scales included)")
     print(f"sizing     {formula}")

@@ -16,9 +16,11 @@ T_START = time.perf_counter()
 def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="a .gguf file or a HF model directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and the device tier live")
-    p.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
+    p.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16", "int8", "int4"),
                    help="dtype of the weights and of the forward pass (auto: bf16 on CUDA, fp32 on CPU; a GGUF is "
-                        "dequantized straight to it)")
+                        "dequantized straight to it); int8 / int4: linear weights and embeddings kept packed "
+                        "(int8 per row, int4 per group of 32; a Llama GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 tensors "
+                        "loaded as they are), math in fp32")
     p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "triton"),
                    help="attention backend over the paged cache: cpu reads the blocks in place (chunked online "
                         "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "

@@ -209,7 +209,7 @@ class EngineOptions:
     n_discard: int | None = None  # tokens dropped per shift; None: half of what is not kept
     keep_finished: int = 1024  # finished sequences kept for inspection before they are forgotten
     stall_steps: int = 256  # steps without progress after which the newest stuck sequence is aborted
-    weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.model.loader.resolve_weights_dtype)
+    weights_dtype: str = "auto"  # fp32, bf16, fp16; auto: bf16 on CUDA, fp32 on CPU (engine.model.loader.resolve_weights_dtype); int8 / int4: packed linear weights, fp32 math (engine/model/quant.py)
     # Attention backend (engine/attention/): reference (dense gather + SDPA), cpu (chunked, reads blocks in place),
     # triton (paged-decode kernel, CUDA); auto: triton on CUDA when triton imports, else cpu (on the CPU with
     # bf16/fp16 weights: reference, transformers' half-precision arithmetic; engine.model.llama_family.resolve_attention).
@@ -223,7 +223,7 @@ class EngineOptions:
     kv_groups: str = "auto"
     extra: dict = field(default_factory=dict)
 
-    WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16")  # not a field (no annotation): the values weights_dtype takes
+    WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4")  # not a field (no annotation): the values weights_dtype takes
     ATTENTION = ("auto", "reference", "cpu", "triton")  # not a field: the values attention takes
     CUDA_GRAPHS = ("auto", "on", "off", "static")  # not a field: the values cuda_graphs takes
     KV_GROUPS = ("auto", "off")  # not a field: the values kv_groups takes

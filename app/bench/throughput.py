@@ -42,6 +42,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from app.bench.kv_memory import cmd_bench_kv_memory
 
         return cmd_bench_kv_memory(args)
+    if getattr(args, "compare", "hf") == "llamacpp" or getattr(args, "weights_quality", False):
+        from app.bench.llamacpp import cmd_bench_llamacpp, cmd_bench_weights_quality
+
+        return cmd_bench_weights_quality(args) if args.weights_quality else cmd_bench_llamacpp(args)
     if getattr(args, "quality", False):
         from app.bench.quality import cmd_bench_quality
 
@@ -181,6 +185,7 @@ def model_weight_bytes(model) -> int:
     """Bytes of the forward pass's weights, each storage once (a tied lm_head is the embedding)."""
     seen: dict[int, int] = {}
     tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer if t is not None]
+    tensors = [p for t in tensors for p in (t.tensors() if hasattr(t, "tensors") else (t,))]  # packed: its parts
     for t in tensors:
         seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())

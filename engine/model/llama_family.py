@@ -34,7 +34,8 @@ from engine.attention import AttentionBackend, PagedBatch, PagedKV, make_backend
 from engine.attention.tier_split import TierSplit, attend_on_host, attend_split, split_by_tier
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
-from engine.model.loader import ModelSpec, resolve_weights_dtype
+from engine.model.loader import ModelSpec, resolve_weights_dtype, weights_quant
+from engine.model.quant import QuantWeight, can_quantize, describe, quantize, stack_rows
 from engine.model.moe import MoeMLP
 from engine.model.spec import LAYER_NORMS
 
@@ -228,6 +229,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     (w @ x.T) streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest
     padded to two (the one-column case takes a slow gemv path). Measured in `kvscope bench`.
     """
+    if isinstance(w, QuantWeight):  # --weights-dtype int8 / int4: the packed kernel (engine/model/quant.py)
+        return w.matmul(x)
     T = x.shape[0]
     if x.device.type != "cpu" or T > SMALL_BATCH or x.dtype != torch.float32:
         # bf16/fp16: F.linear is transformers' kernel, and w @ x.T rounds differently there (greedy drifts).
@@ -261,13 +264,16 @@ class LlamaFamily:
         self.spec = spec
         self.device = device
         self.dtype = resolve_weights_dtype(dtype, device)
+        # int8 / int4 (engine/model/quant.py): the linear weights and the embedding packed, all else fp32.
+        self.quant = weights_quant(dtype)
         self.use_attention(attention)  # after self.dtype: auto depends on it
         self._dev = torch.empty(0, device=device).device  # concrete (cuda -> cuda:0), to compare with tensors'
         w = weights
         own = self._own
         norm = self._norm_weight
-        self.embed = own(w["model.embed_tokens.weight"])
-        self.lm_head = self.embed if spec.tie_word_embeddings else own(w["lm_head.weight"])
+        packed = self._packed
+        self.embed = packed(w, "model.embed_tokens.weight")
+        self.lm_head = self.embed if spec.tie_word_embeddings else packed(w, "lm_head.weight")
         self.norm = norm(w["model.norm.weight"])
         # Gemma: embeddings x sqrt(hidden), the factor rounded to the weights dtype first (as transformers does).
         self.embed_scale = (torch.tensor(spec.embed_scale, dtype=self.dtype, device=self._dev)
@@ -297,9 +303,9 @@ class LlamaFamily:
             # else its output norm (OLMo 2); Gemma's output norms are in self.norms only. A mixture-of-experts
             # MLP (spec.moe) has no gate_up / down_proj here (None): its experts are in self.moe.
             self.layers.append(
-                (attn_in if attn_in is not None else attn_out, qkv, qkv_b, own(w[a + "o_proj.weight"]),
+                (attn_in if attn_in is not None else attn_out, qkv, qkv_b, packed(w, a + "o_proj.weight"),
                  mlp_in if mlp_in is not None else mlp_out, gate_up,
-                 None if gate_up is None else own(w[p + "mlp.down_proj.weight"]))
+                 None if gate_up is None else packed(w, p + "mlp.down_proj.weight"))
             )
             self.o_bias.append(own(w[a + "o_proj.bias"]) if spec.o_proj_bias else None)
             self.sinks.append(own(w[a + "sinks"]) if spec.attn_sinks else None)
@@ -314,6 +320,9 @@ class LlamaFamily:
             None if i in spec.nope_layers else int(local and spec.sliding_window[i] is not None)
             for i in range(spec.num_layers)]
         self.scale = spec.head_dim**-0.5 if spec.attention_multiplier is None else spec.attention_multiplier
+        # What the weights are held as: "fp32", or the packed kinds and where their values came from (quant.describe).
+        names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+        self.weights_format = describe(w) or names[self.dtype]
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe
@@ -333,6 +342,22 @@ class LlamaFamily:
         else:
             self.split_sides = (self.backend, make_backend("cpu") if self.attention == "triton" else self.backend)
 
+    def _packed(self, w: dict, name: str) -> "torch.Tensor | QuantWeight":
+        """A linear weight (or the embedding) as the forward reads it: packed when the weights dtype is int8/int4
+        (quantized here, and the dict's float entry replaced, when the loader gave a float tensor), else own()."""
+        t = w[name]
+        if not isinstance(t, QuantWeight):
+            if self.quant is None or not can_quantize(t, self.quant):
+                return self._own(t)
+            t = quantize(t, self.quant)
+        w[name] = t = t.to(self._dev)  # the dict names what the model holds: the float original can go
+        if self._dev.type == "cuda" and "embed_tokens" not in name:
+            try:  # torch's CUDA kernels take fewer layouts than the CPU's: refuse now, not at the first step
+                t.prepare_cuda()
+            except NotImplementedError as e:
+                raise ConfigError(f"weights_dtype: {name}: {e}") from None
+        return t
+
     def _fits(self, t: torch.Tensor) -> bool:
         return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()
 
@@ -350,6 +375,8 @@ class LlamaFamily:
     def _fused(self, w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor:
         """The tensors `names` stacked by rows: a view when they are consecutive rows of one buffer already."""
         parts = [w[n] for n in names]
+        if names[0].endswith(".weight") and (self.quant is not None or isinstance(parts[0], QuantWeight)):
+            return self._fused_packed(w, names)
         first = parts[0]
         rows = sum(t.shape[0] for t in parts)
         if all(self._fits(t) and t.shape[1:] == first.shape[1:] for t in parts) and all(
@@ -370,6 +397,23 @@ class LlamaFamily:
                 w[n] = fused[row: row + t.shape[0]]
                 row += t.shape[0]
         return fused
+
+    def _fused_packed(self, w: dict, names: list[str]) -> QuantWeight:
+        """_fused for int8/int4: the parts packed (quantized here where the loader gave floats), stacked by rows;
+        the dict's entries become row views of the stacked weight, so the parts are freed."""
+        parts = [self._packed(w, n) for n in names]
+        if not all(isinstance(p, QuantWeight) for p in parts):
+            parts = [p if isinstance(p, QuantWeight) else quantize(p, "int8").to(self._dev) for p in parts]
+        fused = stack_rows(parts)
+        row = 0
+        for n, p in zip(names, parts):
+            w[n] = fused.row_view(row, row + p.shape[0])
+            row += p.shape[0]
+        return fused
+
+    def embed_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] the embeddings of token ids [T] (packed weights: those rows dequantized)."""
+        return self.embed.lookup(ids) if isinstance(self.embed, QuantWeight) else self.embed[ids]
 
     # -- pieces -------------------------------------------------------------------------------
     def _norm(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -446,7 +490,7 @@ class LlamaFamily:
     def forward(self, batch: ForwardBatch, store: KVStore) -> torch.Tensor:
         s = self.spec
         H, Hkv, D = s.num_heads, s.num_kv_heads, s.head_dim
-        x = self.embed[batch.input_ids]  # [T, hidden], in the weights dtype from here on
+        x = self.embed_rows(batch.input_ids)  # [T, hidden], in the weights dtype from here on
         if s.embedding_multiplier != 1.0:
             x = x * s.embedding_multiplier
         if self.embed_scale is not None:

@@ -20,6 +20,7 @@ import torch
 
 from engine.model import gguf_cache
 from engine.model.gguf_cache import Progress
+from engine.model.quant import QUANT_KINDS
 from engine.model.spec import (SUPPORTED_ARCHITECTURES, ModelLoadError, ModelSpec, check_weights, model_eos_ids,
                                read_json, spec_from_config, unsupported)
 from engine.model.safetensors_io import read_safetensors
@@ -72,16 +73,24 @@ class LoadedModel:
 WEIGHT_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def weights_quant(name: "str | torch.dtype") -> str | None:
+    """"int8" / "int4" for a `--weights-dtype` of packed weights (engine/model/quant.py), else None."""
+    return name if isinstance(name, str) and name in QUANT_KINDS else None
+
+
 def resolve_weights_dtype(name: "str | torch.dtype", device: "str | torch.device" = "cpu") -> torch.dtype:
-    """The torch dtype for a `--weights-dtype` value: `auto` is bf16 on CUDA and fp32 on CPU."""
+    """The torch dtype for a `--weights-dtype` value: `auto` is bf16 on CUDA and fp32 on CPU; int8 / int4 (packed
+    linear weights) compute in fp32, and their other tensors (norms, biases) are fp32."""
     if isinstance(name, torch.dtype):
         if name not in WEIGHT_DTYPES.values():
             raise ValueError(f"weights dtype {name} is not one of {', '.join(map(str, WEIGHT_DTYPES.values()))}")
         return name
+    if weights_quant(name):
+        return torch.float32
     if name == "auto":
         return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if name not in WEIGHT_DTYPES:
-        raise ValueError(f"weights dtype {name!r} is not one of auto, {', '.join(WEIGHT_DTYPES)}")
+        raise ValueError(f"weights dtype {name!r} is not one of auto, {', '.join((*WEIGHT_DTYPES, *QUANT_KINDS))}")
     return WEIGHT_DTYPES[name]
 
 
@@ -116,14 +125,19 @@ def load_model(path: str | None = None, progress: Progress | None = None,
 
     Weights come in `dtype` (a GGUF's float32 conversion is cast tensor by tensor, never held whole in both
     dtypes) and live on `device` (on CUDA each tensor passes through a CPU buffer of its own size only).
+    dtype "int8" / "int4": the linear weights and embeddings packed (engine/model/quant.py): a Llama GGUF's
+    quantized tensors straight from the file (engine/model/gguf_direct.py), anything else quantized tensor by
+    tensor as it is read.
     """
+    quant = weights_quant(dtype)
     dtype = resolve_weights_dtype(dtype, device)
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("device cuda requested but torch sees no CUDA device")
     source = _resolve(path)
 
     def load(directory: str) -> LoadedModel:
-        return _load_hf_dir(directory, source, _name_of(source), dtype, torch.device(device))
+        gguf = source if quant and not os.path.isdir(source) else None
+        return _load_hf_dir(directory, source, _name_of(source), dtype, torch.device(device), quant, gguf)
 
     if os.path.isdir(source):
         return load(source)
@@ -177,7 +191,8 @@ def _name_of(source: str) -> str:
 
 
 def _load_hf_dir(directory: str, source: str, name: str, dtype: torch.dtype = torch.float32,
-                 device: torch.device = torch.device("cpu")) -> LoadedModel:
+                 device: torch.device = torch.device("cpu"), quant: str | None = None,
+                 gguf: str | None = None) -> LoadedModel:
     for f in os.listdir(directory):  # what the loader may open must be a regular file (or a link to one)
         if f.endswith((".json", ".jinja", ".safetensors")) and not os.path.isfile(os.path.join(directory, f)):
             raise ModelLoadError(f"{os.path.join(directory, f)}: not a regular file (a FIFO, a device or a directory)")
@@ -188,7 +203,12 @@ def _load_hf_dir(directory: str, source: str, name: str, dtype: torch.dtype = to
     architectures = config.get("architectures") or ["<none>"]
     if architectures[0] not in SUPPORTED_ARCHITECTURES:
         raise unsupported(architectures[0], directory)
-    weights = read_safetensors(directory, dtype, device)
+    from engine.model import gguf_direct
+
+    if gguf is not None and gguf_direct.supported(config):  # packed tensors straight from the GGUF
+        weights = gguf_direct.read_gguf(gguf, config, quant, device)
+    else:
+        weights = read_safetensors(directory, dtype, device, quant)
     try:
         tokenizer = Tokenizer(directory, model_eos_ids(directory, config))
     except Exception as e:  # tokenizers raises plain Exception subclasses for malformed json

@@ -15,11 +15,21 @@ from typing import BinaryIO
 
 import torch
 
+from engine.model.quant import can_quantize, quantize
 from engine.model.spec import ModelLoadError, read_json
 
 
+# The weights `--weights-dtype int8|int4` packs as they are read (the forward's linear weights and embeddings).
+PACKED_SUFFIXES = tuple(f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                 "down_proj", "embed_tokens", "lm_head"))
+_PACKED = {s.split(".")[0] for s in PACKED_SUFFIXES}  # whole names: Phi-3's fused qkv_proj is not a v_proj
+
+
 def read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
-                      device: torch.device = torch.device("cpu")) -> dict[str, torch.Tensor]:
+                      device: torch.device = torch.device("cpu"), quant: str | None = None) -> dict:
+    """Every tensor of the directory's safetensors, in `dtype` on `device`. quant ("int8" / "int4"): the 2-D
+    PACKED_SUFFIXES weights are each read into a buffer of their own size and packed at once
+    (engine/model/quant.py), so the model never exists in float whole."""
     index_path = os.path.join(directory, "model.safetensors.index.json")
     if os.path.isfile(index_path):
         weight_map = read_json(index_path).get("weight_map") or {}
@@ -38,7 +48,9 @@ def read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
     for file in files:  # every header first: fusing plans across shards; a later shard's name wins, as before
         path = os.path.join(directory, file)
         entries |= {e.name: e for e in _safetensors_entries(path)}
-    weights = _allocate(entries, dtype, device)
+    packed = {n for n, e in entries.items()
+              if quant and n.endswith(PACKED_SUFFIXES) and n.split(".")[-2] in _PACKED and len(e.shape) == 2}
+    weights = _allocate({n: e for n, e in entries.items() if n not in packed}, dtype, device)
     by_file: dict[str, list[_Entry]] = {}
     for e in entries.values():
         by_file.setdefault(e.path, []).append(e)
@@ -46,6 +58,12 @@ def read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
         try:
             with open(path, "rb", buffering=0) as f:
                 for e in sorted(file_entries, key=lambda e: e.start):  # in file order: sequential reads
+                    if e.name in packed:
+                        buf = torch.empty(e.shape, dtype=torch.float32)
+                        _read_into(f, e, buf)
+                        weights[e.name] = quantize(buf, quant if can_quantize(buf, quant) else "int8").to(device)
+                        del buf
+                        continue
                     _read_into(f, e, weights[e.name])
         except OSError as e:
             raise ModelLoadError(f"corrupt or unreadable safetensors file {path}: {e}") from None

@@ -107,10 +107,15 @@ def peak_bandwidth(device: torch.device, model=None) -> tuple[float, str]:
     return bps, how
 
 
+def _flat(items: list) -> list:
+    """Packed weights (engine/model/quant.py) as their tensors (packed values, scales, zeros)."""
+    return [t for item in items for t in (item.tensors() if hasattr(item, "tensors") else (item,))]
+
+
 def _weight_tensors(model) -> list[torch.Tensor]:
     """The forward pass's weight tensors on the CPU, each storage once (a tied lm_head is the embedding)."""
     seen: dict[int, torch.Tensor] = {}
-    tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer]
+    tensors = _flat([model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer])
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == "cpu":
             seen.setdefault(t.untyped_storage().data_ptr(), t)
@@ -120,7 +125,7 @@ def _weight_tensors(model) -> list[torch.Tensor]:
 def weight_bytes(model) -> int:
     """Bytes of the forward pass's weights, each storage once (a tied lm_head is the embedding)."""
     seen: dict[int, int] = {}
-    tensors = [model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer]
+    tensors = _flat([model.embed, model.lm_head, model.norm] + [t for layer in model.layers for t in layer])
     for t in tensors:
         if isinstance(t, torch.Tensor):
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()

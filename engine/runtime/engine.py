@@ -475,7 +475,8 @@ class Engine:
                            context_limit=self.context_limit, waiting=len(self.waiting), running=len(self.running),
                            key_errors=self.runner.errors, shadow=self.shadow.last,
                            stream_staging_bytes=self.runner.stream.nbytes(), groups=self.kv.snapshot_groups(),
-                           cache_config=self.config, self_checks=self.runner.checks.summary())
+                           cache_config=self.config, self_checks=self.runner.checks.summary(),
+                           weights=self.model.weights_format)
 
     def check_health(self) -> dict:
         """The ref-count leak check, now (engine/telemetry/health.py): the tables and counts are copied under the lock

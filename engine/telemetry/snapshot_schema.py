@@ -191,8 +191,8 @@ def _kv_groups(x: Any, tiers: tuple[TierSnapshot, ...], block_size: int, model: 
 def _model(x: Any) -> dict:
     m = _obj(x, "model", ("name", "device", "layers", "kv_heads", "head_dim"))
     out = _rest(m, "model", ("name", "device", "architecture", "layers", "heads", "kv_heads", "head_dim",
-                             "context_limit"))
-    for k in ("name", "device", "architecture"):
+                             "context_limit", "weights"))
+    for k in ("name", "device", "architecture", "weights"):
         if k in m:
             out[k] = _str(m[k], f"model.{k}")
     for k in ("layers", "heads", "kv_heads", "head_dim", "context_limit"):

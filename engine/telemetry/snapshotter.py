@@ -132,6 +132,7 @@ class EngineState:
     groups: tuple = ()
     cache_config: "CacheConfig | None" = None  # the engine's (with groups each pool has its share of the budgets)
     self_checks: dict = field(default_factory=dict)  # SelfChecks.summary() (engine/runtime/self_check.py)
+    weights: str = ""  # what the weights are held as (LlamaFamily.weights_format: "fp32", "int4+int8 (Q4_1 x210, ...)")
 
     @property
     def config(self) -> "CacheConfig":
@@ -326,7 +327,7 @@ class Telemetry:
         spec = e.spec
         model = {"name": spec.name, "architecture": spec.architecture, "layers": spec.num_layers,
                  "heads": spec.num_heads, "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-                 "device": e.device, "context_limit": e.context_limit}
+                 "device": e.device, "context_limit": e.context_limit, "weights": e.weights}
         config = e.config.as_dict()
         self._config_seen = {k: str(v) for k, v in config.items()}
         steps = max(self.counters.steps, 1)

@@ -1,0 +1,162 @@
+"""`kvscope bench --compare llamacpp`: KV Scope and llama.cpp (llama-cpp-python, an optional extra: `pip install
+kvscope[llamacpp]`, compiled from source) on the same GGUF, prompt and machine, in one run.
+
+llama.cpp runs one sequence (2 threads, greedy), KV Scope one (batch 1) and then --batch of them (batch 8), with
+the engine's --weights-dtype (int4 keeps the GGUF's own quantized blocks: engine/model/gguf_direct.py). Printed:
+tok/s of each, decode tok/s (tokens after the first over the time after it), prefill time, and the ratios the
+issue sets (batch-1 decode vs llama.cpp's, batch-8 tok/s vs llama.cpp's single sequence), with the load average.
+
+`kvscope bench --weights-quality`: greedy agreement and KL divergence of int8 / int4 weights against the fp32
+weights on the bench prompts (teacher-forced: the fp32 run's tokens fed to each, engine/lab/quality.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from app.bench.prompts import bench_prompts
+from app.commands import open_engine
+
+LLAMA_THREADS = 2
+
+
+def _load() -> str:
+    return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
+
+
+def llamacpp_run(path: str, prompt: list[int], n: int, threads: int = LLAMA_THREADS) -> dict:
+    """One greedy sequence through llama-cpp-python: prefill seconds, total seconds, decode tok/s, tokens."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + n + 16,
+                n_batch=512, verbose=False)
+
+    def run(p: list[int], k: int) -> tuple[list[int], float, float]:
+        llm.reset()
+        out: list[int] = []
+        t0 = time.perf_counter()
+        first = t0
+        for tok in llm.generate(p, temp=0.0, top_k=1, reset=True):
+            if not out:
+                first = time.perf_counter()
+            out.append(int(tok))
+            if len(out) == k:
+                break
+        return out, first - t0, time.perf_counter() - t0
+
+    run(prompt[:32], 4)  # warm-up
+    out, ttft, total = run(prompt, n)
+    return {"tokens": out, "ttft_s": ttft, "total_s": total, "tok_s": n / total,
+            "decode_tok_s": (n - 1) / (total - ttft), "threads": threads}
+
+
+def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:
+        print(f"kvscope bench --compare llamacpp: llama_cpp does not import ({type(e).__name__}: {e}); install "
+              "llama-cpp-python (pip install 'kvscope[llamacpp]', compiled from source)", file=sys.stderr)
+        return 2
+    import torch
+
+    from engine.model.loader import _resolve
+    from engine.sequence import SamplingParams
+
+    path = _resolve(args.model)
+    if not path.lower().endswith(".gguf"):
+        print(f"kvscope bench --compare llamacpp: {path} is not a .gguf file (llama.cpp reads GGUF only)",
+              file=sys.stderr)
+        return 2
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    engine, _ = open_engine(args)
+    P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
+    one = bench_prompts(engine.tokenizer, 1, P)[0]
+    many = bench_prompts(engine.tokenizer, B, P)[::-1]
+
+    def eng_run(ps: list[list[int]], n: int):
+        engine.reset_prefix_cache()
+        t = time.perf_counter()
+        out = engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
+        return out, time.perf_counter() - t
+
+    say(f"[bench] warm-up; {_load()}")
+    eng_run([one[:32]], 4)
+    say(f"[bench] llama.cpp: 1 x ({P} prompt + {N} new), {LLAMA_THREADS} threads; {_load()}")
+    lc = llamacpp_run(path, one, N)
+    say(f"[bench] KV Scope ({engine.model.weights_format}): 1 x ({P} + {N}); {_load()}")
+    e_out, e_s = eng_run([one], N)
+    e_ttft = engine.seqs[max(engine.seqs)].ttft
+    say(f"[bench] KV Scope: {B} x ({P} + {M}); {_load()}")
+    _, eb_s = eng_run(many, M)
+    e1 = {"tok_s": N / e_s, "decode_tok_s": (N - 1) / (e_s - e_ttft), "ttft_s": e_ttft, "total_s": e_s}
+    prefix = next((i for i, (a, b) in enumerate(zip(e_out[0], lc["tokens"])) if a != b), min(len(e_out[0]), N))
+    res = {
+        "model": engine.spec.name, "gguf": path, "weights_format": engine.model.weights_format,
+        "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+        "llamacpp": {k: v for k, v in lc.items() if k != "tokens"},
+        "batch1": e1, "batch": {"requests": B, "new_tokens": M, "tok_s": B * M / eb_s, "total_s": eb_s},
+        "identical_prefix_vs_llamacpp": prefix,
+        "ratios": {"batch1_decode_vs_llamacpp": e1["decode_tok_s"] / lc["decode_tok_s"],
+                   "batch1_end_to_end_vs_llamacpp": e1["tok_s"] / lc["tok_s"],
+                   "batch_vs_llamacpp_single": (B * M / eb_s) / lc["tok_s"],
+                   "prefill_vs_llamacpp": e_ttft / lc["ttft_s"]},
+    }
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    r = res["ratios"]
+    print(f"model {res['model']} ({res['weights_format']}), {res['torch_threads']} torch threads, "
+          f"llama.cpp {LLAMA_THREADS} threads, {_load()}")
+    print(f"(a) 1 x ({P} prompt + {N} new): KV Scope {e1['tok_s']:.1f} tok/s (decode {e1['decode_tok_s']:.1f}, "
+          f"prefill {1000 * e_ttft:.0f} ms) | llama.cpp {lc['tok_s']:.1f} tok/s (decode {lc['decode_tok_s']:.1f}, "
+          f"prefill {1000 * lc['ttft_s']:.0f} ms) | decode ratio {r['batch1_decode_vs_llamacpp']:.2f}x "
+          f"(goal >= 0.8x), identical greedy prefix {prefix}/{N}")
+    print(f"(b) {B} x ({P} + {M}): KV Scope {res['batch']['tok_s']:.1f} tok/s = "
+          f"{r['batch_vs_llamacpp_single']:.2f}x llama.cpp's single sequence (goal >= 2x)")
+    return 0
+
+
+def cmd_bench_weights_quality(args: argparse.Namespace) -> int:
+    """int8 / int4 weights against fp32 weights, KV fp32 throughout."""
+    from engine.config import CacheConfig, EngineOptions
+    from engine.lab.quality import compare, run_forced
+    from engine.model.loader import load_model
+    from engine.runtime.engine import Engine
+    from engine.sequence import SamplingParams
+
+    say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    n, count = args.quality_tokens, args.quality_prompts
+    base = load_model(args.model, dtype="fp32")
+    big = dict(device_budget_mb=512.0, host_budget_mb=0.0)
+
+    def engine(loaded, dtype: str) -> Engine:
+        return Engine(loaded, CacheConfig(**big), EngineOptions(weights_dtype=dtype, attention=args.attention or "auto"))
+
+    ref_engine = engine(base, "fp32")
+    ps = bench_prompts(ref_engine.tokenizer, count, args.prompt_tokens)
+    say(f"[bench] weights quality: {count} prompts x ({args.prompt_tokens} + {n} new tokens), fp32 weights as the "
+        f"reference; {_load()}")
+    sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+    reference_tokens = ref_engine.generate(ps, sp)
+    ref = run_forced(engine(base, "fp32"), ps, reference_tokens)
+    rows = []
+    for kind in ("int8", "int4"):
+        loaded = load_model(args.model, dtype=kind)
+        eng = engine(loaded, kind)
+        got = run_forced(eng, ps, reference_tokens)
+        free = engine(loaded, kind).generate(ps, sp)
+        r = compare(kind, ref, got, free, reference_tokens)
+        greedy = sum(a == b for f, t in zip(free, reference_tokens) for a, b in zip(f, t)) / (count * n)
+        rows.append({"weights": kind, "format": eng.model.weights_format, "kld": r.kld, "kld_p99": r.kld_p99,
+                     "top1": r.top1, "greedy_agreement": greedy, "max_logit_err": r.max_logit_err,
+                     "identical_prefix": r.identical_prefix, "tokens": r.tokens})
+        say(f"  {kind} [{eng.model.weights_format}]: KLD {r.kld:.5f} (p99 {r.kld_p99:.4f})  top-1 (forced) "
+            f"{100 * r.top1:.2f} %  greedy agreement (free-running, position by position) {100 * greedy:.2f} %  "
+            f"identical prefix {r.identical_prefix}")
+    if args.json:
+        print(json.dumps({"model": ref_engine.spec.name, "prompts": count, "new_tokens": n, "rows": rows}))
+    return 0
