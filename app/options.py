@@ -19,8 +19,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-dtype", default="auto", choices=("auto", "fp32", "bf16", "fp16"),
                    help="dtype of the weights and of the forward pass (auto: bf16 on CUDA, fp32 on CPU; a GGUF is "
                         "dequantized straight to it)")
-    p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "triton"),
-                   help="attention backend over the paged cache: cpu reads the blocks in place (chunked online "
+    p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "chunked", "triton"),
+                   help="attention backend over the paged cache: cpu reads the blocks in place (a numba-compiled "
+                        "loop when numba imports, else chunked), chunked the torch path (gathered chunks, online "
                         "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "
                         "SDPA; auto: triton on CUDA when it imports, else cpu (reference for bf16/fp16 weights on the CPU, "
                         "which match transformers in that dtype)")
