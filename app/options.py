@@ -21,8 +21,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "dequantized straight to it); int8 / int4: linear weights and embeddings kept packed "
                         "(int8 per row, int4 per group of 32; a Llama GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 tensors "
                         "loaded as they are), math in fp32")
-    p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "triton"),
-                   help="attention backend over the paged cache: cpu reads the blocks in place (chunked online "
+    p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "chunked", "triton"),
+                   help="attention backend over the paged cache: cpu reads the blocks in place (a numba-compiled "
+                        "loop when numba imports, else chunked), chunked the torch path (gathered chunks, online "
                         "softmax, any device), triton a paged-decode kernel (CUDA), reference the dense gather + "
                         "SDPA; auto: triton on CUDA when it imports, else cpu (reference for bf16/fp16 weights on the CPU, "
                         "which match transformers in that dtype)")

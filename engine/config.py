@@ -224,7 +224,7 @@ class EngineOptions:
     extra: dict = field(default_factory=dict)
 
     WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4")  # not a field (no annotation): the values weights_dtype takes
-    ATTENTION = ("auto", "reference", "cpu", "triton")  # not a field: the values attention takes
+    ATTENTION = ("auto", "reference", "cpu", "chunked", "triton")  # not a field: the values attention takes
     CUDA_GRAPHS = ("auto", "on", "off", "static")  # not a field: the values cuda_graphs takes
     KV_GROUPS = ("auto", "off")  # not a field: the values kv_groups takes
 

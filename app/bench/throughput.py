@@ -224,7 +224,10 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
         config = config.replace(device_budget_mb=float(np.ceil(need_mb)))
     engine = Engine(model, config, options)
     ps = bench_prompts(engine.tokenizer, B, ctx)
-    say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention, {engine.config.summary()}")
+    backend = engine.model.backend.name if engine.model.backend is not None else "reference"
+    check = engine.runner.checks.summary()["attention"]
+    say(f"[bench] long context: {B} x {ctx} tokens, {engine.model.attention} attention ({backend} backend; self-check "
+        f"{check['state']}{': ' + check['message'] if 'message' in check else ''}), {engine.config.summary()}")
     t0 = time.perf_counter()
     # First token, a warm-up step, the timed steps and 3 profiled ones; no sequence finishes before the end.
     # Sequences prefilled first decode while the others prefill (a chunk of max_batched_tokens a step): room for
@@ -255,6 +258,7 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     floor = (weights + kv_read) / bw
     step_s = float(np.median(times))
     res = {"sequences": B, "context_tokens": ctx, "attention": engine.model.attention, "device": args.device,
+           "attention_backend": engine.model.backend.name if engine.model.backend is not None else "reference",
            "model": s.name, "weights_dtype": str(engine.model.dtype).replace("torch.", ""),
            "config": engine.config.as_dict(), "torch_threads": torch.get_num_threads(), "prefill_s": prefill_s,
            "decode_steps": steps, "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
@@ -293,7 +297,8 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
         print(json.dumps(res))
         return 0
     print(f"model {res['model']} ({res['weights_dtype']}) on {res['device']}, {res['torch_threads']} threads, "
-          f"{res['attention']} attention, {res['sequences']} x {res['context_tokens']} tokens of context")
+          f"{res['attention']} attention ({res['attention_backend']} backend), {res['sequences']} x "
+          f"{res['context_tokens']} tokens of context")
     print(f"decode step: median {res['step_ms_median']:.1f} ms (forward {res['forward_ms_median']:.1f} ms, min "
           f"{res['step_ms_min']:.1f} ms) | memory floor {res['floor_ms']:.1f} ms = ({res['weights_bytes'] / 1e6:.0f} MB "
           f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy | "

@@ -2,12 +2,16 @@
 
 A backend reads one tier's K/V where the pool keeps them (`PagedKV`: the codec parts, see engine/kv/codecs.py)
 through a block table, and returns the attention output. Three backends, checked against each other on every
-block size and storage format (tests/attention/test_paged_attention.py):
+block size and storage format (tests/attention/test_paged_attention.py, test_numba_paged.py):
 
 | name        | module          | how                                                                        |
 |-------------|-----------------|----------------------------------------------------------------------------|
 | `reference` | `reference.py`  | today's model path: codec.decode of the whole table, permute, SDPA + mask  |
-| `cpu`       | `cpu_paged.py`  | torch ops in chunks of blocks, gathered head-major (no permute copy),      |
+| `cpu`       | `numba_paged.py` | `numba` when numba imports (else `chunked`): a compiled loop per          |
+|             |                 | (sequence, kv head) reading each block's K/V bytes once in place,          |
+|             |                 | dequantized in a block buffer, online softmax; CPU prefill and CUDA        |
+|             |                 | tensors go to `chunked`                                                    |
+| `chunked`   | `cpu_paged.py`  | torch ops in chunks of blocks, gathered head-major (no permute copy),      |
 |             |                 | dequantized per chunk, online softmax; runs on any device                  |
 | `triton`    | `triton_paged.py` | a paged-decode kernel: one program per (sequence, kv head), K/V          |
 |             |                 | dequantized in registers; prefill falls back to the `cpu` path             |
@@ -49,12 +53,21 @@ __all__ = ["AttentionBackend", "DecodeAsPrefill", "KVFormat", "PagedBatch", "Pag
 
 
 def make_backend(name: str, **options) -> AttentionBackend:
-    """'reference', 'cpu' or 'triton' (imports triton only when asked for)."""
+    """'reference', 'cpu', 'chunked' or 'triton' (imports triton only when asked for).
+
+    cpu: the numba loop (`numba`, numba_paged.py) when numba imports, else the chunked torch path; chunked: always
+    the chunked torch path (cpu_paged.py), the numba backend's fallback when its self-check fails."""
     if name == "reference":
         from engine.attention.reference import ReferenceBackend
 
         return ReferenceBackend(**options)
     if name == "cpu":
+        from engine.attention import numba_paged
+
+        if numba_paged.available():
+            return numba_paged.NumbaPagedBackend(**options)
+        name = "chunked"
+    if name == "chunked":
         from engine.attention.cpu_paged import ChunkedPagedBackend
 
         return ChunkedPagedBackend(**options)
@@ -62,4 +75,4 @@ def make_backend(name: str, **options) -> AttentionBackend:
         from engine.attention.triton_paged import TritonPagedBackend
 
         return TritonPagedBackend(**options)
-    raise ValueError(f"attention backend {name!r}: choose reference, cpu or triton")
+    raise ValueError(f"attention backend {name!r}: choose reference, cpu, chunked or triton")

@@ -59,7 +59,7 @@ class ChunkedPagedBackend(DecodeAsPrefill):
     running max and sum give the lse that host_reads="compute" merges by: SDPA does not return it).
     """
 
-    name = "cpu"
+    name = "chunked"
 
     def __init__(self, chunk_elems: int = 1 << 20, dense_prefill: bool = True):
         self.chunk_elems = chunk_elems

@@ -2,8 +2,8 @@
 
 | feature     | the accelerated path                         | checked                                                | on a mismatch or an exception, from then on        |
 |-------------|----------------------------------------------|--------------------------------------------------------|----------------------------------------------------|
-| `attention` | the paged backend (`triton` on CUDA, `cpu`)  | at start-up and after a KV-format or block-size change, | the reference path (gather + SDPA)                 |
-|             |                                              | on a scratch sequence (engine/attention/check.py)      |                                                    |
+| `attention` | the paged backend (`triton` on CUDA, `cpu`)  | at start-up and after a KV-format or block-size change, | the reference path (gather + SDPA); the `numba`    |
+|             |                                              | on a scratch sequence (engine/attention/check.py)      | CPU loop: the `chunked` torch path, if it passes   |
 | `graphs`    | a captured CUDA-graph bucket (on the CPU:    | its first replay, against the same step run eagerly    | eager decode (DecodeGraphs.fallback); that step's  |
 |             | `--cuda-graphs static`, the same buffers)    | over the same buffers (logits)                         | logits are the eager ones                          |
 | `migration` | tier copies (on CUDA on the side stream)     | a pool's first copy: every byte of the destination     | synchronous copies; that copy redone so            |
@@ -125,13 +125,20 @@ _CHECKED: dict[tuple, Verdict] = {}  # per process: (backend class, format, geom
 
 
 def attention_path(name: str) -> str:
-    return {"triton": "triton paged decode", "cpu": "cpu paged attention"}.get(name, f"{name} attention")
+    return {"triton": "triton paged decode", "numba": "numba paged decode", "chunked": "cpu paged attention",
+            "cpu": "cpu paged attention"}.get(name, f"{name} attention")
+
+
+# A backend's fallback when its check fails, before the reference path: the compiled CPU loop falls back to the
+# chunked torch path (itself checked then).
+_FALLBACK = {"numba": "chunked"}
 
 
 def check_attention(model, block_size: int, kv_dtype) -> Verdict | None:
     """The model's paged backend against the reference on a scratch sequence of this block size and format (None:
     the model runs the reference path, or this variant was checked already in this process). A failure switches
-    the model to the reference path."""
+    the model to the backend's fallback when it has one that passes its own check (numba -> chunked), else to the
+    reference path."""
     from engine.attention.check import check_backend
 
     backend = model.backend
@@ -140,11 +147,13 @@ def check_attention(model, block_size: int, kv_dtype) -> Verdict | None:
     spec = model.spec
     windows = tuple(sorted({w for w in spec.sliding_window if w}))
     sinks = any(s is not None for s in model.sinks)
-    key = (type(backend), getattr(backend, "name", ""), kv_dtype, block_size, spec.num_heads, spec.num_kv_heads,
+    name = getattr(backend, "name", type(backend).__name__)
+    key = (type(backend), name, kv_dtype, block_size, spec.num_heads, spec.num_kv_heads,
            spec.head_dim, str(model.device), model.dtype, windows, sinks)
     if key in _CHECKED and _CHECKED[key].ok:
         return None
-    path = attention_path(getattr(backend, "name", type(backend).__name__))
+    path = attention_path(name)
+    compiled = dict(getattr(backend, "compile_seconds", None) or {})
     t0 = time.perf_counter()
     try:
         r = check_backend(backend, kv_dtype, block_size, spec.num_heads, spec.num_kv_heads, spec.head_dim,
@@ -156,8 +165,22 @@ def check_attention(model, block_size: int, kv_dtype) -> Verdict | None:
         ok, detail = False, f"{why(e)}; {kv_dtype.label} KV, block size {block_size}"
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
-    v = Verdict("attention", path, ok, detail, "" if ok else REFERENCE, time.perf_counter() - t0)
-    _CHECKED[key] = v
-    if not ok:
+    seconds = time.perf_counter() - t0
+    new = {k: s for k, s in (getattr(backend, "compile_seconds", None) or {}).items() if k not in compiled}
+    if new:  # a compiled backend's first call of a variant: compiled, or loaded from its cache
+        detail += "; first call (compile or cache load) " + ", ".join(f"{k} data {s:.1f} s" for k, s in new.items())
+    fallback = REFERENCE
+    if not ok and name in _FALLBACK:
+        try:
+            model.use_attention(_FALLBACK[name])
+        except Exception:  # noqa: BLE001 - the fallback cannot run this model: the reference path
+            model.use_attention("reference")
+        else:
+            check_attention(model, block_size, kv_dtype)  # the fallback's own check (on a failure: the reference)
+            if model.backend is not None:
+                fallback = attention_path(model.backend.name)
+    elif not ok:
         model.use_attention("reference")
+    v = Verdict("attention", path, ok, detail, "" if ok else fallback, seconds)
+    _CHECKED[key] = v
     return v

@@ -52,16 +52,18 @@ def test_option_is_checked_and_each_backend_is_selectable(llama_model):
     from engine.model.llama_family import resolve_attention
 
     EngineOptions(attention="cpu").validate()
-    with pytest.raises(ConfigError, match="attention: 'flash' is not one of auto, reference, cpu, triton"):
+    with pytest.raises(ConfigError, match="attention: 'flash' is not one of auto, reference, cpu, chunked, triton"):
         EngineOptions(attention="flash").validate()
     assert resolve_attention("auto", "cpu") == "cpu"
     small = CacheConfig(device_budget_mb=1, host_budget_mb=0)
     assert Engine(llama_model, small).model.attention == "cpu"  # the default: auto, on the CPU
-    for name in BACKENDS:
+    for name in BACKENDS + ("chunked",):
         eng = Engine(llama_model, small, EngineOptions(attention=name))
         assert eng.model.attention == name
-        # reference: the model's inline gather + SDPA, no backend object; the others: the backend by that name
-        assert eng.model.backend is None if name == "reference" else eng.model.backend.name == name
+        # reference: the model's inline gather + SDPA, no backend object; cpu: the numba loop (numba is a
+        # dependency; without it the chunked path, tests/attention/test_numba_paged.py); chunked: the torch path
+        assert eng.model.backend is None if name == "reference" else \
+            eng.model.backend.name == {"cpu": "numba"}.get(name, name)
     if os.environ.get("TRITON_INTERPRET") != "1":
         with pytest.raises(ConfigError, match="'triton' needs a CUDA device"):
             Engine(llama_model, small, EngineOptions(attention="triton"))

@@ -131,7 +131,7 @@ SPLIT_CASES = [Case(d, bs, v) for d in DTYPES for bs in (1, 7, 16) for v in ("ca
 @pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
 def test_split_attention_equals_the_unsplit_reference(case):
     """Decode (Q = 1) and a prefill chunk (Q = 3), GQA and MHA, windows, explicit positions, every storage format:
-    the cpu and reference partials merged equal the reference over the whole table."""
+    the chunked, numba (cpu) and reference partials merged equal the reference over the whole table."""
     ref = make_backend("reference")
     for q_len in (1, 3):
         q, kv, pb, whole_kv, whole, window, scale = split_case(case, q_len)
@@ -139,8 +139,8 @@ def test_split_attention_equals_the_unsplit_reference(case):
         assert split.host.block_table.shape[1] == int(pb.on_host.any(0).sum())  # host columns only
         assert split.device is not None  # row 1 has only device blocks
         want = ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window)
-        for name in ("cpu", "reference"):
-            be = make_backend(name, **({"chunk_elems": 1} if name == "cpu" else {}))  # one block per chunk
+        for name in ("chunked", "cpu", "reference"):
+            be = make_backend(name, **({"chunk_elems": 1} if name == "chunked" else {}))  # one block per chunk
             got = attend_split(be, be, q, 1, kv, split, scale=scale, window=window)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{case.id} {name} Q={q_len}: {m}")
@@ -158,8 +158,8 @@ def test_split_attention_with_sinks_equals_the_unsplit_reference(case):
         split = split_by_tier(pb, case.bs)
         want = ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window, sinks=sinks)
         assert (want - ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window)).abs().max() > 1e-3
-        for name in ("cpu", "reference"):
-            be = make_backend(name, **({"chunk_elems": 1} if name == "cpu" else {}))
+        for name in ("chunked", "cpu", "reference"):
+            be = make_backend(name, **({"chunk_elems": 1} if name == "chunked" else {}))
             got = attend_split(be, be, q, 1, kv, split, scale=scale, window=window, sinks=sinks)
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"{case.id} {name} Q={q_len}: {m}")
@@ -180,10 +180,10 @@ def test_add_sinks_is_one_more_term_of_the_softmax():
 
 def test_partials_of_rows_with_no_visible_key_are_zero_and_minus_infinity():
     """A side that holds none of a row's visible keys (here: every query before every key) returns out 0 and lse
-    -inf, from the cpu, reference and (through _merge_splits) triton paths alike."""
+    -inf, from the chunked, numba (cpu), reference and (through _merge_splits) triton paths alike."""
     q, kv, batch, window, scale = build(Case(KVDtype.INT8, 7, "key_pos"))
     blind = PagedBatch(batch.block_table, batch.context_lens, torch.full_like(batch.q_pos, -100), batch.key_pos)
-    for name in ("cpu", "reference"):
+    for name in ("chunked", "cpu", "reference"):
         o, lse = make_backend(name).partial(q[:, None], 1, kv, blind, scale=scale, window=window)
         assert (o == 0).all() and (lse == float("-inf")).all(), name
     o, lse = make_backend("cpu").partial(q[:, None], 1, kv, batch, scale=scale, window=window)

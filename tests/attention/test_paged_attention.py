@@ -240,13 +240,13 @@ def test_formats_cover_every_dtype():
         make_backend("flash")
 
 
-# -- the CPU path --------------------------------------------------------------------------------------
+# -- the CPU path (chunked; the numba loop, `cpu`, on the same cases: test_numba_paged.py) ----------------
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
 def test_cpu_decode_matches_reference(case):
     q, kv, batch, window, scale = build(case)
     want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window)
-    got = make_backend("cpu", **case.cpu).decode(q, 1, kv, batch, scale=scale, window=window)
+    got = make_backend("chunked", **case.cpu).decode(q, 1, kv, batch, scale=scale, window=window)
     assert_close(got, want, case.id)
 
 
@@ -263,15 +263,16 @@ def test_cpu_prefill_matches_reference(case):
     q_pos = idx if batch.key_pos is None else batch.key_pos.gather(1, idx)  # each query sees its own key
     pre = PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos)
     want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window)
-    got = make_backend("cpu", **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window)
+    got = make_backend("chunked", **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window)
     assert_close(got, want, case.id)
     if case.bs == 7 and case.dtype is KVDtype.INT8_DELTA:
         assert_close(want, naive(q, kv, pre, window, scale), "reference prefill vs the rule")
 
 
-def test_cpu_keeps_the_query_dtype():
+@pytest.mark.parametrize("name", ["chunked", "cpu"])
+def test_cpu_keeps_the_query_dtype(name):
     q, kv, batch, window, scale = build(Case(KVDtype.FP16, 16, "causal"))
-    got = make_backend("cpu").decode(q.half(), 1, kv, batch, scale=scale)
+    got = make_backend(name).decode(q.half(), 1, kv, batch, scale=scale)
     want = make_backend("reference").decode(q.half(), 1, kv, batch, scale=scale)
     assert got.dtype == want.dtype == torch.float16
     torch.testing.assert_close(got, want, atol=2e-3, rtol=2e-3)
@@ -315,7 +316,7 @@ def test_cpu_decode_with_sinks_matches_reference(case):
     q, kv, batch, window, scale = build(case)
     sinks = sinks_for(case)
     want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
-    got = make_backend("cpu", **case.cpu).decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
+    got = make_backend("chunked", **case.cpu).decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
     assert_close(got, want, case.id)
 
 
@@ -332,7 +333,7 @@ def test_cpu_prefill_with_sinks_matches_reference(case):
     pre = PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos)
     sinks = sinks_for(case)
     want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
-    got = make_backend("cpu", **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
+    got = make_backend("chunked", **case.cpu).prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
     assert_close(got, want, case.id)
     if case.bs == 7:
         assert_close(want, naive(q, kv, pre, window, scale, sinks=sinks), "reference prefill vs the rule")

@@ -1,5 +1,5 @@
 """Self-checks at first use (engine/runtime/self_check.py), run here through the CPU forms of the accelerated paths:
-the `cpu` paged backend, `--cuda-graphs static`, tier copies and host blocks streamed a layer ahead. Each fault is
+the `chunked` paged backend (the `numba` one's fallback: tests/attention/test_numba_paged.py), `--cuda-graphs static`, tier copies and host blocks streamed a layer ahead. Each fault is
 injected through a seam (a backend put on the model, a bucket whose replay returns wrong values, a copier or a
 staging copy that flips one byte) and must be (a) caught, (b) answered by the reference path from then on, (c)
 said once as an event, (d) recorded in the snapshot, and (e) leave greedy tokens equal to transformers' `generate`.
@@ -47,15 +47,16 @@ def test_the_attention_check_compares_every_format_and_block_size_with_the_refer
 
     for dt in KVDtype:
         for bs in (1, 7, 16):
-            r = check_backend(make_backend("cpu"), dt, bs, 6, 2, 16, torch.device("cpu"), windows=(5,), sinks=True)
-            assert r.ok and r.cases == 7, (dt, bs, r)  # 4 decodes, a prefill, a partial and its lse
+            for name in ("cpu", "chunked"):  # the numba loop and the torch path
+                r = check_backend(make_backend(name), dt, bs, 6, 2, 16, torch.device("cpu"), windows=(5,), sinks=True)
+                assert r.ok and r.cases == 7, (name, dt, bs, r)  # 4 decodes, a prefill, a partial and its lse
     r = check_backend(WrongBackend(make_backend("cpu"), 1e-3), KVDtype.FP32, 16, 6, 2, 16, torch.device("cpu"))
     assert not r.ok and 9e-4 < r.worst < 2e-3 and r.worst_case.startswith("decode")
 
 
 @pytest.mark.parametrize("fault", [WrongBackend, RaisingBackend])
 def test_a_faulty_attention_backend_is_caught_and_the_reference_path_serves(llama_model, llama_ref, fault):
-    eng = Engine(llama_model, CacheConfig(block_size=8, host_budget_mb=0), EngineOptions(attention="cpu"))
+    eng = Engine(llama_model, CacheConfig(block_size=8, host_budget_mb=0), EngineOptions(attention="chunked"))
     eng.model.backend = fault(eng.model.backend)  # swapped in before the first step: checked at that step
     ps = prompts(4, [9, 27, 40])
     out = eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True))

@@ -1,0 +1,204 @@
+"""The compiled loop of the numba paged backend (numba_paged.py has the backend, its docstring the design).
+
+Kept apart from the backend so that numba's on-disk cache, which is keyed by this file, stays valid when the
+backend's Python changes. Importing this module imports numba.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+from numba.extending import overload
+
+# The score and output sums may be reordered and fused (fp32 summation-order noise, as any matmul); the
+# dequantization helpers are compiled strict, so a decoded value is the codec's bit for bit.
+_FAST = {"reassoc", "contract", "nsz", "arcp"}
+
+
+def to_f32(x, lut):  # a stored element as fp32: float / int8 cast, uint8 / uint16 through their table
+    raise NotImplementedError
+
+
+@overload(to_f32, inline="always")
+def _to_f32_impl(x, lut):
+    from numba.core import types
+
+    if isinstance(x, types.Float) or (isinstance(x, types.Integer) and x.signed):
+        return lambda x, lut: np.float32(x)
+    return lambda x, lut: lut[x]
+
+
+@njit(cache=True, nogil=True)
+def dequant(dst, n, data, s1, s2, slot, h, fmt, dlut, hlut, cum):
+    """Tokens [0, n) of block `slot`, kv head h, into dst [bs, D] fp32 (codecs.py's decode). s1, s2: per
+    format (CHANNEL: scale [N, H, D], tscale [N, H, bs]; TOKEN: scale [N, H, bs]; DELTA: scale [N, H, bs],
+    anchor [N, H, D]); fp16 read as uint16 through hlut; cum [D] float64 (DELTA's running sum)."""
+    D = dst.shape[1]
+    if fmt == 0:  # PLAIN
+        for t in range(n):
+            for d in range(D):
+                dst[t, d] = to_f32(data[slot, h, t, d], dlut)
+    elif fmt == 3:  # TOKEN_SCALE: data * scale[token]
+        for t in range(n):
+            sc = hlut[s1[slot, h, t]]
+            for d in range(D):
+                dst[t, d] = to_f32(data[slot, h, t, d], dlut) * sc
+    elif fmt == 2:  # CHANNEL_SCALE: data * scale[channel] * tscale[token], in that order
+        for t in range(n):
+            ts = hlut[s2[slot, h, t]]
+            for d in range(D):
+                dst[t, d] = (to_f32(data[slot, h, t, d], dlut) * hlut[s1[slot, h, d]]) * ts
+    else:  # DELTA: anchor + running sum of data * scale[token] (token 0's step is 0); torch's CPU cumsum
+        # of fp32 accumulates in float64 and rounds each prefix sum to fp32
+        for d in range(D):
+            cum[d] = 0.0
+            dst[0, d] = hlut[s2[slot, h, d]] + np.float32(0.0)
+        for t in range(1, n):
+            sc = hlut[s1[slot, h, t]]
+            for d in range(D):
+                cum[d] += np.float64(to_f32(data[slot, h, t, d], dlut) * sc)
+                dst[t, d] = hlut[s2[slot, h, d]] + np.float32(cum[d])
+
+
+@njit(cache=True, nogil=True)
+def exp_row(s, r, n, m, ebuf, efl):
+    """s[r, :n] <- exp(s[r, :n] - m), 0 where s is -inf (a hidden key), vectorized: Cephes' expf (a degree-6
+    polynomial after Cody-Waite reduction, within 2 ulp), 2^k built from its bits in ebuf (int32), read
+    through efl (ebuf seen as float32). libm's expf is a call per element, as long as the rest of a key."""
+    for t in range(n):
+        x = min(max(s[r, t] - m, np.float32(-87.33654)), np.float32(88.72283))
+        fx = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+        x = x - fx * np.float32(0.693359375)
+        x = x + fx * np.float32(2.12194440e-4)
+        y = np.float32(1.9875691500e-4) * x + np.float32(1.3981999507e-3)
+        y = y * x + np.float32(8.3334519073e-3)
+        y = y * x + np.float32(4.1665795894e-2)
+        y = y * x + np.float32(1.6666665459e-1)
+        y = y * x + np.float32(5.0000001201e-1)
+        ebuf[t] = (np.int32(fx) + np.int32(127)) << 23
+        s[r, t] = y * (x * x) + x + np.float32(1.0) if s[r, t] != -np.inf else np.float32(0.0)
+    for t in range(n):
+        s[r, t] = s[r, t] * efl[t]
+
+
+@njit(cache=True, nogil=True, fastmath=_FAST)
+def attend(q, qpos, table, alt, ctx, key_pos, has_kpos, window,
+            kd, ks1, ks2, kfmt, vd, vs1, vs2, vfmt, akd, aks1, aks2, avd, avs1, avs2,
+            dlut, hlut, acc_out, m_out, l_out, w0, wstep):
+    """Online softmax over each row's visible keys.
+
+    q [B, Hkv, R, D] fp32 pre-scaled, R = G*Q rows per kv head (row g*Q + i: query i of the head's g-th
+    query head); qpos [B, Q] int64; table [B, NB] int64 slots; alt [B, NB] int64: -1, or the block's slot in
+    the alternative tier (akd..avs2: the staging buffer or the host tier) where it is read from instead;
+    ctx [B]; key_pos [B, S] (has_kpos) else keys sit at their index; window 0: none.
+    Writes acc_out [B, Hkv, R, D] (unnormalized), m_out, l_out [B, Hkv, R] (running max, sum; m -inf where
+    nothing was visible). Work items w = b*Hkv + h for w in w0, w0 + wstep, ... (one call per thread)."""
+    B, Hkv, R, D = q.shape
+    Q = qpos.shape[1]
+    bs = kd.shape[2]
+    NB = table.shape[1]
+    for w in range(w0, B * Hkv, wstep):
+        b = w // Hkv
+        h = w - b * Hkv
+        acc = np.zeros((R, D), dtype=np.float32)
+        m = np.full(R, -np.inf, dtype=np.float32)
+        lsum = np.zeros(R, dtype=np.float32)
+        kb = np.empty((bs, D), dtype=np.float32)
+        vb = np.empty((bs, D), dtype=np.float32)
+        s = np.empty((R, bs), dtype=np.float32)
+        vis = np.empty((Q, bs), dtype=np.bool_)
+        cum = np.empty(D, dtype=np.float64)
+        ebuf = np.empty(bs, dtype=np.int32)
+        efl = ebuf.view(np.float32)
+        n_ctx = ctx[b]
+        qmin = qpos[b, 0]
+        qmax = qpos[b, 0]
+        for i in range(1, Q):
+            qmin = min(qmin, qpos[b, i])
+            qmax = max(qmax, qpos[b, i])
+        j0 = 0
+        j1 = min(NB, (n_ctx + bs - 1) // bs)
+        if not has_kpos:  # key i at position i: blocks wholly after every query, or before every window
+            j1 = min(j1, qmax // bs + 1)
+            if window > 0:
+                j0 = max(0, qmin - window + 1) // bs
+        for j in range(j0, j1):
+            n = min(bs, n_ctx - j * bs)
+            seen = False
+            for t in range(n):
+                kp = key_pos[b, j * bs + t] if has_kpos else j * bs + t
+                for i in range(Q):
+                    p = qpos[b, i]
+                    v_ = kp <= p and (window <= 0 or kp > p - window)
+                    vis[i, t] = v_
+                    seen = seen or v_
+            if not seen:  # no byte of a block no query sees is read
+                continue
+            a = alt[b, j]
+            if a >= 0:  # the block's home for this read: the alternative tier, or the table's
+                sl, kdat, k1, k2, vdat, v1, v2 = a, akd, aks1, aks2, avd, avs1, avs2
+            else:
+                sl, kdat, k1, k2, vdat, v1, v2 = table[b, j], kd, ks1, ks2, vd, vs1, vs2
+            if kfmt == 0:  # plain storage: scores straight from the pool's bytes
+                for r in range(R):
+                    i = r % Q
+                    for t in range(n):
+                        if vis[i, t]:
+                            x = np.float32(0.0)
+                            for d in range(D):
+                                x += q[b, h, r, d] * to_f32(kdat[sl, h, t, d], dlut)
+                            s[r, t] = x
+                        else:
+                            s[r, t] = -np.inf
+            else:
+                dequant(kb, n, kdat, k1, k2, sl, h, kfmt, dlut, hlut, cum)
+                for r in range(R):
+                    i = r % Q
+                    for t in range(n):
+                        if vis[i, t]:
+                            x = np.float32(0.0)
+                            for d in range(D):
+                                x += q[b, h, r, d] * kb[t, d]
+                            s[r, t] = x
+                        else:
+                            s[r, t] = -np.inf
+            for r in range(R):
+                bm = -np.inf
+                for t in range(n):
+                    bm = max(bm, s[r, t])
+                if bm == -np.inf:
+                    for t in range(n):
+                        s[r, t] = 0.0
+                    continue
+                m_new = max(m[r], bm)
+                alpha = np.exp(m[r] - m_new)  # m -inf before the row's first visible key: alpha 0
+                if alpha != 1.0:
+                    lsum[r] *= alpha
+                    for d in range(D):
+                        acc[r, d] *= alpha
+                m[r] = m_new
+                exp_row(s, r, n, m_new, ebuf, efl)  # hidden keys: 0
+                tot = np.float32(0.0)
+                for t in range(n):
+                    tot += s[r, t]
+                lsum[r] += tot
+            if vfmt == 0:
+                for t in range(n):
+                    for r in range(R):
+                        p_ = s[r, t]
+                        if p_ != 0.0:
+                            for d in range(D):
+                                acc[r, d] += p_ * to_f32(vdat[sl, h, t, d], dlut)
+            else:
+                dequant(vb, n, vdat, v1, v2, sl, h, vfmt, dlut, hlut, cum)
+                for t in range(n):
+                    for r in range(R):
+                        p_ = s[r, t]
+                        if p_ != 0.0:
+                            for d in range(D):
+                                acc[r, d] += p_ * vb[t, d]
+        for r in range(R):
+            m_out[b, h, r] = m[r]
+            l_out[b, h, r] = lsum[r]
+            for d in range(D):
+                acc_out[b, h, r, d] = acc[r, d]

@@ -1,0 +1,247 @@
+"""Paged attention compiled with numba, for the CPU: each K/V byte read once, where the pool keeps it.
+
+The chunked torch path (cpu_paged.py) gathers a chunk of blocks into a dense fp32 copy and then runs two matmuls
+over it: the KV crosses memory about three times (the gather reads and writes it, the matmuls read it again).
+Here one compiled loop (numba_kernel.attend) per (sequence, kv head) walks the row's block table and for each
+block reads its K and V parts in place (the pool's tensors, seen as numpy arrays without a copy): plain formats
+straight into the scores and the output, the scaled ones dequantized first into a block-sized buffer that stays in
+L1 (the codec's arithmetic, engine/kv/codecs.py, element for element). It folds them into an online softmax for
+the G*Q query rows that share the kv head (GQA: the queries of a kv head share the read), with a vectorized exp
+(libm's, one call per score, cost as much as the rest of a key). The loop returns (acc, m, l) per row: the
+output, the log-sum-exp and the attention sinks are a few small torch ops on [B, H, D] after it. The (sequence,
+kv head) items are split across torch's thread count (the loop releases the GIL; plain threads on a queue, not
+a second OpenMP pool spinning beside torch's).
+
+Visibility is reading.visibility's rule, key by key (context length, key positions, windows); blocks wholly
+outside every query's range are skipped before any byte of them is read (without explicit key positions, by
+index; with them, by the block's positions). Blocks on the host tier (PagedBatch.on_host) are read from the
+staging buffer or the host tier, as read_blocks chooses, in the same walk.
+
+Storage types numba has no dtype for are read as their bits: fp16 and bf16 data as uint16, fp8 as uint8, each
+through a lookup table of its values (built by torch's own conversion, so exact); fp16 scales likewise. One
+compiled variant per data type (fp32, uint16, int8, uint8), compiled at first use and cached on disk
+(numba's cache=True: __pycache__ beside this file, or numba's per-user cache dir where that is not writable;
+NUMBA_CACHE_DIR overrides); `compile_seconds` records what compiling (or loading from the cache) cost.
+
+What it does not take: tensors on CUDA and a CPU prefill without attention sinks (Q > 1: SDPA's flash kernel over
+one gather is faster there, and the copy is amortized over the queries) go to the chunked backend.
+`available()` says whether numba imports; engine/attention/__init__.py picks this backend for `cpu` when it does.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from engine.attention.cpu_paged import ChunkedPagedBackend
+from engine.attention.interface import KVFormat, PagedBatch, PagedKV, kv_formats
+from engine.attention.tier_split import lse_of
+
+try:  # the seam tests use: numba missing (or broken for this build) -> the chunked backend serves
+    import numba
+
+    from engine.attention import numba_kernel
+except Exception as e:  # noqa: BLE001
+    numba = None
+    IMPORT_ERROR = f"{type(e).__name__}: {e}"
+else:
+    IMPORT_ERROR = ""
+
+
+def available() -> bool:
+    return numba is not None
+
+
+# Seconds the first call of each compiled variant took (compiling, or loading it from numba's cache), by data type.
+compile_seconds: dict[str, float] = {}
+_compile_lock = threading.Lock()
+
+
+# -- torch <-> numpy, without copies ------------------------------------------------------------------------------
+
+_DUMMY16 = np.zeros((1, 1, 1), dtype=np.uint16)
+_luts: dict[str, np.ndarray] = {}
+
+
+def _lut(name: str) -> np.ndarray:
+    """fp32 values of every bit pattern of a storage type numba cannot hold (torch's own conversion: exact)."""
+    if name not in _luts:
+        if name == "none":
+            _luts[name] = np.zeros(1, dtype=np.float32)
+        elif name in ("float16", "bfloat16"):
+            bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+            _luts[name] = bits.view(getattr(torch, name)).float().numpy()
+        else:  # float8_e4m3fn
+            _luts[name] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(getattr(torch, name)).float().numpy()
+    return _luts[name]
+
+
+class _Strided(Exception):
+    """A part that is not one contiguous tensor: the kernel's variants are compiled for C-contiguous arrays."""
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's memory as numpy (no copy): fp16 / bf16 as uint16, fp8 as uint8."""
+    if not t.is_contiguous():
+        raise _Strided
+    if t.dtype in (torch.float32, torch.int8, torch.int64, torch.bool):
+        return t.numpy()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        return t.view(torch.int16).numpy().view(np.uint16)
+    if t.element_size() == 1:
+        return t.view(torch.uint8).numpy()
+    raise TypeError(f"no numpy view for {t.dtype}")
+
+
+def _data_lut(t: torch.Tensor) -> np.ndarray:
+    if t.dtype in (torch.float32, torch.int8):
+        return _lut("none")
+    return _lut(str(t.dtype).replace("torch.", ""))
+
+
+def _side(parts, fmt: KVFormat, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(data, s1, s2) of one side's parts at `layer`, as numba_kernel.dequant takes them."""
+    data = _np(parts["data"][layer])
+    if fmt is KVFormat.PLAIN:
+        return data, _DUMMY16, _DUMMY16
+    if fmt is KVFormat.TOKEN_SCALE:
+        return data, _np(parts["scale"][layer]), _DUMMY16
+    if fmt is KVFormat.CHANNEL_SCALE:
+        return data, _np(parts["scale"][layer]), _np(parts["tscale"][layer])
+    return data, _np(parts["scale"][layer]), _np(parts["anchor"][layer])  # DELTA
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _workers(n: int) -> ThreadPoolExecutor:
+    """Threads that run the kernel beside the caller (it releases the GIL): grown to n, never shrunk. Plain
+    threads waiting on a queue, not a second OpenMP pool spinning beside torch's."""
+    global _pool
+    with _compile_lock:
+        if _pool is None or _pool._max_workers < n:
+            old, _pool = _pool, ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvscope-attn")
+            if old is not None:
+                old.shutdown(wait=False)
+        return _pool
+
+
+class NumbaPagedBackend(ChunkedPagedBackend):
+    """The compiled in-place loop for decode (and partial, and prefill with attention sinks) on the CPU; the
+    chunked torch path (its base class) for the rest: CUDA tensors, CPU prefill without sinks (SDPA)."""
+
+    name = "numba"
+    compile_seconds = compile_seconds  # the module's record, read by the self-check (engine/runtime/self_check.py)
+
+    def __init__(self, chunk_elems: int = 1 << 20, dense_prefill: bool = True):
+        if numba is None:
+            raise RuntimeError(f"numba does not import ({IMPORT_ERROR})")
+        super().__init__(chunk_elems=chunk_elems, dense_prefill=dense_prefill)
+
+    def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
+               window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, H, D] -> [B, H, D] in q's dtype."""
+        got = self._run(q[:, None], layer, paged, batch, scale, window)
+        if got is None:
+            return super().decode(q, layer, paged, batch, scale=scale, window=window, sinks=sinks)
+        return self._finish(q[:, None], got, sinks)[:, 0].to(q.dtype)
+
+    def prefill(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """q [B, Q, H, D] -> [B, Q, H, D] in q's dtype: SDPA over one gather (the chunked backend's CPU prefill)
+        unless there are attention sinks (SDPA has no term for them) or a single query."""
+        if q.shape[1] == 1 or sinks is not None or not self.dense_prefill:
+            got = self._run(q, layer, paged, batch, scale, window)
+            if got is not None:
+                return self._finish(q, got, sinks).to(q.dtype)
+        return super().prefill(q, layer, paged, batch, scale=scale, window=window, sinks=sinks)
+
+    def partial(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out [B, Q, H, D], lse [B, Q, H]) fp32; out 0 and lse -inf for a query with no visible key."""
+        got = self._run(q, layer, paged, batch, scale, window)
+        if got is None:
+            return super().partial(q, layer, paged, batch, scale=scale, window=window)
+        acc, m, l = got
+        B, Q, H, D = q.shape
+        out = acc / torch.where(l > 0, l, 1.0)[..., None]  # [B, Hkv, G*Q, D]
+        Hkv = acc.shape[1]
+        G = H // Hkv
+        out = out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+        lse = lse_of(m, l).view(B, Hkv, G, Q).permute(0, 3, 1, 2).reshape(B, Q, H)
+        return out, lse
+
+    @staticmethod
+    def _finish(q: torch.Tensor, got, sinks: torch.Tensor | None) -> torch.Tensor:
+        """(acc, m, l) [B, Hkv, G*Q, ...] -> out [B, Q, H, D] fp32; each head's sink joins the sum (scaled by m)."""
+        acc, m, l = got
+        B, Q, H, D = q.shape
+        Hkv = acc.shape[1]
+        G = H // Hkv
+        if sinks is not None:  # rows (g, i) of each kv head: [Hkv, G*Q]
+            sink = sinks.float().view(Hkv, G, 1).expand(Hkv, G, Q).reshape(Hkv, G * Q)
+            l = l + torch.exp(sink - m)
+        out = acc / l[..., None]
+        return out.view(B, Hkv, G, Q, D).permute(0, 3, 1, 2, 4).reshape(B, Q, H, D)
+
+    def _run(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, scale: float,
+             window: int | None):
+        """The kernel over q [B, Q, H, D]: (acc [B, Hkv, G*Q, D], m, l [B, Hkv, G*Q]) fp32, or None where it does
+        not run (CUDA tensors, parts that are not contiguous): the caller's chunked path then serves."""
+        if q.is_cuda or paged.k["data"][layer].device.type != "cpu":
+            return None
+        alt_kv, alt_table = None, None
+        if batch.on_host is not None and bool(batch.on_host.any()):
+            # as read_blocks: the step's staging buffer when there is one on this device, else the host tier
+            if paged.staged is not None and batch.staged_table is not None and \
+                    paged.staged.k["data"][layer].device.type == "cpu":
+                alt_kv, alt_table = paged.staged, batch.staged_table
+            else:
+                alt_kv, alt_table = paged.host, batch.host_table
+        B, Q, H, D = q.shape
+        Hkv = paged.kv_heads
+        G = H // Hkv
+        kfmt, vfmt = kv_formats(paged.dtype)
+        qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D).contiguous()
+        table = batch.block_table.long().contiguous()
+        if alt_kv is not None:
+            alt = torch.where(batch.on_host.cpu(), alt_table.long().cpu(), -1).contiguous()
+        else:
+            alt = torch.full(table.shape, -1, dtype=torch.long)
+        qpos = batch.q_pos.reshape(B, Q).long().contiguous()
+        has_kpos = batch.key_pos is not None
+        kpos = batch.key_pos.long().contiguous() if has_kpos else torch.zeros((1, 1), dtype=torch.long)
+        ctx = batch.context_lens.long().contiguous()
+        try:
+            k = _side(paged.k, kfmt, layer)
+            v = _side(paged.v, vfmt, layer)
+            ak, av = (_side(alt_kv.k, kfmt, layer), _side(alt_kv.v, vfmt, layer)) if alt_kv is not None else (k, v)
+        except _Strided:
+            return None
+        acc = torch.empty((B, Hkv, G * Q, D), dtype=torch.float32)
+        m = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
+        l = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
+        data = paged.k["data"][layer]
+        args = (qg.numpy(), _np(qpos), _np(table), _np(alt), _np(ctx), _np(kpos), has_kpos, int(window or 0),
+                k[0], k[1], k[2], int(kfmt), v[0], v[1], v[2], int(vfmt), ak[0], ak[1], ak[2], av[0], av[1], av[2],
+                _data_lut(data), _lut("float16"), acc.numpy(), m.numpy(), l.numpy())
+        kind = str(args[8].dtype)
+        if kind not in compile_seconds:  # the first call of this variant compiles it (or loads it from the cache)
+            with _compile_lock:
+                t0 = time.perf_counter()
+                numba_kernel.attend(*args, 0, 1)
+                compile_seconds.setdefault(kind, time.perf_counter() - t0)
+            return acc, m, l
+        n = max(1, min(torch.get_num_threads(), B * Hkv))  # as many threads as torch's ops use
+        if n == 1:
+            numba_kernel.attend(*args, 0, 1)
+            return acc, m, l
+        futures = [_workers(n - 1).submit(numba_kernel.attend, *args, i, n) for i in range(1, n)]
+        numba_kernel.attend(*args, 0, n)  # this thread takes a share too
+        for f in futures:
+            f.result()
+        return acc, m, l

@@ -1,0 +1,228 @@
+"""The numba paged backend (engine/attention/numba_paged.py: `cpu` when numba imports) against the reference.
+
+Kernel level, on test_paged_attention.py's pools (real codecs, shuffled tables, a poisoned block behind every
+padding entry, layer 1 of two): decode for every storage format, block sizes 1, 7, 16, 100 and 1024, GQA and MHA,
+windows (with a window's first key at every offset of a block), explicit key positions and mixed-length rows;
+attention sinks; Q > 1 (a prefill chunk) through the loop; the partial's output and log-sum-exp; host-tier blocks
+read where they are in the same walk (from the host tier, or from the staging buffer) and the host_reads=compute
+split (test_host_compute.py's poisoned two-tier pools). The chunked fallback is patched to raise in those tests, so
+each one runs the compiled loop. Engine level: greedy tokens equal transformers' `generate` with fp32 KV (GQA,
+Mistral's sliding window, block sizes 1, 7 and 16, a host tier); a kernel that disagrees is caught by the self-check
+and the chunked path serves; with numba not importable, `cpu` is the chunked path.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from conftest import Reference, _engine, prompts
+from engine.attention import PagedBatch, PagedKV, make_backend, numba_paged
+from engine.attention.cpu_paged import ChunkedPagedBackend
+from engine.attention.tier_split import attend_split, split_by_tier
+from engine.config import CacheConfig, EngineOptions, KVDtype
+from engine.runtime.engine import Engine
+from engine.sequence import SamplingParams
+from test_host_compute import SPLIT_CASES, split_case
+from test_paged_attention import CASES, DTYPES, SINK_CASES, D, Case, assert_close, build, sinks_for
+from test_paged_attention import one_thread  # noqa: F401 - autouse here too: one torch thread (two in one test)
+
+N = 12  # new tokens per request
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """The numba backend with its chunked fallback made to raise: whatever these tests compare ran the loop."""
+
+    def no_fallback(*a, **kw):
+        raise AssertionError("the numba backend fell back to the chunked path")
+
+    monkeypatch.setattr(ChunkedPagedBackend, "_online", no_fallback)
+    monkeypatch.setattr(ChunkedPagedBackend, "prefill", no_fallback)
+    be = make_backend("cpu")
+    assert isinstance(be, numba_paged.NumbaPagedBackend) and be.name == "numba"
+    return be
+
+
+# -- the kernel -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_decode_matches_reference(case, compiled):
+    q, kv, batch, window, scale = build(case)
+    want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window)
+    assert_close(compiled.decode(q, 1, kv, batch, scale=scale, window=window), want, case.id)
+
+
+@pytest.mark.parametrize("case", SINK_CASES, ids=lambda c: c.id)
+def test_decode_with_sinks_matches_reference(case, compiled):
+    q, kv, batch, window, scale = build(case)
+    sinks = sinks_for(case)
+    want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks)
+    assert_close(compiled.decode(q, 1, kv, batch, scale=scale, window=window, sinks=sinks), want, case.id)
+
+
+def _chunk(case: Case, q_len: int = 3):
+    """A prefill chunk: q [B, Q, H, D] at the positions of each row's last Q keys."""
+    _, kv, batch, window, scale = build(case)
+    H, _ = case.heads
+    q = torch.randn(len(case.lens), q_len, H, D, generator=torch.Generator().manual_seed(11))
+    idx = (batch.context_lens.long()[:, None] - q_len + torch.arange(q_len)[None, :]).clamp_min(0)
+    q_pos = idx if batch.key_pos is None else batch.key_pos.gather(1, idx)
+    return q, kv, PagedBatch(batch.block_table, batch.context_lens, q_pos, batch.key_pos), window, scale
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.bs in (1, 7, 16) and c.variant != "window_edges"],
+                         ids=lambda c: c.id)
+def test_prefill_chunk_and_partial_match_reference(case, compiled):
+    """Q = 3 queries per row through the loop (a prefill with attention sinks takes it; the partial always does):
+    output, and the partial's output and log-sum-exp."""
+    q, kv, pre, window, scale = _chunk(case)
+    ref = make_backend("reference")
+    sinks = sinks_for(case)
+    want = ref.prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks)
+    assert_close(compiled.prefill(q, 1, kv, pre, scale=scale, window=window, sinks=sinks), want, case.id)
+    (o, lse), (ro, rlse) = (be.partial(q, 1, kv, pre, scale=scale, window=window) for be in (compiled, ref))
+    assert_close(o, ro, f"{case.id} partial")
+    assert_close(lse, rlse, f"{case.id} lse")
+
+
+def test_a_partial_with_no_visible_key_is_zero_and_minus_infinity(compiled):
+    q, kv, batch, window, scale = build(Case(KVDtype.INT8, 7, "key_pos"))
+    blind = PagedBatch(batch.block_table, batch.context_lens, torch.full_like(batch.q_pos, -100), batch.key_pos)
+    o, lse = compiled.partial(q[:, None], 1, kv, blind, scale=scale, window=window)
+    assert (o == 0).all() and (lse == float("-inf")).all()
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: c.id)
+def test_host_blocks_are_read_where_they_are(case, compiled):
+    """Blocks on the host tier (PagedBatch.on_host): read from the host tier in the same walk (host_reads stream on
+    the CPU), and attended as a separate partial merged by log-sum-exp (host_reads compute): both equal the reference
+    over the unsplit pool. Each tier is poisoned where the other holds the block."""
+    ref = make_backend("reference")
+    for q_len in (1, 3):
+        q, kv, pb, whole_kv, whole, window, scale = split_case(case, q_len)
+        want = ref.prefill(q, 1, whole_kv, whole, scale=scale, window=window)
+        if q_len == 1:
+            assert_close(compiled.decode(q[:, 0], 1, kv, pb, scale=scale, window=window), want[:, 0], case.id)
+        else:
+            o, lse = compiled.partial(q, 1, kv, pb, scale=scale, window=window)
+            assert_close(o, want, f"{case.id} partial over both tiers")
+        got = attend_split(compiled, compiled, q, 1, kv, split_by_tier(pb, case.bs), scale=scale, window=window)
+        assert_close(got, want, f"{case.id} split Q={q_len}")
+
+
+def test_host_blocks_are_read_from_the_staging_buffer_when_there_is_one(compiled):
+    """With a staging buffer (paged.staged, staged_table) the host blocks are read there, as read_blocks does: here
+    the host tier itself is all poison, so a read of it would show."""
+    case = Case(KVDtype.INT8_KIVI, 7, "window")
+    q, kv, pb, whole_kv, whole, window, scale = split_case(case)
+    host = kv.host
+    poison = int(pb.block_table.max())
+    rotten = {side: {n: type(x)(t[poison].expand_as(t).clone() for t in x) for n, x in parts.items()}
+              for side, parts in (("k", host.k), ("v", host.v))}
+    staged_kv = PagedKV(kv.k, kv.v, kv.dtype, host=PagedKV(rotten["k"], rotten["v"], kv.dtype), staged=host)
+    staged = PagedBatch(pb.block_table, pb.context_lens, pb.q_pos, pb.key_pos, on_host=pb.on_host,
+                        host_table=pb.host_table, staged_table=pb.host_table)
+    want = make_backend("reference").decode(q[:, 0], 1, whole_kv, whole, scale=scale, window=window)
+    assert_close(compiled.decode(q[:, 0], 1, staged_kv, staged, scale=scale, window=window), want, "staged")
+    unstaged = PagedBatch(pb.block_table, pb.context_lens, pb.q_pos, pb.key_pos, on_host=pb.on_host,
+                          host_table=pb.host_table)
+    wrong = compiled.decode(q[:, 0], 1, staged_kv, unstaged, scale=scale, window=window)
+    assert (wrong - want).abs().max() > 1e-2  # the host tier read instead: the poison shows
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.label)
+def test_threads_split_the_work_without_changing_a_bit(dtype, compiled):
+    """The (sequence, kv head) items split across threads: each item's arithmetic is the same on any thread."""
+    q, kv, batch, window, scale = build(Case(dtype, 16, "key_pos"))
+    one = compiled.decode(q, 1, kv, batch, scale=scale, window=window)
+    torch.set_num_threads(2)  # restored by the module's one_thread fixture
+    try:
+        assert torch.equal(compiled.decode(q, 1, kv, batch, scale=scale, window=window), one)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_cuda_tensors_and_a_dense_prefill_go_to_the_chunked_path(monkeypatch):
+    """The loop is for CPU memory; SDPA's flash kernel serves a CPU prefill chunk without sinks (its one gather
+    amortized over the chunk's queries)."""
+    calls = []
+    real = ChunkedPagedBackend.prefill
+    monkeypatch.setattr(ChunkedPagedBackend, "prefill", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    q, kv, pre, window, scale = _chunk(Case(KVDtype.FP16, 7, "window"))
+    be = make_backend("cpu")
+    want = make_backend("reference").prefill(q, 1, kv, pre, scale=scale, window=window)
+    assert_close(be.prefill(q, 1, kv, pre, scale=scale, window=window), want, "dense prefill")
+    assert calls == [1]
+    be.decode(q[:, 0], 1, kv, PagedBatch(pre.block_table, pre.context_lens, pre.q_pos[:, :1]), scale=scale)
+    assert calls == [1]  # decode: the loop
+
+
+# -- engines ----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mistral(tiny_mistral):
+    from engine.model.loader import load_model
+
+    return load_model(tiny_mistral), Reference(tiny_mistral)
+
+
+@pytest.mark.parametrize("bs", [1, 7, 16])
+def test_tokens_equal_transformers(llama_model, llama_ref, mistral, bs):
+    """fp32 KV, greedy: GQA (tiny Llama: 4 heads on 2 kv heads) and a sliding window of 24 (tiny Mistral: prompts
+    and generations past it), mixed lengths in one decode batch."""
+    for model, ref, lengths in ((llama_model, llama_ref, [5, 33, 18]), (mistral[0], mistral[1], [30, 9, 41])):
+        eng = Engine(model, CacheConfig(block_size=bs), EngineOptions(attention="cpu"))
+        assert eng.model.backend.name == "numba"
+        ps = prompts(bs, lengths)
+        assert eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True)) == [ref.greedy(p, N) for p in ps]
+        eng.check_invariants()
+        check = eng.runner.checks.summary()["attention"]
+        assert check["state"] in ("passed", "not run")  # not run: this variant was checked earlier in the process
+
+
+@pytest.mark.parametrize("mode", ["stream", "compute"])
+def test_tokens_equal_transformers_with_host_tier_reads(llama_model, llama_ref, mode):
+    eng = _engine(llama_model, 8, 2, mode)
+    assert eng.model.backend.name == "numba"
+    ps = prompts(3, [37, 50, 21])
+    assert eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True)) == [llama_ref.greedy(p, N) for p in ps]
+    assert eng.counters.read_tokens_streamed > 0
+
+
+def test_a_kernel_that_disagrees_is_caught_and_the_chunked_path_serves(llama_model, llama_ref):
+    from faults import WrongBackend
+
+    eng = Engine(llama_model, CacheConfig(block_size=8, host_budget_mb=0), EngineOptions(attention="cpu"))
+    eng.model.backend = WrongBackend(eng.model.backend)  # checked at the first step
+    ps = prompts(4, [9, 27, 40])
+    assert eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True)) == [llama_ref.greedy(p, N) for p in ps]
+    assert eng.model.attention == "chunked" and eng.model.backend.name == "chunked"
+    said = [e for e in eng.take_events() if e.kind == "self_check"]
+    assert len(said) == 1
+    msg = said[0].fields["message"]
+    assert msg.startswith("numba paged decode disagreed with the reference (max |Δ| 0.01")
+    assert msg.endswith("): using cpu paged attention")
+    assert eng.snapshot().self_checks["attention"]["fallback"] == "cpu paged attention"
+
+
+def test_without_numba_cpu_is_the_chunked_path(monkeypatch, llama_model, llama_ref):
+    """numba missing (its import fails): make_backend('cpu') and the engine's default are the chunked path, and the
+    tokens stay exact."""
+    monkeypatch.setitem(sys.modules, "numba", None)  # `import numba` raises ImportError
+    try:
+        importlib.reload(numba_paged)
+        assert not numba_paged.available() and "import of numba halted" in numba_paged.IMPORT_ERROR
+        assert type(make_backend("cpu")) is ChunkedPagedBackend
+        eng = Engine(llama_model, CacheConfig(block_size=8), EngineOptions())
+        assert eng.model.attention == "cpu" and eng.model.backend.name == "chunked"
+        ps = prompts(2, [14, 31])
+        out = eng.generate(ps, SamplingParams(max_new_tokens=N, ignore_eos=True))
+        assert out == [llama_ref.greedy(p, N) for p in ps]
+    finally:
+        monkeypatch.undo()
+        importlib.reload(numba_paged)
+    assert numba_paged.available() and make_backend("cpu").name == "numba"
