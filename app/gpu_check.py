@@ -289,11 +289,12 @@ def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict,
         out["second_process"] = {"engine_start_s": float(engine_s), "attention_check_s": float(check_s)}
     except ValueError:
         out["second_process"] = {"error": r.stderr[-1500:]}
-    # Injected faults, each through its seam: caught, the reference path serving, tokens still equal.
+    # Injected faults, each through its seam: caught, a checked path serving (the attention backend's fallback: the
+    # reference path, or on the CPU the chunked torch path behind the numba loop), tokens still equal.
     faults = {}
     eng = Engine(model, CacheConfig(block_size=16), opts())
     eng.model.backend = WrongBackend(eng.model.backend)
-    faults["attention"] = (eng, lambda e: e.model.backend is None)
+    faults["attention"] = (eng, lambda e: not isinstance(e.model.backend, WrongBackend))
     eng = Engine(model, CacheConfig(block_size=16), opts(cuda_graphs="on" if device == "cuda" else "static"))
     real = eng.runner.graphs.capture
 
