@@ -199,6 +199,21 @@ def heat(ids: np.ndarray, times: np.ndarray, m: int, cap: int, decay: float) -> 
     return hit
 
 
+@njit(cache=True, nogil=True, inline="always")
+def _unlink(x, prev, nxt, head, tail):
+    """Take x out of the doubly linked ghost list (prev / nxt links, -1 at the ends): the list's new (head, tail)."""
+    a, b = prev[x], nxt[x]
+    if a >= 0:
+        nxt[a] = b
+    else:
+        head = b
+    if b >= 0:
+        prev[b] = a
+    else:
+        tail = a
+    return head, tail
+
+
 @njit(cache=True, nogil=True)
 def s3fifo(ids: np.ndarray, m: int, cap: int, small_target: int, ghost_len: int) -> np.ndarray:
     """Per-access hit of eviction_sim._s3fifo: small and main FIFOs as rings of cap + 1 slots, the ghost FIFO as a
@@ -238,15 +253,7 @@ def s3fifo(ids: np.ndarray, m: int, cap: int, small_target: int, ghost_len: int)
                     else:
                         old = x
                         if in_ghost[x]:  # move to the newest end
-                            a, b = g_prev[x], g_next[x]
-                            if a >= 0:
-                                g_next[a] = b
-                            else:
-                                g_head = b
-                            if b >= 0:
-                                g_prev[b] = a
-                            else:
-                                g_tail = a
+                            g_head, g_tail = _unlink(x, g_prev, g_next, g_head, g_tail)
                             g_len -= 1
                         in_ghost[x] = 1
                         g_prev[x] = g_tail
@@ -283,15 +290,7 @@ def s3fifo(ids: np.ndarray, m: int, cap: int, small_target: int, ghost_len: int)
         freq[k] = 0
         size += 1
         if in_ghost[k]:
-            a, b = g_prev[k], g_next[k]
-            if a >= 0:
-                g_next[a] = b
-            else:
-                g_head = b
-            if b >= 0:
-                g_prev[b] = a
-            else:
-                g_tail = a
+            g_head, g_tail = _unlink(k, g_prev, g_next, g_head, g_tail)
             in_ghost[k] = 0
             g_len -= 1
             main[(m_head + m_len) % ring] = k
