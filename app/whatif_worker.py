@@ -11,48 +11,27 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from engine.lab.mrc import curve_capacities, what_if_short
 from engine.lab.whatif import (BLOCK_SIZES, block_size_curves, block_stream, groups_of, policy_curves, stream_of,
                                threshold_curve)
+from ui.panels.what_if_data import SavedResult
 
 TARGET = 0.75
 THRESHOLDS_S = np.array([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0])
 
 
 @dataclass(frozen=True)
-class WhatIfResult:
-    """Everything the tab draws for one KV-cache group. curves: (label, capacities in blocks, hit rate, exact);
-    block_sizes: (block size, MiB, hit rate); thresholds: (seconds, hit rate) at the current capacity; lines: the
-    what-if sentences; group, group_title: which group's reads (0 and "" for a trace of one group)."""
-    source: str
-    accesses: int
-    counted: int
-    distinct: int
-    current_blocks: int
-    block_mib: float | None
-    demote_after_s: float | None
-    curves: list = field(default_factory=list)
-    block_sizes: list = field(default_factory=list)
-    thresholds: tuple | None = None
-    lines: list = field(default_factory=list)
+class WhatIfResult(SavedResult):
+    """Everything the tab draws for one KV-cache group (ui/panels/what_if_data.py SavedResult's fields, computed here):
+    curves: (label, capacities in blocks, hit rate, exact); block_sizes: (block size, MiB, hit rate); thresholds:
+    (seconds, hit rate) at the current capacity; lines: the what-if sentences; group, group_title: which group's reads
+    (0 and "" for a trace of one group). `saved()` is what a snapshot carries of it."""
     seconds: float = 0.0
-    group: int = 0
-    group_title: str = ""
-
-    def saved(self) -> dict:
-        """The curves as a snapshot carries them (Snapshot.what_if's per-group entry; engine/telemetry/
-        snapshot_schema.py checks it): plain JSON and float64 / int64 arrays."""
-        return {"group": self.group, "title": self.group_title, "current_blocks": int(self.current_blocks),
-                "block_mib": None if self.block_mib is None else float(self.block_mib),
-                "accesses": int(self.accesses), "counted": int(self.counted), "distinct": int(self.distinct),
-                "curves": [{"policy": str(label), "exact": bool(exact),
-                            "capacities": np.asarray(caps, dtype=np.int64),
-                            "hit_rate": np.asarray(hit, dtype=np.float64)} for label, caps, hit, exact in self.curves],
-                "lines": [str(x) for x in self.lines]}
+    saved_only: bool = False
 
 
 def _load(source):

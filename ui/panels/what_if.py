@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import html
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 import pyqtgraph as pg
 from PySide6 import QtCore, QtWidgets
+
+from ui.panels.what_if_data import saved_results
 
 RECORD_S = 30
 TARGET = 0.75
@@ -28,45 +29,6 @@ COUNTED = ("Hit rate here = the share of counted reads that find their block alr
            "(Mattson stack distances over every read); heat and S3-FIFO (~) are SHARDS-sampled simulations of "
            "the counted reads. Capacity: device-tier blocks, in MiB at the current block size and KV dtype. "
            "Not the Hit rate panel's device hit rate, which counts every key of every read.")
-
-
-@dataclass(frozen=True)
-class SavedResult:
-    """One KV-cache group's curves as a snapshot carries them (Snapshot.what_if; app/whatif_worker.py WhatIfResult
-    .saved writes them): what the tab draws of a WhatIfResult, without the block-size and threshold views."""
-    source: str
-    accesses: int
-    counted: int
-    distinct: int
-    current_blocks: int
-    block_mib: float | None
-    demote_after_s: float | None = None
-    curves: list = field(default_factory=list)
-    block_sizes: list = field(default_factory=list)
-    thresholds: tuple | None = None
-    lines: list = field(default_factory=list)
-    seconds: float = float("nan")
-    group: int = 0
-    group_title: str = ""
-    saved_only: bool = True
-
-    def saved(self) -> dict:
-        return {"group": self.group, "title": self.group_title, "current_blocks": self.current_blocks,
-                "block_mib": self.block_mib, "accesses": self.accesses, "counted": self.counted,
-                "distinct": self.distinct, "lines": list(self.lines),
-                "curves": [{"policy": p, "exact": e, "capacities": c, "hit_rate": h} for p, c, h, e in self.curves]}
-
-
-def saved_results(what_if: dict) -> list[SavedResult]:
-    """Snapshot.what_if as the tab's results, one per group ([] for a snapshot without curves)."""
-    out = []
-    for g in (what_if or {}).get("groups", []):
-        out.append(SavedResult(str(what_if.get("source", "")), g.get("accesses", 0), g.get("counted", 0),
-                               g.get("distinct", 0), g["current_blocks"], g.get("block_mib"),
-                               curves=[(c["policy"], np.asarray(c["capacities"]), np.asarray(c["hit_rate"]),
-                                        bool(c.get("exact", False))) for c in g["curves"]],
-                               lines=list(g.get("lines", [])), group=g["group"], group_title=g.get("title", "")))
-    return out
 
 
 def _log(x: float) -> float:
