@@ -59,3 +59,19 @@ def held_at_the_first_token(model, p: list[int]) -> tuple[dict[str, list[int]], 
             eng.step()
         out[mode] = eng.seqs[sid].output
     return out, held
+
+
+def a_repeated_prefix(model, p: list[int], bs: int, window: int, group: int):
+    """`p` run once, then added again: the engine, the new sequence, and its prefix match and hashes, after checking
+    that the match is every full block of `p` but the one holding its last token, and that window group `group`
+    needs only the blocks of its last window (match.first / match.window). Returns (eng, seq, match, hashes, first)."""
+    sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    eng = Engine(model, CacheConfig(block_size=bs))
+    eng.generate([p], sp)
+    seq = eng.seqs[eng.add_request(p, sp)]
+    match, hashes = eng.kv.find_prefix(seq)
+    n = len(match)
+    assert n == (len(p) - 1) // bs and len(hashes) == n
+    first = max(0, n * bs - window + 1) // bs
+    assert match.first[group] == first and len(match.window[group]) == n - first
+    return eng, seq, match, hashes, first

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import Reference, prompts
-from grouped_runs import follow_a_window_table, held_at_the_first_token
+from grouped_runs import a_repeated_prefix, follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
 from engine.kv.groups import KVGroupSpec, kv_groups, split_config
@@ -122,14 +122,8 @@ def test_a_prefix_hit_needs_the_full_prefix_and_only_the_last_window(gemma3):
     model, ref = gemma3
     bs = 4
     p = prompts(43, [90])[0]
-    eng = Engine(model, CacheConfig(block_size=bs))
-    eng.generate([p], SP)
-    seq = eng.seqs[eng.add_request(p, SP)]
-    match, hashes = eng.kv.find_prefix(seq)
+    eng, seq, match, hashes, first = a_repeated_prefix(model, p, bs, W, group=1)
     n = len(match)
-    assert n == (len(p) - 1) // bs  # every full block of the prompt but the one holding its last token
-    first = max(0, n * bs - W + 1) // bs
-    assert match.first[1] == first and len(match.window[1]) == n - first
     # Window blocks before the last window are not needed: dropping them keeps the hit.
     wpool = eng.kv.pools[1]
     keep = set(match.window[1])

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import Reference, prompts
-from grouped_runs import follow_a_window_table, held_at_the_first_token
+from grouped_runs import a_repeated_prefix, follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
 from engine.kv.groups import KVGroupSpec, kv_groups
@@ -67,14 +67,8 @@ def test_a_prefix_hit_needs_only_the_last_window(mistral):
     model, ref = mistral
     bs = 4
     p = prompts(63, [90])[0]
-    eng = Engine(model, CacheConfig(block_size=bs))
-    eng.generate([p], SP)
-    seq = eng.seqs[eng.add_request(p, SP)]
-    match, hashes = eng.kv.find_prefix(seq)
+    eng, seq, match, hashes, first = a_repeated_prefix(model, p, bs, W, group=0)
     n = len(match)
-    assert n == (len(p) - 1) // bs and len(hashes) == n
-    first = max(0, n * bs - W + 1) // bs
-    assert match.first[0] == first and len(match.window[0]) == n - first
     pool = eng.kv.pool
     pool._release(match.window[0][-1])  # the prefix's last block gone: the hit is one block shorter
     match, _ = eng.kv.find_prefix(seq)
