@@ -31,7 +31,8 @@ def open_engine(args: argparse.Namespace, progress=progress_printer):
                             weights_dtype=getattr(args, "weights_dtype", None) or "auto",
                             attention=getattr(args, "attention", None) or "auto",
                             cuda_graphs=getattr(args, "cuda_graphs", None) or "auto",
-                            kv_groups=getattr(args, "kv_groups", None) or "auto")
+                            kv_groups=getattr(args, "kv_groups", None) or "auto",
+                            quant_activations=getattr(args, "quant_activations", None) or "int8")
     options.validate()  # signs and types now; against the model's positions once it is loaded
     t0 = time.perf_counter()
     # Loaded straight into the engine's dtype and device, so the engine uses these tensors as they are.

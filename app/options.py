@@ -21,6 +21,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
                         "dequantized straight to it); int8 / int4: linear weights and embeddings kept packed "
                         "(int8 per row, int4 per group of 32; a Llama GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q6_K/Q8_0 tensors "
                         "loaded as they are), math in fp32")
+    p.add_argument("--quant-activations", default="int8", choices=("int8", "fp32"),
+                   help="with --weights-dtype int8/int4 on the CPU: int8 rounds each matmul's input to int8 per 32 "
+                        "values and takes integer dot products (llama.cpp's Q8 activations: its speed, logits within "
+                        "~1e-2; `kvscope bench --weights-quality` measures the tokens); fp32 multiplies the input as "
+                        "it is (the dequantized weights' exact math, slower)")
     p.add_argument("--attention", default="auto", choices=("auto", "reference", "cpu", "chunked", "triton"),
                    help="attention backend over the paged cache: cpu reads the blocks in place (a numba-compiled "
                         "loop when numba imports, else chunked), chunked the torch path (gathered chunks, online "

@@ -221,12 +221,17 @@ class EngineOptions:
     # a sliding-window group frees blocks that leave every window), off (one pool for every layer, as a model
     # without sliding layers has: sliding windows are then only an attention mask).
     kv_groups: str = "auto"
+    # int8 / int4 weights on the CPU (engine/model/quant_ir.py): "int8" rounds each matmul's input to int8 per 32
+    # values and takes integer dot products (llama.cpp's Q8 activations: its speed, ~1e-2 of a row's largest
+    # output); "fp32" multiplies the input as it is (the dequantized weights' exact math, slower).
+    quant_activations: str = "int8"
     extra: dict = field(default_factory=dict)
 
     WEIGHTS_DTYPES = ("auto", "fp32", "bf16", "fp16", "int8", "int4")  # not a field (no annotation): the values weights_dtype takes
     ATTENTION = ("auto", "reference", "cpu", "chunked", "triton")  # not a field: the values attention takes
     CUDA_GRAPHS = ("auto", "on", "off", "static")  # not a field: the values cuda_graphs takes
     KV_GROUPS = ("auto", "off")  # not a field: the values kv_groups takes
+    QUANT_ACTIVATIONS = ("int8", "fp32")  # not a field: the values quant_activations takes
 
     def validate(self, max_positions: int | None = None) -> None:
         """Raise ConfigError (naming the option and its range) for values no model, or this model (whose
@@ -244,6 +249,8 @@ class EngineOptions:
             raise bad("attention", self.attention, f"is not one of {', '.join(self.ATTENTION)}")
         if self.kv_groups not in self.KV_GROUPS:
             raise bad("kv_groups", self.kv_groups, f"is not one of {', '.join(self.KV_GROUPS)}")
+        if self.quant_activations not in self.QUANT_ACTIVATIONS:
+            raise bad("quant_activations", self.quant_activations, f"is not one of {', '.join(self.QUANT_ACTIVATIONS)}")
         for name in ("max_batch", "max_batched_tokens", "keep_finished", "stall_steps"):
             v = getattr(self, name)
             if not _is_int(v) or v < 1:

@@ -133,8 +133,9 @@ def cmd_bench_weights_quality(args: argparse.Namespace) -> int:
     base = load_model(args.model, dtype="fp32")
     big = dict(device_budget_mb=512.0, host_budget_mb=0.0)
 
-    def engine(loaded, dtype: str) -> Engine:
-        return Engine(loaded, CacheConfig(**big), EngineOptions(weights_dtype=dtype, attention=args.attention or "auto"))
+    def engine(loaded, dtype: str, act: str = "int8") -> Engine:
+        return Engine(loaded, CacheConfig(**big), EngineOptions(weights_dtype=dtype, attention=args.attention or "auto",
+                                                                quant_activations=act))
 
     ref_engine = engine(base, "fp32")
     ps = bench_prompts(ref_engine.tokenizer, count, args.prompt_tokens)
@@ -144,17 +145,18 @@ def cmd_bench_weights_quality(args: argparse.Namespace) -> int:
     reference_tokens = ref_engine.generate(ps, sp)
     ref = run_forced(engine(base, "fp32"), ps, reference_tokens)
     rows = []
-    for kind in ("int8", "int4"):
+    for kind, act in (("int8", "fp32"), ("int8", "int8"), ("int4", "fp32"), ("int4", "int8")):
         loaded = load_model(args.model, dtype=kind)
-        eng = engine(loaded, kind)
+        eng = engine(loaded, kind, act)
         got = run_forced(eng, ps, reference_tokens)
-        free = engine(loaded, kind).generate(ps, sp)
+        free = engine(loaded, kind, act).generate(ps, sp)
         r = compare(kind, ref, got, free, reference_tokens)
         greedy = sum(a == b for f, t in zip(free, reference_tokens) for a, b in zip(f, t)) / (count * n)
-        rows.append({"weights": kind, "format": eng.model.weights_format, "kld": r.kld, "kld_p99": r.kld_p99,
+        rows.append({"weights": kind, "activations": act, "format": eng.model.weights_format, "kld": r.kld,
+                     "kld_p99": r.kld_p99,
                      "top1": r.top1, "greedy_agreement": greedy, "max_logit_err": r.max_logit_err,
                      "identical_prefix": r.identical_prefix, "tokens": r.tokens})
-        say(f"  {kind} [{eng.model.weights_format}]: KLD {r.kld:.5f} (p99 {r.kld_p99:.4f})  top-1 (forced) "
+        say(f"  {kind}, {act} activations [{eng.model.weights_format}]: KLD {r.kld:.5f} (p99 {r.kld_p99:.4f})  top-1 (forced) "
             f"{100 * r.top1:.2f} %  greedy agreement (free-running, position by position) {100 * greedy:.2f} %  "
             f"identical prefix {r.identical_prefix}")
     if args.json:

@@ -207,6 +207,7 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     config = cache_config(args)
     options = EngineOptions(device=args.device, weights_dtype=getattr(args, "weights_dtype", None) or "auto",
                             attention=getattr(args, "attention", None) or "auto",
+                            quant_activations=getattr(args, "quant_activations", None) or "int8",
                             cuda_graphs=getattr(args, "cuda_graphs", None) or "auto", max_batch=max(16, B))
     options.validate()
     model = load_model(args.model, dtype=resolve_weights_dtype(options.weights_dtype, options.device),

@@ -260,8 +260,10 @@ class LlamaFamily:
     """
 
     def __init__(self, spec: ModelSpec, weights: dict[str, torch.Tensor], device: torch.device,
-                 dtype: "str | torch.dtype" = "auto", attention: str = "auto", context_limit: int | None = None):
+                 dtype: "str | torch.dtype" = "auto", attention: str = "auto", context_limit: int | None = None,
+                 quant_activations: str = "int8"):
         self.spec = spec
+        self.quant_activations = quant_activations  # the packed weights' CPU kernels' inputs (quant.ACTIVATIONS)
         self.device = device
         self.dtype = resolve_weights_dtype(dtype, device)
         # int8 / int4 (engine/model/quant.py): the linear weights and the embedding packed, all else fp32.
@@ -356,7 +358,7 @@ class LlamaFamily:
                 t.prepare_cuda()
             except NotImplementedError as e:
                 raise ConfigError(f"weights_dtype: {name}: {e}") from None
-        return t
+        return t.with_activations(self.quant_activations)  # a view of the same tensors where the mode differs
 
     def _fits(self, t: torch.Tensor) -> bool:
         return t.dtype == self.dtype and t.device == self._dev and t.is_contiguous()
@@ -404,7 +406,7 @@ class LlamaFamily:
         parts = [self._packed(w, n) for n in names]
         if not all(isinstance(p, QuantWeight) for p in parts):
             parts = [p if isinstance(p, QuantWeight) else quantize(p, "int8").to(self._dev) for p in parts]
-        fused = stack_rows(parts)
+        fused = stack_rows(parts).with_activations(self.quant_activations)
         row = 0
         for n, p in zip(names, parts):
             w[n] = fused.row_view(row, row + p.shape[0])

@@ -21,9 +21,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model import quant_kernels
+from engine.model import quant_ir, quant_kernels
 
 QUANT_KINDS = ("int8", "int4")
+ACTIVATIONS = ("int8", "fp32")  # what the CPU kernels multiply the packed weights by (quant_ir.py)
 INT4_GROUP = 32
 PREFILL_ROWS = 32  # rows of x from which a matmul dequantizes the weight and runs gemm (prompt chunks)
 PREFILL_TILE_BYTES = 32 << 20  # ... when the weight's fp32 copy is at most this (never the LM head's 113 MB)
@@ -37,7 +38,12 @@ class QuantWeight:
     zero: torch.Tensor  # float32 [N, K/group]
     group: int
     source: str = ""  # where the values came from: "quantized" here, or the GGUF type ("Q4_1", "Q8_0", ...)
+    # The CPU kernels' activations (quant_ir.py): "int8" rounds x to int8 per 32 inputs and takes integer dots
+    # (llama.cpp's Q8 math, ~1e-2 of a row's largest output), "fp32" multiplies x as it is (exact: the
+    # dequantized weight's matmul up to float rounding). Set per model (EngineOptions.quant_activations).
+    activations: str = "fp32"
     _cuda: tuple | None = None  # the CUDA kernel's own packing, built on first use there
+    _cpu: tuple | None = None  # the IR kernels' (group index, has nonzero zeros), built on first use
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,9 +71,23 @@ class QuantWeight:
             # matrix, freed after) and multiplied by MKL's gemm, as llama.cpp hands large batches to BLAS.
             return F.linear(x, self.lookup(torch.arange(N)))
         xn, q, s, z = x.numpy(), self.q.numpy(), self.scale.numpy(), self.zero.numpy()
+        if quant_ir.library() is not None:
+            if self.kind == "int4":
+                return torch.from_numpy(quant_ir.int4_matmul(xn, q, s, z, self.activations))
+            if self.group % 16 == 0 and K % 16 == 0:
+                if self._cpu is None:
+                    self._cpu = (quant_ir.group_index(K, self.group), bool((self.zero != 0).any()))
+                act = self.activations if K % quant_ir.ACT_GROUP == 0 else "fp32"
+                return torch.from_numpy(quant_ir.int8_matmul(xn, q, s, z, self.group, *self._cpu, act))
         out = (quant_kernels.int8_mm(xn, q, s, z, self.group) if self.kind == "int8"
                else quant_kernels.int4_mm(xn, q, s, z))
         return torch.from_numpy(out)
+
+    def with_activations(self, activations: str) -> "QuantWeight":
+        """This weight (same tensors) with the CPU kernels' activations `activations` (ACTIVATIONS)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"quantized weights' activations {activations!r} are not one of {', '.join(ACTIVATIONS)}")
+        return self if activations == self.activations else replace(self, activations=activations)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, dequantized [len(ids), K] float32 (an embedding lookup)."""
@@ -89,11 +109,11 @@ class QuantWeight:
     def take_rows(self, rows: torch.Tensor) -> "QuantWeight":
         """A new weight of rows `rows` (a permutation, a subset) of this one."""
         return replace(self, q=self.q[rows].contiguous(), scale=self.scale[rows].contiguous(),
-                       zero=self.zero[rows].contiguous(), _cuda=None)
+                       zero=self.zero[rows].contiguous(), _cuda=None, _cpu=None)
 
     def row_view(self, lo: int, hi: int) -> "QuantWeight":
         """Rows lo..hi sharing this weight's storage (no copy)."""
-        return replace(self, q=self.q[lo:hi], scale=self.scale[lo:hi], zero=self.zero[lo:hi], _cuda=None)
+        return replace(self, q=self.q[lo:hi], scale=self.scale[lo:hi], zero=self.zero[lo:hi], _cuda=None, _cpu=None)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.q, self.scale, self.zero
@@ -101,7 +121,7 @@ class QuantWeight:
     def to(self, device: torch.device) -> "QuantWeight":
         if self.q.device == torch.device(device):
             return self
-        return replace(self, q=self.q.to(device), scale=self.scale.to(device), zero=self.zero.to(device), _cuda=None)
+        return replace(self, q=self.q.to(device), scale=self.scale.to(device), zero=self.zero.to(device), _cuda=None, _cpu=None)
 
     def as_int8(self, group: int) -> "QuantWeight":
         """The same values in the int8 layout with groups of `group` (dividing this one's): exact."""
@@ -111,9 +131,9 @@ class QuantWeight:
         if self.kind == "int4":  # scale q + zero with q in 0..15 -> scale (q - 8) + (zero + 8 scale): q - 8 fits int8
             return replace(self, kind="int8", q=(q.to(torch.int16) - 8).to(torch.int8),
                            scale=self.scale.repeat_interleave(rep, 1), group=group,
-                           zero=(self.zero + 8 * self.scale).repeat_interleave(rep, 1), _cuda=None)
+                           zero=(self.zero + 8 * self.scale).repeat_interleave(rep, 1), _cuda=None, _cpu=None)
         return replace(self, scale=self.scale.repeat_interleave(rep, 1), zero=self.zero.repeat_interleave(rep, 1),
-                       group=group, _cuda=None)
+                       group=group, _cuda=None, _cpu=None)
 
     # -- CUDA --------------------------------------------------------------------------------------
     def _cuda_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -205,7 +225,7 @@ def stack_rows(parts: list[QuantWeight]) -> QuantWeight:
         parts = [p.as_int8(g) for p in parts]
     return replace(parts[0], q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
                    zero=torch.cat([p.zero for p in parts]),
-                   source="+".join(dict.fromkeys(p.source for p in parts)), _cuda=None)
+                   source="+".join(dict.fromkeys(p.source for p in parts)), _cuda=None, _cpu=None)
 
 
 def describe(weights: dict) -> str:

@@ -73,7 +73,8 @@ class Engine:
         self.options.validate(self.spec.max_position_embeddings)
         self.context_limit = self.options.context_limit or self.spec.max_position_embeddings
         self.model = LlamaFamily(self.spec, model.weights, self.device, self.options.weights_dtype,
-                                 context_limit=self.context_limit)  # the limit picks LongRoPE's factors (Phi-3)
+                                 context_limit=self.context_limit,  # the limit picks LongRoPE's factors (Phi-3)
+                                 quant_activations=self.options.quant_activations)
         self.model.use_attention(self.options.attention)
         self.counters = Counters()
         self.runner = ModelRunner(self.model, self.device, self.options.max_batch, self.options.cuda_graphs,

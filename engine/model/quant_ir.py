@@ -1,0 +1,408 @@
+"""Weight-only quantized matmuls written as LLVM IR vector code, compiled for this CPU by llvmlite (the LLVM that
+numba brings) and driven over threads by numba. The CPU path of engine/model/quant.py.
+
+Why IR: numba compiles scalar loops, and the loops of quant_kernels.py leave LLVM accumulators in memory and one
+float conversion per weight; written as vector IR the inner step is what llama.cpp's ggml-cpu does by hand:
+
+  int4 weights, int8 activations ("int8", the default; llama.cpp's Q4_x x Q8 dot):
+      16 packed bytes -> 32 nibbles (and, shift) -> u8 x s8 products summed in pairs (pmaddubsw), then in fours
+      (pmaddwd) -> 8 int32 -> float, times scale[g] * xscale[g] into 8 float accumulators; zero[g] * sum(x[g])
+      added per group.
+  int8 weights, int8 activations: 16 bytes sign-extended to int16, products summed in pairs (pmaddwd).
+  fp32 activations ("fp32", exact: equal to the dequantized weight's matmul up to float rounding): nibbles / bytes
+      converted to float and multiplied by x, four 8-lane products per group folded, times scale[g].
+
+Activations are quantized per group of 32 inputs (int8, scale max|x| / 127, round to nearest) once per call, as
+llama.cpp quantizes them to Q8_0 / Q8_1 before its integer dots: the integer path's error is that rounding (about
+1e-2 of a row's largest output on random data; `kvscope bench --weights-quality` reports what it does to tokens).
+
+Each function takes T rows of x at once (T = 1, 2, 4, 8: a batch's rows share each weight load) and a range of
+weight rows; the numba driver splits the rows over threads (prange) and the batch into tiles. On x86 with AVX2 the
+integer dots call LLVM's x86 intrinsics (pmaddubsw, pmaddwd); elsewhere they are plain vector IR, which LLVM lowers
+for whatever the CPU has. If the IR does not compile (no llvmlite, an LLVM without these intrinsics), quant.py falls
+back to quant_kernels.py, and says why in `status()`. KVSCOPE_QUANT_IR=portable compiles the plain IR on x86 too
+(the tests check both); KVSCOPE_QUANT_IR=off uses quant_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+try:
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+    from numba import njit, prange, types
+    from numba.extending import intrinsic
+
+    _IMPORT_ERROR = ""
+except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
+    llvm = None
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+TILES = (8, 4, 2, 1)  # rows of x one call takes
+ACT_GROUP = 32  # inputs per activation scale (int8 activations)
+KINDS = ("q4f", "q4i", "q8f", "q8i")  # int4 / int8 weights x fp32 / int8 activations
+
+
+# -- IR -------------------------------------------------------------------------------------------------------------
+
+
+def _seq(lo: int, hi: int) -> str:
+    return ", ".join(f"i32 {i}" for i in range(lo, hi))
+
+
+def _splat(t: str, n: int, v) -> str:
+    return "<" + ", ".join(f"{t} {v}" for _ in range(n)) + ">"
+
+
+_DECLARE_X86 = """
+declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
+declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+"""
+_DECLARE = """
+declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
+declare float @llvm.fma.f32(float, float, float)
+declare float @llvm.vector.reduce.fadd.v8f32(float, <8 x float>)
+"""
+
+# Arguments of every kernel (all 64-bit: pointers are passed as integers by the numba driver):
+#   q, s, z: the weight's packed values [N, ...], scales and zeros [N, Gw] float32
+#   x: T rows of activations (float32, or int8 for the integer kernels), row stride xst elements
+#   dx: their per-32 scales [T, K/32] float32 (integer kernels), row stride dst
+#   xs: their per-group sums [T, ...] float32 (the zero term), row stride sst
+#   out: [T, N] float32, row stride ost
+#   gidx: int32 [K/16]: the weight group of each 16 inputs (int8 weights)
+#   n0, n1: the weight rows to compute; Gw: groups per weight row; K: inputs
+_ARGS = ("q", "s", "z", "x", "dx", "xs", "out", "gidx", "n0", "n1", "Gw", "K", "xst", "dst", "sst", "ost")
+
+
+def _int_dot4(w: str, xv: str, out: str, x86: bool) -> str:
+    """<8 x i32> %out = sums of 4 neighbouring products of u8 <32 x i8> %w and s8 %xv."""
+    if x86:
+        return (f"  {out}.p = call <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8> {w}, <32 x i8> {xv})\n"
+                f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {out}.p, <16 x i16> "
+                f"{_splat('i16', 16, 1)})\n")
+    return (f"  {out}.a = zext <32 x i8> {w} to <32 x i32>\n"
+            f"  {out}.b = sext <32 x i8> {xv} to <32 x i32>\n"
+            f"  {out}.m = mul <32 x i32> {out}.a, {out}.b\n"
+            + _fold32(f"{out}.m", out, "i32", "add"))
+
+
+def _int_dot2(w16: str, xv: str, out: str, x86: bool) -> str:
+    """<8 x i32> %out = sums of 2 neighbouring products of <16 x i16> %w16 and s8 <16 x i8> %xv."""
+    if x86:
+        return (f"  {out}.x = sext <16 x i8> {xv} to <16 x i16>\n"
+                f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {w16}, <16 x i16> {out}.x)\n")
+    return (f"  {out}.a = sext <16 x i16> {w16} to <16 x i32>\n"
+            f"  {out}.b = sext <16 x i8> {xv} to <16 x i32>\n"
+            f"  {out}.m = mul <16 x i32> {out}.a, {out}.b\n"
+            f"  {out}.lo = shufflevector <16 x i32> {out}.m, <16 x i32> poison, <8 x i32> <{_seq(0, 8)}>\n"
+            f"  {out}.hi = shufflevector <16 x i32> {out}.m, <16 x i32> poison, <8 x i32> <{_seq(8, 16)}>\n"
+            f"  {out} = add <8 x i32> {out}.lo, {out}.hi\n")
+
+
+def _fold32(src: str, out: str, t: str, op: str) -> str:
+    """<8 x t> %out = the four 8-lane quarters of <32 x t> %src combined with op."""
+    q = [f"  {out}.q{i} = shufflevector <32 x {t}> {src}, <32 x {t}> poison, <8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n"
+         for i in range(4)]
+    return ("".join(q) + f"  {out}.s0 = {op} <8 x {t}> {out}.q0, {out}.q1\n"
+            f"  {out}.s1 = {op} <8 x {t}> {out}.q2, {out}.q3\n  {out} = {op} <8 x {t}> {out}.s0, {out}.s1\n")
+
+
+def _bcast(src: str, out: str) -> str:
+    return (f"  {out}.i = insertelement <8 x float> poison, float {src}, i64 0\n"
+            f"  {out} = shufflevector <8 x float> {out}.i, <8 x float> poison, <8 x i32> zeroinitializer\n")
+
+
+def _load(t: str, base: str, idx: str, out: str, vec: str | None = None) -> str:
+    ty = vec or t
+    return f"  {out}.a = getelementptr {t}, ptr {base}, i64 {idx}\n  {out} = load {ty}, ptr {out}.a, align 1\n"
+
+
+def kernel_ir(kind: str, T: int, x86: bool) -> str:
+    """One kernel's IR: `kind` (KINDS) for T rows of x."""
+    int4, integer = kind.startswith("q4"), kind.endswith("i")
+    step = 32 if int4 else 16  # inputs per inner step: a group of 32 (int4), 16 inputs (int8)
+    name = f"{kind}_t{T}"
+    a = ", ".join(f"i64 %{n}.i" for n in _ARGS)
+    L = [f"define void @{name}({a}) {{\nentry:\n"]
+    for n in _ARGS[:8]:
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append("  %steps = udiv i64 %K.i, " + str(step) + "\n")
+    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
+    for t in range(T):  # each x row's base pointers
+        xt = "i8" if integer else "float"
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {xt}, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
+        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
+    # -- row loop
+    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
+    L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
+    L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
+             "  %zp = getelementptr float, ptr %z, i64 %so\n  br label %step\n")
+    # -- step loop
+    L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n")
+    for t in range(T):
+        L.append(f"  %acc{t} = phi <8 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
+        if int4:
+            L.append(f"  %zacc{t} = phi float [0.0, %row], [%zacc{t}.n, %step]\n")
+    if int4:
+        L.append("  %qa.o = mul i64 %c, 16\n" + _load("i8", "%qp", "%qa.o", "%qv", "<16 x i8>"))
+        L.append(f"  %lo = and <16 x i8> %qv, {_splat('i8', 16, 15)}\n  %hi = lshr <16 x i8> %qv, {_splat('i8', 16, 4)}\n")
+        L.append(f"  %w = shufflevector <16 x i8> %lo, <16 x i8> %hi, <32 x i32> <{_seq(0, 32)}>\n")
+        L.append(_load("float", "%sp", "%c", "%sv") + _load("float", "%zp", "%c", "%zv"))
+        if not integer:
+            L.append("  %wf = uitofp <32 x i8> %w to <32 x float>\n")
+            for i in range(4):
+                L.append(f"  %wf{i} = shufflevector <32 x float> %wf, <32 x float> poison, <8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
+            L.append(_bcast("%sv", "%svb"))
+        L.append("  %xo = mul i64 %c, 32\n")
+    else:
+        L.append("  %qa.o = mul i64 %c, 16\n")
+        L.append(_load("i8", "%qp", "%qa.o", "%qv", "<16 x i8>"))
+        L.append(_load("i32", "%gidx", "%c", "%gi") + "  %gi64 = sext i32 %gi to i64\n")
+        L.append(_load("float", "%sp", "%gi64", "%sv"))
+        if integer:
+            L.append("  %w16 = sext <16 x i8> %qv to <16 x i16>\n  %dc = lshr i64 %c, 1\n")
+        else:
+            L.append("  %wf = sitofp <16 x i8> %qv to <16 x float>\n")
+            for i in range(2):
+                L.append(f"  %wf{i} = shufflevector <16 x float> %wf, <16 x float> poison, <8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
+            L.append(_bcast("%sv", "%svb"))
+        L.append("  %xo = mul i64 %c, 16\n")
+    for t in range(T):
+        if integer:
+            if int4:
+                L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<32 x i8>"))
+                L.append(_int_dot4("%w", f"%xv{t}", f"%p{t}", x86))
+                L.append(_load("float", f"%db{t}", "%c", f"%dv{t}"))
+            else:
+                L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<16 x i8>"))
+                L.append(_int_dot2("%w16", f"%xv{t}", f"%p{t}", x86))
+                L.append(_load("float", f"%db{t}", "%dc", f"%dv{t}"))
+            L.append(f"  %f{t} = sitofp <8 x i32> %p{t} to <8 x float>\n  %sd{t} = fmul float %sv, %dv{t}\n")
+            L.append(_bcast(f"%sd{t}", f"%sdb{t}"))
+            L.append(f"  %acc{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sdb{t}, "
+                     f"<8 x float> %acc{t})\n")
+        else:
+            parts = 4 if int4 else 2
+            for i in range(parts):
+                L.append(f"  %xo{t}.{i} = add i64 %xo, {8 * i}\n")
+                L.append(_load("float", f"%xb{t}", f"%xo{t}.{i}", f"%xv{t}.{i}", "<8 x float>"))
+            L.append(f"  %m{t}.0 = fmul <8 x float> %wf0, %xv{t}.0\n")
+            for i in range(1, parts):
+                L.append(f"  %m{t}.{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> %wf{i}, <8 x float> %xv{t}.{i}, "
+                         f"<8 x float> %m{t}.{i - 1})\n")
+            L.append(f"  %acc{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %m{t}.{parts - 1}, <8 x float> %svb, "
+                     f"<8 x float> %acc{t})\n")
+        if int4:
+            L.append(_load("float", f"%sb{t}", "%c", f"%xsv{t}"))
+            L.append(f"  %zacc{t}.n = call float @llvm.fma.f32(float %zv, float %xsv{t}, float %zacc{t})\n")
+    L.append("  %c1 = add i64 %c, 1\n  %more = icmp ult i64 %c1, %steps\n  br i1 %more, label %step, label %rowend\n")
+    # -- row end: one horizontal sum per x row
+    L.append("rowend:\n")
+    for t in range(T):
+        init = f"%zacc{t}.n" if int4 else "0.0"
+        L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float {init}, <8 x float> %acc{t}.n)\n")
+        L.append(f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
+    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
+def module_ir(x86: bool) -> str:
+    return (_DECLARE_X86 if x86 else "") + _DECLARE + "".join(kernel_ir(k, t, x86) for k in KINDS for t in TILES)
+
+
+# -- compiled library -----------------------------------------------------------------------------------------------
+
+
+class _Library:
+    """The kernels compiled for this CPU: addresses[kind] = int64 array, [T] = kernel for T rows (0 elsewhere)."""
+
+    def __init__(self, portable: bool = False) -> None:
+        """portable: the plain vector IR even where the x86 intrinsics would do (KVSCOPE_QUANT_IR=portable)."""
+        llvm.initialize_native_target()
+        llvm.initialize_native_asmprinter()
+        features = llvm.get_host_cpu_features()
+        self.cpu = llvm.get_host_cpu_name()
+        self.x86 = (llvm.get_process_triple().startswith(("x86_64", "i686", "i386")) and bool(features.get("avx2"))
+                    and not portable)
+        target = llvm.Target.from_default_triple()
+        self._tm = target.create_target_machine(cpu=self.cpu, features=features.flatten(), opt=3)
+        mod = llvm.parse_assembly(module_ir(self.x86))
+        mod.triple = self._tm.triple
+        mod.data_layout = str(self._tm.target_data)
+        mod.verify()
+        pb = llvm.create_pass_builder(self._tm, llvm.create_pipeline_tuning_options(speed_level=3))
+        pb.getModulePassManager().run(mod, pb)
+        self._engine = llvm.create_mcjit_compiler(mod, self._tm)  # owns the code: kept alive with the library
+        self._engine.finalize_object()
+        self.addresses = {}
+        for kind in KINDS:
+            table = np.zeros(max(TILES) + 1, dtype=np.int64)
+            for t in TILES:
+                table[t] = self._engine.get_function_address(f"{kind}_t{t}")
+            self.addresses[kind] = table
+        self.isa = "avx2 (pmaddubsw/pmaddwd)" if self.x86 else "portable vector IR"
+
+
+_lock = threading.Lock()
+_lib: "_Library | None" = None
+_error = _IMPORT_ERROR
+
+
+def library() -> "_Library | None":
+    """The compiled kernels (compiled on first use, about a second), or None where they cannot be (status() says)."""
+    global _lib, _error
+    if _lib is not None or _error:
+        return _lib
+    if os.environ.get("KVSCOPE_QUANT_IR") == "off":
+        _error = "KVSCOPE_QUANT_IR=off"
+        return None
+    with _lock:
+        if _lib is None and not _error:
+            try:
+                _lib = _Library(portable=os.environ.get("KVSCOPE_QUANT_IR") == "portable")
+            except Exception as e:  # an LLVM that refuses the IR: quant.py uses quant_kernels.py instead
+                _error = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def status() -> str:
+    lib = library()
+    return f"LLVM IR kernels for {lib.cpu}, {lib.isa}" if lib is not None else f"unavailable ({_error})"
+
+
+# -- numba glue -----------------------------------------------------------------------------------------------------
+
+if llvm is not None:
+
+    @intrinsic
+    def _call(typingctx, fn, args):  # pragma: no cover - compiled
+        """Call the function at address fn (int64) with the int64s of tuple args."""
+        n = args.count
+
+        def codegen(context, builder, signature, llargs):
+            fnaddr, tup = llargs
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * n)
+            builder.call(builder.inttoptr(fnaddr, fnty.as_pointer()), [builder.extract_value(tup, i) for i in range(n)])
+            return context.get_dummy_value()
+
+        return types.void(fn, args), codegen
+
+    @njit(parallel=True, nogil=True, cache=True)
+    def _drive(fns, q, s, z, x, dx, xs, out, gidx, Gw, K, chunk):  # pragma: no cover - compiled
+        """out[b, n] for every row b of x and n of the weight: weight rows in chunks over threads, x rows in tiles."""
+        N, B = out.shape[1], out.shape[0]
+        xst, dst, sst, ost = x.strides[0] // x.itemsize, dx.strides[0] // 4, xs.strides[0] // 4, out.strides[0] // 4
+        qp, sp, zp, gp = np.int64(q.ctypes.data), np.int64(s.ctypes.data), np.int64(z.ctypes.data), np.int64(gidx.ctypes.data)
+        xp, dp, xsp, op = np.int64(x.ctypes.data), np.int64(dx.ctypes.data), np.int64(xs.ctypes.data), np.int64(out.ctypes.data)
+        for c in prange((N + chunk - 1) // chunk):
+            n0 = c * chunk
+            n1 = min(N, n0 + chunk)
+            b = 0
+            while b < B:
+                left = B - b
+                T = 8 if left >= 8 else (4 if left >= 4 else (2 if left >= 2 else 1))
+                _call(fns[T], (qp, sp, zp, xp + b * xst * x.itemsize, dp + b * dst * 4, xsp + b * sst * 4,
+                               op + b * ost * 4, gp, np.int64(n0), np.int64(n1), np.int64(Gw), np.int64(K),
+                               np.int64(xst), np.int64(dst), np.int64(sst), np.int64(ost)))
+                b += T
+
+    @njit(nogil=True, cache=True)
+    def _quantize_rows(x, xq, dx, xs):  # pragma: no cover - compiled
+        """x [B, K] float32 -> int8 xq (round to nearest of x / d), d = max|x| / 127 per 32 inputs, and the sums of
+        x per 32 (the zero term's)."""
+        for b in range(x.shape[0]):
+            for g in range(x.shape[1] // 32):
+                m = np.float32(0.0)
+                t = np.float32(0.0)
+                for j in range(32 * g, 32 * g + 32):
+                    v = x[b, j]
+                    t += v
+                    m = max(m, abs(v))
+                d = m / np.float32(127.0)
+                inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+                for j in range(32 * g, 32 * g + 32):
+                    xq[b, j] = np.int8(np.rint(x[b, j] * inv))
+                dx[b, g] = d
+                xs[b, g] = t
+
+    @njit(nogil=True, cache=True)
+    def _group_sums(x, group, xs):  # pragma: no cover - compiled
+        for b in range(x.shape[0]):
+            for g in range(x.shape[1] // group):
+                t = np.float32(0.0)
+                for j in range(group * g, group * g + group):
+                    t += x[b, j]
+                xs[b, g] = t
+
+
+def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [B, K] float32 (K a multiple of 32) -> (int8 [B, K], scales [B, K/32], sums [B, K/32])."""
+    B, K = x.shape
+    xq = np.empty((B, K), dtype=np.int8)
+    dx = np.empty((B, K // ACT_GROUP), dtype=np.float32)
+    xs = np.empty((B, K // ACT_GROUP), dtype=np.float32)
+    _quantize_rows(x, xq, dx, xs)
+    return xq, dx, xs
+
+
+def _chunk(n: int) -> int:
+    import numba
+
+    per = -(-n // (8 * numba.get_num_threads()))  # ~8 chunks a thread: balance without tiny calls
+    return max(16, per)
+
+
+_NO_GIDX = np.zeros(1, dtype=np.int32)
+_NO_F32 = np.zeros((1, 1), dtype=np.float32)
+
+
+def int4_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, activations: str,
+                lib: "_Library | None" = None) -> np.ndarray:
+    """x [B, K] float32 @ the int4 weight (quant.py's layout) -> [B, N] float32 (lib: the compiled kernels to use,
+    library() by default)."""
+    lib = lib or library()
+    B, K = x.shape
+    N = q.shape[0]
+    out = np.empty((B, N), dtype=np.float32)
+    if activations == "int8":
+        xq, dx, xs = quantize_activations(x)
+        _drive(lib.addresses["q4i"], q, scale, zero, xq, dx, xs, out, _NO_GIDX, scale.shape[1], K, _chunk(N))
+    else:
+        xs = np.empty((B, K // 32), dtype=np.float32)
+        _group_sums(x, 32, xs)
+        _drive(lib.addresses["q4f"], q, scale, zero, x, _NO_F32, xs, out, _NO_GIDX, scale.shape[1], K, _chunk(N))
+    return out
+
+
+def group_index(K: int, group: int) -> np.ndarray:
+    """int32 [K/16]: the group of each 16 inputs of a row with groups of `group` (a multiple of 16)."""
+    return (np.arange(K // 16, dtype=np.int64) * 16 // group).astype(np.int32)
+
+
+def int8_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int, gidx: np.ndarray,
+                has_zero: bool, activations: str, lib: "_Library | None" = None) -> np.ndarray:
+    """x [B, K] float32 @ the int8 weight (groups of `group`, a multiple of 16; K a multiple of 32 for int8
+    activations) -> [B, N] float32."""
+    lib = lib or library()
+    B, K = x.shape
+    N = q.shape[0]
+    out = np.empty((B, N), dtype=np.float32)
+    if activations == "int8":
+        xq, dx, _ = quantize_activations(x)
+        _drive(lib.addresses["q8i"], q, scale, zero, xq, dx, _NO_F32, out, gidx, scale.shape[1], K, _chunk(N))
+    else:
+        _drive(lib.addresses["q8f"], q, scale, zero, x, _NO_F32, _NO_F32, out, gidx, scale.shape[1], K, _chunk(N))
+    if has_zero:  # only int8 weights made from int4 ones (quant.stack_rows of mixed formats) have zeros
+        xs = np.empty((B, K // group), dtype=np.float32)
+        _group_sums(x, group, xs)
+        out += xs @ zero.T
+    return out

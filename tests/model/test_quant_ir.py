@@ -1,0 +1,117 @@
+"""The LLVM IR kernels of the packed weights (engine/model/quant_ir.py), both builds of them (x86 intrinsics where the
+CPU has AVX2, the portable vector IR everywhere), against numpy doing the same arithmetic in float64:
+
+  fp32 activations: x @ dequantize(W).T exactly (up to float32 rounding);
+  int8 activations: x rounded to int8 per 32 inputs (scale max|x| / 127), each group's integer dot scaled by the
+  weight's and x's scales, plus the zero term on the unrounded x: what llama.cpp's Q4_1 x Q8_1 dot computes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model import quant_ir
+from engine.model.quant import QuantWeight, quantize, stack_rows
+
+pytestmark = pytest.mark.skipif(quant_ir.library() is None, reason=f"IR kernels: {quant_ir.status()}")
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request):
+    built = quant_ir._Library(portable=request.param == "portable")
+    if request.param == "native" and not built.x86:
+        pytest.skip("this CPU has no AVX2: the native build is the portable one")
+    return built
+
+
+def _rounded(x: np.ndarray) -> np.ndarray:
+    """x as the integer kernels see it: int8 per 32 inputs times its scale (float64)."""
+    xq, dx, _ = quant_ir.quantize_activations(x)
+    B, K = x.shape
+    return (xq.astype(np.float64).reshape(B, K // 32, 32) * dx.astype(np.float64)[..., None]).reshape(B, K)
+
+
+def _want(x: np.ndarray, w: QuantWeight, activations: str) -> np.ndarray:
+    W = w.dequantize().double().numpy()
+    if activations == "fp32":
+        return x.astype(np.float64) @ W.T
+    Z = np.repeat(w.zero.double().numpy(), w.group, axis=1)  # the zero term multiplies the unrounded x
+    return _rounded(x) @ (W - Z).T + x.astype(np.float64) @ Z.T
+
+
+def _run(lib, x: np.ndarray, w: QuantWeight, activations: str) -> np.ndarray:
+    q, s, z = w.q.numpy(), w.scale.numpy(), w.zero.numpy()
+    if w.kind == "int4":
+        return quant_ir.int4_matmul(x, q, s, z, activations, lib=lib)
+    K = x.shape[1]
+    return quant_ir.int8_matmul(x, q, s, z, w.group, quant_ir.group_index(K, w.group), bool((w.zero != 0).any()),
+                                activations, lib=lib)
+
+
+def _weights(N: int, K: int, seed: int) -> dict[str, QuantWeight]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(N, K, generator=g) * 0.05
+    i4 = quantize(w, "int4")
+    return {
+        "int4": i4,
+        "int8 per row": quantize(w, "int8"),
+        "int8 groups of 16 with zeros": i4.as_int8(16),  # what a mixed q/k/v stack becomes (zeros nonzero)
+        "int8 groups of 32": QuantWeight("int8", torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8),
+                                         torch.rand(N, K // 32, generator=g) * 0.01, torch.zeros(N, K // 32), 32),
+    }
+
+
+@pytest.mark.parametrize("activations", ["fp32", "int8"])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])  # tiles of 8, 4, 2, 1 rows and their mixes
+@pytest.mark.parametrize("shape", [(96, 576), (200, 1536), (17, 64)])
+def test_kernels_compute_their_arithmetic(lib, activations, rows, shape):
+    N, K = shape
+    x = np.random.default_rng(rows).standard_normal((rows, K), dtype=np.float32)
+    x[0, :32] = 0.0  # an all-zero group: scale 0, no division by it
+    for name, w in _weights(N, K, rows + K).items():
+        got = _run(lib, x, w, activations)
+        want = _want(x, w, activations)
+        assert got.shape == (rows, N) and got.dtype == np.float32
+        assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max(), name
+
+
+@pytest.mark.parametrize("kind", ["int8 per row", "int4"])
+def test_int8_activations_are_not_the_exact_product(lib, kind):
+    """The integer path really rounds x (a kernel that ignored the mode would pass the test above for fp32 only):
+    its error against the exact product is that rounding's size, ~1e-2 of the largest output, not float noise."""
+    x = np.random.default_rng(0).standard_normal((4, 576), dtype=np.float32)
+    w = _weights(64, 576, 1)[kind]
+    exact = _want(x, w, "fp32")
+    err = np.abs(_run(lib, x, w, "int8") - exact).max() / np.abs(exact).max()
+    assert 1e-4 < err < 3e-2
+
+
+def test_activation_rounding_is_to_the_nearest_level():
+    x = np.random.default_rng(3).standard_normal((3, 96), dtype=np.float32) * 5
+    xq, dx, xs = quant_ir.quantize_activations(x)
+    g = x.reshape(3, 3, 32)
+    assert np.allclose(dx, np.abs(g).max(-1) / 127, rtol=1e-6)
+    assert np.abs(xq).max() == 127
+    assert (np.abs(_rounded(x) - x).reshape(3, 3, 32) <= dx[..., None] / 2 * (1 + 1e-5)).all()
+    assert np.allclose(xs, g.sum(-1), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_weights_pick_the_mode_per_model():
+    """QuantWeight.matmul runs the mode the weight carries; with_activations gives the other mode over the same
+    tensors (two engines on one loaded model can differ); a mode that does not exist is refused."""
+    w = quantize(torch.randn(64, 96), "int4")
+    x = torch.randn(2, 96)
+    fast = w.with_activations("int8")
+    assert fast.q is w.q and w.activations == "fp32" and fast.with_activations("int8") is fast
+    assert np.abs(w.matmul(x).numpy() - _want(x.numpy(), w, "fp32")).max() < 1e-5
+    assert np.abs(fast.matmul(x).numpy() - _want(x.numpy(), w, "int8")).max() < 1e-5
+    assert stack_rows([fast, fast]).activations == "int8"
+    with pytest.raises(ValueError, match="activations 'int4'"):
+        w.with_activations("int4")
+
+
+def test_status_names_the_build():
+    assert quant_ir.status().startswith("LLVM IR kernels for ")
+    assert "x86" not in quant_ir.module_ir(x86=False)  # the portable build calls no x86 intrinsic
