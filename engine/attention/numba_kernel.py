@@ -7,7 +7,7 @@ backend's Python changes. Importing this module imports numba.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 from numba.extending import overload
 
 # The score and output sums may be reordered and fused (fp32 summation-order noise, as any matmul); the
@@ -202,3 +202,14 @@ def attend(q, qpos, table, alt, ctx, key_pos, has_kpos, window,
             l_out[b, h, r] = lsum[r]
             for d in range(D):
                 acc_out[b, h, r, d] = acc[r, d]
+
+
+@njit(cache=True, nogil=True, parallel=True)
+def attend_threads(q, qpos, table, alt, ctx, key_pos, has_kpos, window,
+                   kd, ks1, ks2, kfmt, vd, vs1, vs2, vfmt, akd, aks1, aks2, avd, avs1, avs2,
+                   dlut, hlut, acc_out, m_out, l_out, n):
+    """attend over n threads (numba's pool, as the packed weights' matmuls use): thread i takes work items
+    i, i + n, ... One launch from compiled code instead of a Python thread pool's submit and wait per layer."""
+    for i in prange(n):
+        attend(q, qpos, table, alt, ctx, key_pos, has_kpos, window, kd, ks1, ks2, kfmt, vd, vs1, vs2, vfmt,
+               akd, aks1, aks2, avd, avs1, avs2, dlut, hlut, acc_out, m_out, l_out, i, n)

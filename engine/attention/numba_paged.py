@@ -9,8 +9,9 @@ L1 (the codec's arithmetic, engine/kv/codecs.py, element for element). It folds 
 the G*Q query rows that share the kv head (GQA: the queries of a kv head share the read), with a vectorized exp
 (libm's, one call per score, cost as much as the rest of a key). The loop returns (acc, m, l) per row: the
 output, the log-sum-exp and the attention sinks are a few small torch ops on [B, H, D] after it. The (sequence,
-kv head) items are split across torch's thread count (the loop releases the GIL; plain threads on a queue, not
-a second OpenMP pool spinning beside torch's).
+kv head) items are split across torch's thread count, in one launch of numba's thread pool (numba_kernel.
+attend_threads; the pool the packed weights' matmuls use too). What a step's layers share (block tables, positions,
+context lengths as numpy arrays) is built at its first layer only (_rows).
 
 Visibility is reading.visibility's rule, key by key (context length, key positions, windows); blocks wholly
 outside every query's range are skipped before any byte of them is read (without explicit key positions, by
@@ -32,7 +33,6 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -115,21 +115,6 @@ def _side(parts, fmt: KVFormat, layer: int) -> tuple[np.ndarray, np.ndarray, np.
     return data, _np(parts["scale"][layer]), _np(parts["anchor"][layer])  # DELTA
 
 
-_pool: ThreadPoolExecutor | None = None
-
-
-def _workers(n: int) -> ThreadPoolExecutor:
-    """Threads that run the kernel beside the caller (it releases the GIL): grown to n, never shrunk. Plain
-    threads waiting on a queue, not a second OpenMP pool spinning beside torch's."""
-    global _pool
-    with _compile_lock:
-        if _pool is None or _pool._max_workers < n:
-            old, _pool = _pool, ThreadPoolExecutor(max_workers=n, thread_name_prefix="kvscope-attn")
-            if old is not None:
-                old.shutdown(wait=False)
-        return _pool
-
-
 class NumbaPagedBackend(ChunkedPagedBackend):
     """The compiled in-place loop for decode (and partial, and prefill with attention sinks) on the CPU; the
     chunked torch path (its base class) for the rest: CUDA tensors, CPU prefill without sinks (SDPA)."""
@@ -141,6 +126,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         if numba is None:
             raise RuntimeError(f"numba does not import ({IMPORT_ERROR})")
         super().__init__(chunk_elems=chunk_elems, dense_prefill=dense_prefill)
+        self._held = None  # (the batch and tier a step's layers share, the kernel's arrays of it): _rows
 
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -207,15 +193,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         G = H // Hkv
         kfmt, vfmt = kv_formats(paged.dtype)
         qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D).contiguous()
-        table = batch.block_table.long().contiguous()
-        if alt_kv is not None:
-            alt = torch.where(batch.on_host.cpu(), alt_table.long().cpu(), -1).contiguous()
-        else:
-            alt = torch.full(table.shape, -1, dtype=torch.long)
-        qpos = batch.q_pos.reshape(B, Q).long().contiguous()
-        has_kpos = batch.key_pos is not None
-        kpos = batch.key_pos.long().contiguous() if has_kpos else torch.zeros((1, 1), dtype=torch.long)
-        ctx = batch.context_lens.long().contiguous()
+        rows = self._rows(batch, paged, alt_table if alt_kv is not None else None, B, Q)
         try:
             k = _side(paged.k, kfmt, layer)
             v = _side(paged.v, vfmt, layer)
@@ -226,7 +204,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         m = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
         l = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
         data = paged.k["data"][layer]
-        args = (qg.numpy(), _np(qpos), _np(table), _np(alt), _np(ctx), _np(kpos), has_kpos, int(window or 0),
+        args = (qg.numpy(), *rows, int(window or 0),
                 k[0], k[1], k[2], int(kfmt), v[0], v[1], v[2], int(vfmt), ak[0], ak[1], ak[2], av[0], av[1], av[2],
                 _data_lut(data), _lut("float16"), acc.numpy(), m.numpy(), l.numpy())
         kind = str(args[8].dtype)
@@ -240,8 +218,25 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         if n == 1:
             numba_kernel.attend(*args, 0, 1)
             return acc, m, l
-        futures = [_workers(n - 1).submit(numba_kernel.attend, *args, i, n) for i in range(1, n)]
-        numba_kernel.attend(*args, 0, n)  # this thread takes a share too
-        for f in futures:
-            f.result()
+        numba_kernel.attend_threads(*args, n)
         return acc, m, l
+
+    def _rows(self, batch: PagedBatch, paged: PagedKV, alt_table, B: int, Q: int) -> tuple:
+        """(qpos, table, alt, ctx, key_pos, has_kpos) as the kernel takes them: the same for every layer of a step
+        (one PagedBatch), so built at its first layer and kept until the next batch."""
+        key = (batch, paged, alt_table, B, Q)
+        held = self._held
+        if held is not None and all(a is b for a, b in zip(held[0], key)):
+            return held[1]
+        table = batch.block_table.long().contiguous()
+        if alt_table is not None:
+            alt = torch.where(batch.on_host.cpu(), alt_table.long().cpu(), -1).contiguous()
+        else:
+            alt = torch.full(table.shape, -1, dtype=torch.long)
+        qpos = batch.q_pos.reshape(B, Q).long().contiguous()
+        has_kpos = batch.key_pos is not None
+        kpos = batch.key_pos.long().contiguous() if has_kpos else torch.zeros((1, 1), dtype=torch.long)
+        ctx = batch.context_lens.long().contiguous()
+        rows = (_np(qpos), _np(table), _np(alt), _np(ctx), _np(kpos), has_kpos)
+        self._held = (key, rows)
+        return rows

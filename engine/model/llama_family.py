@@ -35,7 +35,8 @@ from engine.attention.tier_split import TierSplit, attend_on_host, attend_split,
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype, weights_quant
-from engine.model.quant import QuantWeight, can_quantize, describe, quantize, stack_rows
+from engine.model.quant import PREFILL_ROWS, QuantWeight, can_quantize, describe, quantize, stack_rows
+from engine.model.quant_layer import FusedLayer
 from engine.model.moe import MoeMLP
 from engine.model.spec import LAYER_NORMS
 
@@ -325,6 +326,11 @@ class LlamaFamily:
         # What the weights are held as: "fp32", or the packed kinds and where their values came from (quant.describe).
         names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         self.weights_format = describe(w) or names[self.dtype]
+        # Packed weights on the CPU: a layer of the plain Llama shape runs its compute around attention as two
+        # compiled calls (engine/model/quant_layer.py) in steps of fewer than quant.PREFILL_ROWS rows.
+        packed_layers = any(isinstance(layer[1], QuantWeight) for layer in self.layers)
+        self.fused = [FusedLayer.of(self, li) if packed_layers else None for li in range(spec.num_layers)]
+        self.fused_enabled = True  # the tests compare both ways
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe
@@ -514,6 +520,16 @@ class LlamaFamily:
         parallel = s.norm_placement == "parallel"
         for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
+            fused = self.fused[li] if T < PREFILL_ROWS and self.fused_enabled else None
+            if fused is not None:  # the same steps as below, in two compiled calls (quant_layer.py)
+                qkv = fused.pre(x, *(rot[self.layer_rope[li]] if self.layer_rope[li] is not None else (None, None)))
+                qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+                q, k = qk[:, :H], qk[:, H:]
+                v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+                pi, local = where[li]
+                parts[pi].store.write(local, k, v)
+                x = fused.post(x, attends[pi](local, q, s.sliding_window[li]).reshape(T, H * D))
+                continue
             h = x if attn_in is None else self._norm(x, attn_in)
             qkv = linear(h, qkv_w)  # [T, (H + 2 Hkv) D]
             if qkv_b is not None:

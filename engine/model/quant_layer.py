@@ -1,0 +1,180 @@
+"""A decoder layer's compute around attention in two compiled calls, for packed weights on the CPU (quant_ir.py).
+
+A decode step of a small model is mostly dispatch: per layer a norm, the q/k/v matmul, two RoPE rotations, the o
+matmul, a residual, a norm, gate/up, the activation, down and a residual, each a torch op or a numba call of
+10-30 us around a kernel of similar length. Here the two stretches without attention are one call each:
+
+    pre  = RMSNorm -> x @ W_qkv -> RoPE on q and k                       (then the KV write and attention: Python)
+    post = attn @ W_o -> + x -> RMSNorm -> x @ W_gate_up -> silu(gate) * up -> @ W_down -> + x
+
+with the matmuls through the same IR kernels and the same arithmetic as QuantWeight.matmul (quant_ir._drive), so
+a fused layer computes what the unfused one does up to float rounding (tests/model/test_quant_layer.py).
+
+Only for the layers this shape describes (FusedLayer.of says which): pre-norm RMSNorm, no biases, no q/k norm, no
+post-norms, SiLU, a dense MLP, rotate-half RoPE over the whole head, int4 weights or int8 ones without zeros,
+fp32 activations and at most quant.PREFILL_ROWS rows (a prompt chunk goes the unfused way, through gemm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from engine.model import quant_ir
+
+try:
+    from numba import njit
+except Exception:  # pragma: no cover - numba missing: no fused layers (quant_ir is unavailable too)
+    njit = None
+
+
+def operand(w, activations: str) -> tuple | None:
+    """The numba tuple of a packed weight (fns, q, s, z, gidx, Gw, K, int8 activations, chunk), or None where the
+    fused path does not take it (int8 weights with zeros, inputs not in 16s)."""
+    lib = quant_ir.library()
+    if lib is None or w.q.device.type != "cpu":
+        return None
+    N, K = w.shape
+    if w.kind == "int4":
+        act8 = activations == "int8"
+        fns = lib.addresses["q4i" if act8 else "q4f"]
+        gidx = np.zeros(1, dtype=np.int32)
+    else:
+        if w.group % 16 or K % 16 or bool((w.zero != 0).any()):
+            return None
+        act8 = activations == "int8" and K % quant_ir.ACT_GROUP == 0
+        fns = lib.addresses["q8i" if act8 else "q8f"]
+        gidx = quant_ir.group_index(K, w.group)
+    return (fns, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), gidx, w.scale.shape[1], K, act8, quant_ir._chunk(N))
+
+
+if njit is not None and quant_ir.llvm is not None:
+
+    @njit(nogil=True, cache=True)
+    def _mm(w, x, out):  # pragma: no cover - compiled
+        """out = x @ W.T through the IR kernels (QuantWeight.matmul's arithmetic)."""
+        fns, q, s, z, gidx, Gw, K, act8, chunk = w
+        B = x.shape[0]
+        xs = np.empty((B, K // 32), dtype=np.float32)
+        if act8:
+            xq = np.empty((B, K), dtype=np.int8)
+            dx = np.empty((B, K // 32), dtype=np.float32)
+            quant_ir._quantize_rows(x, xq, dx, xs)
+            quant_ir._drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
+        else:
+            quant_ir._group_sums(x, 32, xs)  # the int4 kernels' zero term (int8 ones read no zeros)
+            quant_ir._drive(fns, q, s, z, x, np.empty((1, 1), dtype=np.float32), xs, out, gidx, Gw, K, chunk)
+
+    @njit(nogil=True, cache=True)
+    def _rms(x, w, eps, out):  # pragma: no cover - compiled
+        for t in range(x.shape[0]):
+            ss = 0.0
+            for i in range(x.shape[1]):
+                ss += np.float64(x[t, i]) * np.float64(x[t, i])
+            r = np.float32(1.0 / np.sqrt(ss / x.shape[1] + eps))
+            for i in range(x.shape[1]):
+                out[t, i] = w[i] * (x[t, i] * r)
+
+    @njit(nogil=True, cache=True)
+    def _rope(qkv, heads, D, cos, sin):  # pragma: no cover - compiled
+        """Rotate-half RoPE in place on the first `heads` heads of each row of qkv [T, ...] (cos/sin [T, D])."""
+        half = D // 2
+        for t in range(qkv.shape[0]):
+            for h in range(heads):
+                base = h * D
+                for i in range(half):
+                    a = qkv[t, base + i]
+                    b = qkv[t, base + half + i]
+                    qkv[t, base + i] = a * cos[t, i] - b * sin[t, i]
+                    qkv[t, base + half + i] = b * cos[t, half + i] + a * sin[t, half + i]
+
+    @njit(nogil=True, cache=True)
+    def pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, out):  # pragma: no cover - compiled
+        h = np.empty_like(x)
+        _rms(x, norm_w, eps, h)
+        _mm(w_qkv, h, out)
+        if rope_heads > 0:
+            _rope(out, rope_heads, D, cos, sin)
+
+    @njit(nogil=True, cache=True)
+    def post_attention(x, attn, w_o, norm_w, eps, w_gu, w_down, inter, out):  # pragma: no cover - compiled
+        T, n = x.shape
+        o = np.empty((T, n), dtype=np.float32)
+        _mm(w_o, attn, o)
+        for t in range(T):
+            for i in range(n):
+                o[t, i] += x[t, i]  # o is now the residual stream after attention
+        h = np.empty((T, n), dtype=np.float32)
+        _rms(o, norm_w, eps, h)
+        gu = np.empty((T, 2 * inter), dtype=np.float32)
+        _mm(w_gu, h, gu)
+        a = np.empty((T, inter), dtype=np.float32)
+        for t in range(T):
+            for i in range(inter):
+                g = gu[t, i]
+                a[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, inter + i]
+        _mm(w_down, a, out)
+        for t in range(T):
+            for i in range(n):
+                out[t, i] += o[t, i]
+
+
+class FusedLayer:
+    """One layer's operands for pre_attention / post_attention."""
+
+    def __init__(self, qkv: tuple, o: tuple, gu: tuple, down: tuple, attn_norm: torch.Tensor, mlp_norm: torch.Tensor,
+                 eps: float, heads: int, kv_heads: int, head_dim: int, inter: int, rope: bool):
+        self.qkv, self.o, self.gu, self.down = qkv, o, gu, down
+        self.attn_norm, self.mlp_norm = attn_norm.numpy(), mlp_norm.numpy()
+        self.eps = eps
+        self.H, self.Hkv, self.D, self.inter = heads, kv_heads, head_dim, inter
+        self.width = (heads + 2 * kv_heads) * head_dim
+        self.rope_heads = heads + kv_heads if rope else 0
+
+    @staticmethod
+    def of(model, li: int) -> "FusedLayer | None":
+        """Layer li of a LlamaFamily as a FusedLayer, or None where its shape is not the one fused here."""
+        from engine.model.quant import QuantWeight
+
+        s = model.spec
+        _, qkv_w, qkv_b, o_w, _, gu_w, down_w = model.layers[li]
+        attn_in, attn_out, mlp_in, mlp_out = model.norms[li]
+        weights = (qkv_w, o_w, gu_w, down_w)
+        if njit is None or quant_ir.llvm is None or quant_ir.library() is None:
+            return None
+        if not all(isinstance(w, QuantWeight) for w in weights) or model.dtype != torch.float32:
+            return None
+        if (qkv_b is not None or model.o_bias[li] is not None or model.qk_norms[li] is not None
+                or attn_in is None or mlp_in is None or attn_out is not None or mlp_out is not None
+                or model.moe[li] is not None or s.norm_kind == "layer" or s.norm_placement == "parallel"
+                or s.mlp_act != "silu" or s.residual_multiplier != 1.0 or attn_in.dim() != 1):
+            return None
+        rope = model.layer_rope[li] is not None
+        if rope and (s.rope_interleaved or model.ropes[model.layer_rope[li]][0].shape[0] * 2 != s.head_dim):
+            return None
+        ops = [operand(w, w.activations) for w in weights]
+        if any(op is None for op in ops):
+            return None
+        inter = gu_w.shape[0] // 2
+        return FusedLayer(*ops, attn_in.float().contiguous(), mlp_in.float().contiguous(), s.rms_norm_eps,
+                          s.num_heads, s.num_kv_heads, s.head_dim, inter, rope)
+
+    def pre(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None) -> torch.Tensor:
+        """[T, (H + 2 Hkv) D]: q, k (rotated) and v of the normed x."""
+        T = x.shape[0]
+        out = torch.empty((T, self.width), dtype=torch.float32)
+        c = cos.contiguous().numpy() if cos is not None else _EMPTY
+        s = sin.contiguous().numpy() if sin is not None else _EMPTY
+        pre_attention(x.contiguous().numpy(), self.attn_norm, self.eps, self.qkv, c, s, self.rope_heads, self.D,
+                      out.numpy())
+        return out
+
+    def post(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x after the layer: attention's output projected and added, then the MLP's."""
+        out = torch.empty_like(x)
+        post_attention(x.contiguous().numpy(), attn.contiguous().numpy(), self.o, self.mlp_norm, self.eps, self.gu,
+                       self.down, self.inter, out.numpy())
+        return out
+
+
+_EMPTY = np.zeros((1, 1), dtype=np.float32)
