@@ -131,6 +131,10 @@ class NumbaPagedBackend(ChunkedPagedBackend):
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B, H, D] -> [B, H, D] in q's dtype."""
+        if sinks is None:
+            out = self._decode_plain(q, layer, paged, batch, scale, window)
+            if out is not None:
+                return out.to(q.dtype)
         got = self._run(q[:, None], layer, paged, batch, scale, window)
         if got is None:
             return super().decode(q, layer, paged, batch, scale=scale, window=window, sinks=sinks)
@@ -180,14 +184,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         not run (CUDA tensors, parts that are not contiguous): the caller's chunked path then serves."""
         if q.is_cuda or paged.k["data"][layer].device.type != "cpu":
             return None
-        alt_kv, alt_table = None, None
-        if batch.on_host is not None and bool(batch.on_host.any()):
-            # as read_blocks: the step's staging buffer when there is one on this device, else the host tier
-            if paged.staged is not None and batch.staged_table is not None and \
-                    paged.staged.k["data"][layer].device.type == "cpu":
-                alt_kv, alt_table = paged.staged, batch.staged_table
-            else:
-                alt_kv, alt_table = paged.host, batch.host_table
+        alt_kv, alt_table = self._alt(layer, paged, batch)
         B, Q, H, D = q.shape
         Hkv = paged.kv_heads
         G = H // Hkv
@@ -208,18 +205,64 @@ class NumbaPagedBackend(ChunkedPagedBackend):
                 k[0], k[1], k[2], int(kfmt), v[0], v[1], v[2], int(vfmt), ak[0], ak[1], ak[2], av[0], av[1], av[2],
                 _data_lut(data), _lut("float16"), acc.numpy(), m.numpy(), l.numpy())
         kind = str(args[8].dtype)
+        one, many = numba_kernel.attend, numba_kernel.attend_threads
         if kind not in compile_seconds:  # the first call of this variant compiles it (or loads it from the cache)
             with _compile_lock:
                 t0 = time.perf_counter()
-                numba_kernel.attend(*args, 0, 1)
+                one(*args, 0, 1)
                 compile_seconds.setdefault(kind, time.perf_counter() - t0)
             return acc, m, l
         n = max(1, min(torch.get_num_threads(), B * Hkv))  # as many threads as torch's ops use
         if n == 1:
-            numba_kernel.attend(*args, 0, 1)
+            one(*args, 0, 1)
             return acc, m, l
-        numba_kernel.attend_threads(*args, n)
+        many(*args, n)
         return acc, m, l
+
+    def _decode_plain(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, scale: float,
+                      window: int | None) -> torch.Tensor | None:
+        """Decode over plain storage (fp32 / fp16 / bf16 / fp8 blocks, keys at their index, no sinks) in one call that
+        takes q as the model gives it and returns the normalized output (numba_kernel.decode_plain, split-K over
+        the threads); None where it does not apply."""
+        if q.is_cuda or batch.key_pos is not None or paged.k["data"][layer].device.type != "cpu":
+            return None
+        kfmt, vfmt = kv_formats(paged.dtype)
+        if kfmt != 0 or vfmt != 0:
+            return None
+        alt_kv, alt_table = self._alt(layer, paged, batch)
+        B, H, D = q.shape
+        rows = self._rows(batch, paged, alt_table, B, 1)
+        try:
+            kd, vd = _np(paged.k["data"][layer]), _np(paged.v["data"][layer])
+            akd, avd = (_np(alt_kv.k["data"][layer]), _np(alt_kv.v["data"][layer])) if alt_kv is not None else (kd, vd)
+        except _Strided:
+            return None
+        out = torch.empty((B, H, D), dtype=torch.float32)
+        n = max(1, torch.get_num_threads())
+        items = B * paged.kv_heads
+        segments = max(1, -(-2 * n // items))  # at least two work items a thread: split each row's keys
+        args = (q.float().contiguous().numpy(), float(scale), *rows[:4], int(window or 0), kd, vd, akd, avd,
+                _data_lut(paged.k["data"][layer]), out.numpy(), segments)
+        kind = f"{kd.dtype} decode"
+        if kind not in compile_seconds:
+            with _compile_lock:
+                t0 = time.perf_counter()
+                numba_kernel.decode_plain(*args)
+                compile_seconds.setdefault(kind, time.perf_counter() - t0)
+            return out
+        numba_kernel.decode_plain(*args)
+        return out
+
+    @staticmethod
+    def _alt(layer: int, paged: PagedKV, batch: PagedBatch):
+        """(the tier, its block table) a step's host blocks are read from (read_blocks' choice: the staging
+        buffer when there is one on this device, else the host tier), or (None, None) with no host block."""
+        if batch.on_host is not None and bool(batch.on_host.any()):
+            if paged.staged is not None and batch.staged_table is not None and \
+                    paged.staged.k["data"][layer].device.type == "cpu":
+                return paged.staged, batch.staged_table
+            return paged.host, batch.host_table
+        return None, None
 
     def _rows(self, batch: PagedBatch, paged: PagedKV, alt_table, B: int, Q: int) -> tuple:
         """(qpos, table, alt, ctx, key_pos, has_kpos) as the kernel takes them: the same for every layer of a step

@@ -22,6 +22,7 @@ import torch
 from conftest import Reference, _engine, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend, numba_paged
 from engine.attention.cpu_paged import ChunkedPagedBackend
+from engine.attention.interface import KVFormat, kv_formats
 from engine.attention.tier_split import attend_split, split_by_tier
 from engine.config import CacheConfig, EngineOptions, KVDtype
 from engine.runtime.engine import Engine
@@ -144,6 +145,23 @@ def test_threads_split_the_work_without_changing_a_bit(dtype, compiled):
         assert torch.equal(compiled.decode(q, 1, kv, batch, scale=scale, window=window), one)
     finally:
         torch.set_num_threads(1)
+
+
+PLAIN_CASES = [c for c in CASES if kv_formats(c.dtype) == (KVFormat.PLAIN, KVFormat.PLAIN)
+               and c.variant in ("causal", "window", "window_edges")]
+
+
+@pytest.mark.parametrize("segments_for", [2, 8, 64], ids=lambda n: f"threads{n}")
+@pytest.mark.parametrize("case", PLAIN_CASES, ids=lambda c: c.id)
+def test_decode_split_into_key_segments_matches_reference(case, segments_for, compiled, monkeypatch):
+    """Plain storage, keys at their index: decode's two-pass kernel (numba_kernel.decode_plain), each row's keys cut
+    into as many segments as thread counts of 2, 8, 64 ask for (segments shorter than a block, empty ones), the
+    partial softmaxes merged: the reference's output. The general loop is made to raise, so the split one ran."""
+    monkeypatch.setattr(numba_paged.torch, "get_num_threads", lambda: segments_for)
+    monkeypatch.setattr(numba_paged.numba_kernel, "attend", None)
+    q, kv, batch, window, scale = build(case)
+    want = make_backend("reference").decode(q, 1, kv, batch, scale=scale, window=window)
+    assert_close(compiled.decode(q, 1, kv, batch, scale=scale, window=window), want, case.id)
 
 
 def test_cuda_tensors_and_a_dense_prefill_go_to_the_chunked_path(monkeypatch):
