@@ -122,8 +122,73 @@ def _load(t: str, base: str, idx: str, out: str, vec: str | None = None) -> str:
     return f"  {out}.a = getelementptr {t}, ptr {base}, i64 {idx}\n  {out} = load {ty}, ptr {out}.a, align 1\n"
 
 
+def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: list[str], zacc: list[str]) -> str:
+    """One inner step (a group of 32 inputs for int4, 16 for int8) at step index %c for T x rows, every name
+    suffixed sx: acc[t] / zacc[t] are the running sums it adds to, %acc{t}{sx} / %zacc{t}{sx} the new ones."""
+    L = []
+    if int4:
+        L.append(f"  %qa.o{sx} = mul i64 {c}, 16\n" + _load("i8", "%qp", f"%qa.o{sx}", f"%qv{sx}", "<16 x i8>"))
+        L.append(f"  %lo{sx} = and <16 x i8> %qv{sx}, {_splat('i8', 16, 15)}\n"
+                 f"  %hi{sx} = lshr <16 x i8> %qv{sx}, {_splat('i8', 16, 4)}\n")
+        L.append(f"  %w{sx} = shufflevector <16 x i8> %lo{sx}, <16 x i8> %hi{sx}, <32 x i32> <{_seq(0, 32)}>\n")
+        L.append(_load("float", "%sp", c, f"%sv{sx}") + _load("float", "%zp", c, f"%zv{sx}"))
+        if not integer:
+            L.append(f"  %wf{sx} = uitofp <32 x i8> %w{sx} to <32 x float>\n")
+            for i in range(4):
+                L.append(f"  %wf{i}{sx} = shufflevector <32 x float> %wf{sx}, <32 x float> poison, "
+                         f"<8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
+            L.append(_bcast(f"%sv{sx}", f"%svb{sx}"))
+        L.append(f"  %xo{sx} = mul i64 {c}, 32\n")
+    else:
+        L.append(f"  %qa.o{sx} = mul i64 {c}, 16\n")
+        L.append(_load("i8", "%qp", f"%qa.o{sx}", f"%qv{sx}", "<16 x i8>"))
+        L.append(_load("i32", "%gidx", c, f"%gi{sx}") + f"  %gi64{sx} = sext i32 %gi{sx} to i64\n")
+        L.append(_load("float", "%sp", f"%gi64{sx}", f"%sv{sx}"))
+        if integer:
+            L.append(f"  %w16{sx} = sext <16 x i8> %qv{sx} to <16 x i16>\n  %dc{sx} = lshr i64 {c}, 1\n")
+        else:
+            L.append(f"  %wf{sx} = sitofp <16 x i8> %qv{sx} to <16 x float>\n")
+            for i in range(2):
+                L.append(f"  %wf{i}{sx} = shufflevector <16 x float> %wf{sx}, <16 x float> poison, "
+                         f"<8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
+            L.append(_bcast(f"%sv{sx}", f"%svb{sx}"))
+        L.append(f"  %xo{sx} = mul i64 {c}, 16\n")
+    for t in range(T):
+        if integer:
+            if int4:
+                L.append(_load("i8", f"%xb{t}", f"%xo{sx}", f"%xv{t}{sx}", "<32 x i8>"))
+                L.append(_int_dot4(f"%w{sx}", f"%xv{t}{sx}", f"%p{t}{sx}", x86))
+                L.append(_load("float", f"%db{t}", c, f"%dv{t}{sx}"))
+            else:
+                L.append(_load("i8", f"%xb{t}", f"%xo{sx}", f"%xv{t}{sx}", "<16 x i8>"))
+                L.append(_int_dot2(f"%w16{sx}", f"%xv{t}{sx}", f"%p{t}{sx}", x86))
+                L.append(_load("float", f"%db{t}", f"%dc{sx}", f"%dv{t}{sx}"))
+            L.append(f"  %f{t}{sx} = sitofp <8 x i32> %p{t}{sx} to <8 x float>\n"
+                     f"  %sd{t}{sx} = fmul float %sv{sx}, %dv{t}{sx}\n")
+            L.append(_bcast(f"%sd{t}{sx}", f"%sdb{t}{sx}"))
+            L.append(f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}{sx}, <8 x float> "
+                     f"%sdb{t}{sx}, <8 x float> {acc[t]})\n")
+        else:
+            parts = 4 if int4 else 2
+            for i in range(parts):
+                L.append(f"  %xo{t}.{i}{sx} = add i64 %xo{sx}, {8 * i}\n")
+                L.append(_load("float", f"%xb{t}", f"%xo{t}.{i}{sx}", f"%xv{t}.{i}{sx}", "<8 x float>"))
+            L.append(f"  %m{t}.0{sx} = fmul <8 x float> %wf0{sx}, %xv{t}.0{sx}\n")
+            for i in range(1, parts):
+                L.append(f"  %m{t}.{i}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %wf{i}{sx}, <8 x float> "
+                         f"%xv{t}.{i}{sx}, <8 x float> %m{t}.{i - 1}{sx})\n")
+            L.append(f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %m{t}.{parts - 1}{sx}, "
+                     f"<8 x float> %svb{sx}, <8 x float> {acc[t]})\n")
+        if int4:
+            L.append(_load("float", f"%sb{t}", c, f"%xsv{t}{sx}"))
+            L.append(f"  %zacc{t}{sx} = call float @llvm.fma.f32(float %zv{sx}, float %xsv{t}{sx}, float {zacc[t]})\n")
+    return "".join(L)
+
+
 def kernel_ir(kind: str, T: int, x86: bool) -> str:
-    """One kernel's IR: `kind` (KINDS) for T rows of x."""
+    """One kernel's IR: `kind` (KINDS) for T rows of x. The inner loop takes two steps at a time into two sets
+    of sums (A, B: independent chains, so a step does not wait on the previous one's FMA), then an odd last step
+    into A; A and B are added at the row's end."""
     int4, integer = kind.startswith("q4"), kind.endswith("i")
     step = 32 if int4 else 16  # inputs per inner step: a group of 32 (int4), 16 inputs (int8)
     name = f"{kind}_t{T}"
@@ -131,7 +196,8 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     L = [f"define void @{name}({a}) {{\nentry:\n"]
     for n in _ARGS[:8]:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
-    L.append("  %steps = udiv i64 %K.i, " + str(step) + "\n")
+    L.append(f"  %steps = udiv i64 %K.i, {step}\n  %pairs2 = and i64 %steps, -2\n  %odd = and i64 %steps, 1\n")
+    L.append("  %haspair = icmp ne i64 %pairs2, 0\n  %isodd = icmp ne i64 %odd, 0\n")
     L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
     for t in range(T):  # each x row's base pointers
         xt = "i8" if integer else "float"
@@ -144,71 +210,42 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
     L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
     L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
-             "  %zp = getelementptr float, ptr %z, i64 %so\n  br label %step\n")
-    # -- step loop
-    L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n")
+             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %haspair, label %step, label %pairend\n")
+    # -- two steps at a time
+    L.append("step:\n  %c = phi i64 [0, %row], [%c2, %step]\n")
     for t in range(T):
-        L.append(f"  %acc{t} = phi <8 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
-        if int4:
-            L.append(f"  %zacc{t} = phi float [0.0, %row], [%zacc{t}.n, %step]\n")
-    if int4:
-        L.append("  %qa.o = mul i64 %c, 16\n" + _load("i8", "%qp", "%qa.o", "%qv", "<16 x i8>"))
-        L.append(f"  %lo = and <16 x i8> %qv, {_splat('i8', 16, 15)}\n  %hi = lshr <16 x i8> %qv, {_splat('i8', 16, 4)}\n")
-        L.append(f"  %w = shufflevector <16 x i8> %lo, <16 x i8> %hi, <32 x i32> <{_seq(0, 32)}>\n")
-        L.append(_load("float", "%sp", "%c", "%sv") + _load("float", "%zp", "%c", "%zv"))
-        if not integer:
-            L.append("  %wf = uitofp <32 x i8> %w to <32 x float>\n")
-            for i in range(4):
-                L.append(f"  %wf{i} = shufflevector <32 x float> %wf, <32 x float> poison, <8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
-            L.append(_bcast("%sv", "%svb"))
-        L.append("  %xo = mul i64 %c, 32\n")
-    else:
-        L.append("  %qa.o = mul i64 %c, 16\n")
-        L.append(_load("i8", "%qp", "%qa.o", "%qv", "<16 x i8>"))
-        L.append(_load("i32", "%gidx", "%c", "%gi") + "  %gi64 = sext i32 %gi to i64\n")
-        L.append(_load("float", "%sp", "%gi64", "%sv"))
-        if integer:
-            L.append("  %w16 = sext <16 x i8> %qv to <16 x i16>\n  %dc = lshr i64 %c, 1\n")
-        else:
-            L.append("  %wf = sitofp <16 x i8> %qv to <16 x float>\n")
-            for i in range(2):
-                L.append(f"  %wf{i} = shufflevector <16 x float> %wf, <16 x float> poison, <8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
-            L.append(_bcast("%sv", "%svb"))
-        L.append("  %xo = mul i64 %c, 16\n")
-    for t in range(T):
-        if integer:
+        for ab in "AB":
+            L.append(f"  %acc{t}{ab} = phi <8 x float> [zeroinitializer, %row], [%acc{t}.{ab}, %step]\n")
             if int4:
-                L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<32 x i8>"))
-                L.append(_int_dot4("%w", f"%xv{t}", f"%p{t}", x86))
-                L.append(_load("float", f"%db{t}", "%c", f"%dv{t}"))
-            else:
-                L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<16 x i8>"))
-                L.append(_int_dot2("%w16", f"%xv{t}", f"%p{t}", x86))
-                L.append(_load("float", f"%db{t}", "%dc", f"%dv{t}"))
-            L.append(f"  %f{t} = sitofp <8 x i32> %p{t} to <8 x float>\n  %sd{t} = fmul float %sv, %dv{t}\n")
-            L.append(_bcast(f"%sd{t}", f"%sdb{t}"))
-            L.append(f"  %acc{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sdb{t}, "
-                     f"<8 x float> %acc{t})\n")
-        else:
-            parts = 4 if int4 else 2
-            for i in range(parts):
-                L.append(f"  %xo{t}.{i} = add i64 %xo, {8 * i}\n")
-                L.append(_load("float", f"%xb{t}", f"%xo{t}.{i}", f"%xv{t}.{i}", "<8 x float>"))
-            L.append(f"  %m{t}.0 = fmul <8 x float> %wf0, %xv{t}.0\n")
-            for i in range(1, parts):
-                L.append(f"  %m{t}.{i} = call <8 x float> @llvm.fma.v8f32(<8 x float> %wf{i}, <8 x float> %xv{t}.{i}, "
-                         f"<8 x float> %m{t}.{i - 1})\n")
-            L.append(f"  %acc{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %m{t}.{parts - 1}, <8 x float> %svb, "
-                     f"<8 x float> %acc{t})\n")
-        if int4:
-            L.append(_load("float", f"%sb{t}", "%c", f"%xsv{t}"))
-            L.append(f"  %zacc{t}.n = call float @llvm.fma.f32(float %zv, float %xsv{t}, float %zacc{t})\n")
-    L.append("  %c1 = add i64 %c, 1\n  %more = icmp ult i64 %c1, %steps\n  br i1 %more, label %step, label %rowend\n")
+                L.append(f"  %zacc{t}{ab} = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
+    L.append("  %cb = add i64 %c, 1\n")
+    L.append(_step(int4, integer, T, x86, "%c", ".A", [f"%acc{t}A" for t in range(T)], [f"%zacc{t}A" for t in range(T)]))
+    L.append(_step(int4, integer, T, x86, "%cb", ".B", [f"%acc{t}B" for t in range(T)], [f"%zacc{t}B" for t in range(T)]))
+    L.append("  %c2 = add i64 %c, 2\n  %more = icmp ult i64 %c2, %pairs2\n  br i1 %more, label %step, label %pairend\n")
+    # -- the sums after the pairs, and an odd last step into A
+    L.append("pairend:\n  %cend = phi i64 [0, %row], [%c2, %step]\n")
+    for t in range(T):
+        for ab in "AB":
+            L.append(f"  %acc{t}{ab}.f = phi <8 x float> [zeroinitializer, %row], [%acc{t}.{ab}, %step]\n")
+            if int4:
+                L.append(f"  %zacc{t}{ab}.f = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
+    L.append("  br i1 %isodd, label %tail, label %rowend\n")
+    L.append("tail:\n")
+    L.append(_step(int4, integer, T, x86, "%cend", ".T", [f"%acc{t}A.f" for t in range(T)],
+                   [f"%zacc{t}A.f" for t in range(T)]))
+    L.append("  br label %rowend\n")
     # -- row end: one horizontal sum per x row
     L.append("rowend:\n")
+    for t in range(T):  # phis first: they lead the block
+        L.append(f"  %accA{t}.r = phi <8 x float> [%acc{t}A.f, %pairend], [%acc{t}.T, %tail]\n")
+        if int4:
+            L.append(f"  %zaccA{t}.r = phi float [%zacc{t}A.f, %pairend], [%zacc{t}.T, %tail]\n")
     for t in range(T):
-        init = f"%zacc{t}.n" if int4 else "0.0"
-        L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float {init}, <8 x float> %acc{t}.n)\n")
+        L.append(f"  %accs{t} = fadd <8 x float> %accA{t}.r, %acc{t}B.f\n")
+        if int4:
+            L.append(f"  %zs{t} = fadd float %zaccA{t}.r, %zacc{t}B.f\n")
+        init = f"%zs{t}" if int4 else "0.0"
+        L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float {init}, <8 x float> %accs{t})\n")
         L.append(f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
     L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
     L.append("done:\n  ret void\n}\n")

@@ -19,7 +19,7 @@ from engine.model.quant_layer import FusedLayer, operand
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 
-pytestmark = pytest.mark.skipif(quant_ir.library() is None, reason=f"IR kernels: {quant_ir.status()}")
+pytestmark = pytest.mark.skipif(quant_ir.llvm is None, reason=f"no llvmlite: {quant_ir.status()}")
 
 H, HKV, D, HID, INTER = 4, 2, 32, 128, 96
 
@@ -68,8 +68,12 @@ def test_int8_weights_with_zeros_are_not_fused():
     assert operand(quantize(torch.randn(64, 96), "int8"), "fp32") is not None
 
 
-@pytest.mark.parametrize("act", ["fp32", "int8"])
+@pytest.mark.parametrize("act", ["fp32"])
 def test_engine_decodes_the_same_tokens_fused_or_not(tiny_llama, act):
+    """fp32 activations: the fused and unfused layers differ by float rounding only, so greedy tokens agree. (With
+    int8 ones a rounding-level difference can move an input across a rounding boundary of the int8 grid, a step
+    of 1/127 of its group's largest value, and a random tiny model's near-ties then flip: the segments test
+    checks that arithmetic instead.)"""
     loaded = load_model(tiny_llama, dtype="int4")
     engines = [Engine(loaded, CacheConfig(block_size=16), EngineOptions(weights_dtype="int4", quant_activations=act))
                for _ in range(2)]

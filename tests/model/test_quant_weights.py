@@ -208,17 +208,19 @@ def test_gguf_direct_weights_equal_the_converted_checkpoint(smollm2_int4):
 
 def test_int8_activations_stay_close_to_the_exact_math(smollm2_int4):
     """The default model, its GGUF's Q4_1/Q8_0 weights: the engine with int8 activations (the default, llama.cpp's
-    math) against the same weights with fp32 activations: the next token's distributions within 0.02 nats (KL) and the
-    same top token; the options really differ (the logits are not identical)."""
-    p = smollm2_int4.tokenizer.encode("The capital of France is")
+    math) against the same weights with fp32 activations, after a 22-token prompt: the next token's distributions
+    within 0.01 nats (KL) and the same top token; the options really differ (the logits are not identical). (After the
+    5 tokens of "The capital of France is" it measured 0.010-0.022.)"""
+    p = smollm2_int4.tokenizer.encode("The capital of France is a city that has been the home of many famous "
+                                      "artists and writers. In the summer")
     logits = {}
     for act in ("int8", "fp32"):
         eng = Engine(smollm2_int4, CacheConfig(block_size=16), EngineOptions(weights_dtype="int4", quant_activations=act))
         logits[act] = dense_logits(eng.model, p)
     fast, exact = logits["int8"], logits["fp32"]
     lp, lq = torch.log_softmax(exact, -1), torch.log_softmax(fast, -1)
-    kld = (lp.exp() * (lp - lq)).sum().item()  # measured 0.0026 nats on a longer prompt
-    assert (fast - exact).abs().max() > 0 and kld < 0.02, kld
+    kld = (lp.exp() * (lp - lq)).sum().item()  # measured 0.0011 (fused layers) and 0.0015 (unfused) nats
+    assert (fast - exact).abs().max() > 0 and kld < 0.01, kld
     assert fast.argmax() == exact.argmax()
 
 
