@@ -216,68 +216,83 @@ def attend_threads(q, qpos, table, alt, ctx, key_pos, has_kpos, window,
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _decode_part(q, scale, b, h, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc, mo, lo_):
-    """One (sequence, kv head)'s keys [lo, hi) in two passes: every score first into a buffer (K read once, no
+def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc, mo, lo_, seg, S):
+    """Sequence b's keys [lo, hi), every kv head, in two passes: every score first into a buffer (K read once, no
     per-key visibility test: the range is the visible one), one max and one exp per score, then V read once (no
-    per-block rescaling of the sums, as attend's online softmax does). acc [G, D] unnormalized,
-    mo [G] max score, lo_ [G] sum of exp(score - max); scores are q . k * scale (q [B, H, D] as the model
-    gives it, unscaled)."""
+    per-block rescaling of the sums, as attend's online softmax does). A block's heads are read together (the
+    slot's K, then its V, are one contiguous run: a stream the prefetcher follows). Writes item (b, h)'s segment
+    seg of S: acc [U, G, D] unnormalized, mo [U, G] max score, lo_ [U, G] sum of exp(score - max), U = b*Hkv*S +
+    h*S + seg; scores are q . k * scale (q [B, H, D] as the model gives it, unscaled)."""
     D = q.shape[2]
+    Hkv = kd.shape[1]
     bs = kd.shape[2]
     L = hi - lo
-    for r in range(G):
-        mo[r] = -np.inf
-        lo_[r] = 0.0
-        for d in range(D):
-            acc[r, d] = 0.0
+    for h in range(Hkv):
+        u = (b * Hkv + h) * S + seg
+        for r in range(G):
+            mo[u, r] = -np.inf
+            lo_[u, r] = 0.0
+            for d in range(D):
+                acc[u, r, d] = 0.0
     if L <= 0:
         return
-    qs = np.empty((G, D), dtype=np.float32)
-    for r in range(G):
-        for d in range(D):
-            qs[r, d] = q[b, h * G + r, d] * scale
-    s = np.empty((G, L), dtype=np.float32)
+    qs = np.empty((Hkv, G, D), dtype=np.float32)
+    for h in range(Hkv):
+        for r in range(G):
+            for d in range(D):
+                qs[h, r, d] = q[b, h * G + r, d] * scale
+    s = np.empty((Hkv * G, L), dtype=np.float32)
     ebuf = np.empty(L, dtype=np.int32)
     efl = ebuf.view(np.float32)
     for j in range(lo // bs, (hi + bs - 1) // bs):
         a = alt[b, j]
         kdat = akd if a >= 0 else kd
         sl = a if a >= 0 else table[b, j]
-        for t in range(max(lo, j * bs) - j * bs, min(hi, j * bs + bs) - j * bs):
-            c = j * bs + t - lo
-            for r in range(G):
-                x = np.float32(0.0)
-                for d in range(D):
-                    x += qs[r, d] * to_f32(kdat[sl, h, t, d], dlut)
-                s[r, c] = x
-    for r in range(G):
-        mx = s[r, 0]
-        for c in range(1, L):
-            mx = max(mx, s[r, c])
-        exp_row(s, r, L, mx, ebuf, efl)
-        tot = np.float32(0.0)
-        for c in range(L):
-            tot += s[r, c]
-        mo[r] = mx
-        lo_[r] = tot
+        t0 = max(lo, j * bs) - j * bs
+        t1 = min(hi, j * bs + bs) - j * bs
+        for h in range(Hkv):
+            for t in range(t0, t1):
+                c = j * bs + t - lo
+                for r in range(G):
+                    x = np.float32(0.0)
+                    for d in range(D):
+                        x += qs[h, r, d] * to_f32(kdat[sl, h, t, d], dlut)
+                    s[h * G + r, c] = x
+    for h in range(Hkv):
+        u = (b * Hkv + h) * S + seg
+        for r in range(G):
+            row = h * G + r
+            mx = s[row, 0]
+            for c in range(1, L):
+                mx = max(mx, s[row, c])
+            exp_row(s, row, L, mx, ebuf, efl)
+            tot = np.float32(0.0)
+            for c in range(L):
+                tot += s[row, c]
+            mo[u, r] = mx
+            lo_[u, r] = tot
     for j in range(lo // bs, (hi + bs - 1) // bs):
         a = alt[b, j]
         vdat = avd if a >= 0 else vd
         sl = a if a >= 0 else table[b, j]
-        for t in range(max(lo, j * bs) - j * bs, min(hi, j * bs + bs) - j * bs):
-            c = j * bs + t - lo
-            for r in range(G):
-                p_ = s[r, c]
-                for d in range(D):
-                    acc[r, d] += p_ * to_f32(vdat[sl, h, t, d], dlut)
+        t0 = max(lo, j * bs) - j * bs
+        t1 = min(hi, j * bs + bs) - j * bs
+        for h in range(Hkv):
+            u = (b * Hkv + h) * S + seg
+            for t in range(t0, t1):
+                c = j * bs + t - lo
+                for r in range(G):
+                    p_ = s[h * G + r, c]
+                    for d in range(D):
+                        acc[u, r, d] += p_ * to_f32(vdat[sl, h, t, d], dlut)
 
 
 @njit(cache=True, nogil=True, parallel=True)
 def decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, out, S):
     """Decode attention over plain storage, normalized: out [B, H, D] fp32 for q [B, H, D] (one query per
-    sequence at qpos[b, 0], keys at their index, [lo, hi) visible). Each (sequence, kv head)'s keys are cut into
-    S segments, so that a batch of one still gives every thread equal work (split-K, as flash-decoding), then the
-    segments' partial softmaxes are merged. A row with no visible key gets zeros."""
+    sequence at qpos[b, 0], keys at their index, [lo, hi) visible). Each sequence's keys are cut into S segments
+    (work units (b, segment): a batch of one still gives every thread equal work: split-K, as flash-decoding),
+    then the segments' partial softmaxes are merged. A row with no visible key gets zeros."""
     B, H, D = q.shape
     Hkv = kd.shape[1]
     G = H // Hkv
@@ -285,17 +300,15 @@ def decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut
     pacc = np.empty((U, G, D), dtype=np.float32)
     pm = np.empty((U, G), dtype=np.float32)
     pl = np.empty((U, G), dtype=np.float32)
-    for u in prange(U):
-        item = u // S
-        seg = u - item * S
-        b = item // Hkv
-        h = item - b * Hkv
+    for w in prange(B * S):
+        b = w // S
+        seg = w - b * S
         p = qpos[b, 0]
         hi = min(ctx[b], p + 1)
         lo = max(0, p - window + 1) if window > 0 else 0
         L = max(0, hi - lo)
-        _decode_part(q, scale, b, h, G, lo + L * seg // S, lo + L * (seg + 1) // S, table, alt, kd, vd, akd, avd,
-                     dlut, pacc[u], pm[u], pl[u])
+        _decode_part(q, scale, b, G, lo + L * seg // S, lo + L * (seg + 1) // S, table, alt, kd, vd, akd, avd,
+                     dlut, pacc, pm, pl, seg, S)
     for item in range(B * Hkv):
         b = item // Hkv
         h = item - b * Hkv

@@ -239,8 +239,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
             return None
         out = torch.empty((B, H, D), dtype=torch.float32)
         n = max(1, torch.get_num_threads())
-        items = B * paged.kv_heads
-        segments = max(1, -(-2 * n // items))  # at least two work items a thread: split each row's keys
+        segments = max(1, -(-2 * n // B))  # at least two work units (sequence, key segment) a thread
         args = (q.float().contiguous().numpy(), float(scale), *rows[:4], int(window or 0), kd, vd, akd, avd,
                 _data_lut(paged.k["data"][layer]), out.numpy(), segments)
         kind = f"{kd.dtype} decode"

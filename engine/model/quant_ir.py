@@ -8,7 +8,9 @@ float conversion per weight; written as vector IR the inner step is what llama.c
       16 packed bytes -> 32 nibbles (and, shift) -> u8 x s8 products summed in pairs (pmaddubsw), then in fours
       (pmaddwd) -> 8 int32 -> float, times scale[g] * xscale[g] into 8 float accumulators; zero[g] * sum(x[g])
       added per group.
-  int8 weights, int8 activations: 16 bytes sign-extended to int16, products summed in pairs (pmaddwd).
+  int8 weights, int8 activations: with groups of 32 or more, 32 bytes a step as llama.cpp's Q8_0 dot does it
+      (pmaddubsw(|w|, x * sign(w)), then pmaddwd); groups of 16 (a GGUF's Q6_K) 16 bytes a step, sign-extended to
+      int16, products summed in pairs (pmaddwd).
   fp32 activations ("fp32", exact: equal to the dequantized weight's matmul up to float rounding): nibbles / bytes
       converted to float and multiplied by x, four 8-lane products per group folded, times scale[g].
 
@@ -44,7 +46,7 @@ except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
 
 TILES = (8, 4, 2, 1)  # rows of x one call takes
 ACT_GROUP = 32  # inputs per activation scale (int8 activations)
-KINDS = ("q4f", "q4i", "q8f", "q8i")  # int4 / int8 weights x fp32 / int8 activations
+KINDS = ("q4f", "q4i", "q8f", "q8i", "q8w")  # int4 / int8 weights x fp32 / int8 activations; q8w: q8i 32 wide
 
 
 # -- IR -------------------------------------------------------------------------------------------------------------
@@ -61,6 +63,8 @@ def _splat(t: str, n: int, v) -> str:
 _DECLARE_X86 = """
 declare <16 x i16> @llvm.x86.avx2.pmadd.ub.sw(<32 x i8>, <32 x i8>)
 declare <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16>, <16 x i16>)
+declare <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8>, <32 x i8>)
+declare <32 x i8> @llvm.abs.v32i8(<32 x i8>, i1)
 """
 _DECLARE = """
 declare <8 x float> @llvm.fma.v8f32(<8 x float>, <8 x float>, <8 x float>)
@@ -86,6 +90,20 @@ def _int_dot4(w: str, xv: str, out: str, x86: bool) -> str:
                 f"  {out} = call <8 x i32> @llvm.x86.avx2.pmadd.wd(<16 x i16> {out}.p, <16 x i16> "
                 f"{_splat('i16', 16, 1)})\n")
     return (f"  {out}.a = zext <32 x i8> {w} to <32 x i32>\n"
+            f"  {out}.b = sext <32 x i8> {xv} to <32 x i32>\n"
+            f"  {out}.m = mul <32 x i32> {out}.a, {out}.b\n"
+            + _fold32(f"{out}.m", out, "i32", "add"))
+
+
+def _int_dot4s(w: str, xv: str, out: str, x86: bool) -> str:
+    """<8 x i32> %out = sums of 4 neighbouring products of s8 <32 x i8> %w and s8 %xv (|xv| <= 127): on x86
+    pmaddubsw(|w|, xv * sign(w)) then pmaddwd, llama.cpp's trick for two signed operands (no pair of products
+    reaches the int16 limit: 128 * 127 * 2 < 32768)."""
+    if x86:
+        return (f"  {out}.aw = call <32 x i8> @llvm.abs.v32i8(<32 x i8> {w}, i1 false)\n"
+                f"  {out}.sx = call <32 x i8> @llvm.x86.avx2.psign.b(<32 x i8> {xv}, <32 x i8> {w})\n"
+                + _int_dot4(f"{out}.aw", f"{out}.sx", out, True))
+    return (f"  {out}.a = sext <32 x i8> {w} to <32 x i32>\n"
             f"  {out}.b = sext <32 x i8> {xv} to <32 x i32>\n"
             f"  {out}.m = mul <32 x i32> {out}.a, {out}.b\n"
             + _fold32(f"{out}.m", out, "i32", "add"))
@@ -122,10 +140,26 @@ def _load(t: str, base: str, idx: str, out: str, vec: str | None = None) -> str:
     return f"  {out}.a = getelementptr {t}, ptr {base}, i64 {idx}\n  {out} = load {ty}, ptr {out}.a, align 1\n"
 
 
-def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: list[str], zacc: list[str]) -> str:
-    """One inner step (a group of 32 inputs for int4, 16 for int8) at step index %c for T x rows, every name
-    suffixed sx: acc[t] / zacc[t] are the running sums it adds to, %acc{t}{sx} / %zacc{t}{sx} the new ones."""
+def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: list[str], zacc: list[str],
+          wide: bool = False) -> str:
+    """One inner step (a group of 32 inputs for int4, 16 for int8, 32 for wide int8) at step index %c for T x
+    rows, every name suffixed sx: acc[t] / zacc[t] are the running sums it adds to, %acc{t}{sx} / %zacc{t}{sx}
+    the new ones."""
     L = []
+    if wide:  # int8 weights x int8 activations, 32 inputs (one activation group) a step
+        L.append(f"  %qa.o{sx} = mul i64 {c}, 32\n" + _load("i8", "%qp", f"%qa.o{sx}", f"%qv{sx}", "<32 x i8>"))
+        L.append(_load("i32", "%gidx", c, f"%gi{sx}") + f"  %gi64{sx} = sext i32 %gi{sx} to i64\n")
+        L.append(_load("float", "%sp", f"%gi64{sx}", f"%sv{sx}"))
+        for t in range(T):
+            L.append(_load("i8", f"%xb{t}", f"%qa.o{sx}", f"%xv{t}{sx}", "<32 x i8>"))
+            L.append(_int_dot4s(f"%qv{sx}", f"%xv{t}{sx}", f"%p{t}{sx}", x86))
+            L.append(_load("float", f"%db{t}", c, f"%dv{t}{sx}"))
+            L.append(f"  %f{t}{sx} = sitofp <8 x i32> %p{t}{sx} to <8 x float>\n"
+                     f"  %sd{t}{sx} = fmul float %sv{sx}, %dv{t}{sx}\n")
+            L.append(_bcast(f"%sd{t}{sx}", f"%sdb{t}{sx}"))
+            L.append(f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}{sx}, <8 x float> "
+                     f"%sdb{t}{sx}, <8 x float> {acc[t]})\n")
+        return "".join(L)
     if int4:
         L.append(f"  %qa.o{sx} = mul i64 {c}, 16\n" + _load("i8", "%qp", f"%qa.o{sx}", f"%qv{sx}", "<16 x i8>"))
         L.append(f"  %lo{sx} = and <16 x i8> %qv{sx}, {_splat('i8', 16, 15)}\n"
@@ -189,8 +223,9 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     """One kernel's IR: `kind` (KINDS) for T rows of x. The inner loop takes two steps at a time into two sets
     of sums (A, B: independent chains, so a step does not wait on the previous one's FMA), then an odd last step
     into A; A and B are added at the row's end."""
-    int4, integer = kind.startswith("q4"), kind.endswith("i")
-    step = 32 if int4 else 16  # inputs per inner step: a group of 32 (int4), 16 inputs (int8)
+    int4, wide = kind.startswith("q4"), kind == "q8w"
+    integer = kind.endswith("i") or wide
+    step = 32 if int4 or wide else 16  # inputs per inner step: a group of 32 (int4, wide int8), 16 (int8)
     name = f"{kind}_t{T}"
     a = ", ".join(f"i64 %{n}.i" for n in _ARGS)
     L = [f"define void @{name}({a}) {{\nentry:\n"]
@@ -219,8 +254,10 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
             if int4:
                 L.append(f"  %zacc{t}{ab} = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
     L.append("  %cb = add i64 %c, 1\n")
-    L.append(_step(int4, integer, T, x86, "%c", ".A", [f"%acc{t}A" for t in range(T)], [f"%zacc{t}A" for t in range(T)]))
-    L.append(_step(int4, integer, T, x86, "%cb", ".B", [f"%acc{t}B" for t in range(T)], [f"%zacc{t}B" for t in range(T)]))
+    L.append(_step(int4, integer, T, x86, "%c", ".A", [f"%acc{t}A" for t in range(T)], [f"%zacc{t}A" for t in range(T)],
+                   wide))
+    L.append(_step(int4, integer, T, x86, "%cb", ".B", [f"%acc{t}B" for t in range(T)], [f"%zacc{t}B" for t in range(T)],
+                   wide))
     L.append("  %c2 = add i64 %c, 2\n  %more = icmp ult i64 %c2, %pairs2\n  br i1 %more, label %step, label %pairend\n")
     # -- the sums after the pairs, and an odd last step into A
     L.append("pairend:\n  %cend = phi i64 [0, %row], [%c2, %step]\n")
@@ -232,7 +269,7 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     L.append("  br i1 %isodd, label %tail, label %rowend\n")
     L.append("tail:\n")
     L.append(_step(int4, integer, T, x86, "%cend", ".T", [f"%acc{t}A.f" for t in range(T)],
-                   [f"%zacc{t}A.f" for t in range(T)]))
+                   [f"%zacc{t}A.f" for t in range(T)], wide))
     L.append("  br label %rowend\n")
     # -- row end: one horizontal sum per x row
     L.append("rowend:\n")
@@ -435,7 +472,10 @@ def int8_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarra
     out = np.empty((B, N), dtype=np.float32)
     if activations == "int8":
         xq, dx, _ = quantize_activations(x)
-        _drive(lib.addresses["q8i"], q, scale, zero, xq, dx, _NO_F32, out, gidx, scale.shape[1], K, _chunk(N))
+        wide = group % 32 == 0  # 32 inputs a step: the group of each 32 is gidx's (of each 16) every other entry
+        steps = np.ascontiguousarray(gidx[::2]) if wide else gidx
+        _drive(lib.addresses["q8w" if wide else "q8i"], q, scale, zero, xq, dx, _NO_F32, out, steps, scale.shape[1],
+               K, _chunk(N))
     else:
         _drive(lib.addresses["q8f"], q, scale, zero, x, _NO_F32, _NO_F32, out, gidx, scale.shape[1], K, _chunk(N))
     if has_zero:  # only int8 weights made from int4 ones (quant.stack_rows of mixed formats) have zeros

@@ -43,8 +43,10 @@ def operand(w, activations: str) -> tuple | None:
         if w.group % 16 or K % 16 or bool((w.zero != 0).any()):
             return None
         act8 = activations == "int8" and K % quant_ir.ACT_GROUP == 0
-        fns = lib.addresses["q8i" if act8 else "q8f"]
+        wide = act8 and w.group % 32 == 0  # quant_ir.int8_matmul's choice: 32 inputs a step
+        fns = lib.addresses["q8w" if wide else "q8i" if act8 else "q8f"]
         gidx = quant_ir.group_index(K, w.group)
+        gidx = np.ascontiguousarray(gidx[::2]) if wide else gidx
     return (fns, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), gidx, w.scale.shape[1], K, act8, quant_ir._chunk(N))
 
 
