@@ -85,42 +85,53 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
 
     say(f"[bench] warm-up; {_load()}")
     eng_run([one[:32]], 4)
-    say(f"[bench] llama.cpp: 1 x ({P} prompt + {N} new), {LLAMA_THREADS} threads; {_load()}")
-    lc = llamacpp_run(path, one, N)
-    say(f"[bench] KV Scope ({engine.model.weights_format}): 1 x ({P} + {N}); {_load()}")
-    e_out, e_s = eng_run([one], N)
-    e_ttft = engine.seqs[max(engine.seqs)].ttft
-    say(f"[bench] KV Scope: {B} x ({P} + {M}); {_load()}")
-    before = set(engine.seqs)
-    _, eb_s = eng_run(many, M)
-    # Decode alone: the tokens after each sequence's first, over the time after the last first token (when every
-    # prompt is in; the 8 prompts' prefill, {B} x {P} tokens, is most of the end-to-end time).
-    batch_seqs = [engine.seqs[i] for i in engine.seqs if i not in before]
-    all_in = max(s.first_token_at for s in batch_seqs)
-    eb_decode = B * (M - 1) / max(1e-9, engine.clock() - all_in)
-    e1 = {"tok_s": N / e_s, "decode_tok_s": (N - 1) / (e_s - e_ttft), "ttft_s": e_ttft, "total_s": e_s}
-    prefix = next((i for i, (a, b) in enumerate(zip(e_out[0], lc["tokens"])) if a != b), min(len(e_out[0]), N))
-    res = {
-        "model": engine.spec.name, "gguf": path, "weights_format": engine.model.weights_format,
-        "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg(),
-        "llamacpp": {k: v for k, v in lc.items() if k != "tokens"},
-        "batch1": e1, "batch": {"requests": B, "new_tokens": M, "tok_s": B * M / eb_s, "total_s": eb_s,
-                                "decode_tok_s": eb_decode},
-        "identical_prefix_vs_llamacpp": prefix,
-        "ratios": {"batch1_decode_vs_llamacpp": e1["decode_tok_s"] / lc["decode_tok_s"],
-                   "batch1_end_to_end_vs_llamacpp": e1["tok_s"] / lc["tok_s"],
-                   "batch_vs_llamacpp_single": (B * M / eb_s) / lc["tok_s"],
-                   "batch_decode_vs_llamacpp_single_decode": eb_decode / lc["decode_tok_s"],
-                   "prefill_vs_llamacpp": e_ttft / lc["ttft_s"]},
-    }
+    rounds = []
+    for i in range(args.rounds):  # llama.cpp and KV Scope alternate: a slow spell of the machine hits both
+        tag = f"round {i + 1}/{args.rounds}: " if args.rounds > 1 else ""
+        say(f"[bench] {tag}llama.cpp: 1 x ({P} prompt + {N} new), {LLAMA_THREADS} threads; {_load()}")
+        lc = llamacpp_run(path, one, N)
+        say(f"[bench] {tag}KV Scope ({engine.model.weights_format}): 1 x ({P} + {N}); {_load()}")
+        e_out, e_s = eng_run([one], N)
+        e_ttft = engine.seqs[max(engine.seqs)].ttft
+        say(f"[bench] {tag}KV Scope: {B} x ({P} + {M}); {_load()}")
+        before = set(engine.seqs)
+        _, eb_s = eng_run(many, M)
+        # Decode alone: the tokens after each sequence's first, over the time after the last first token (when
+        # every prompt is in; the B prompts' prefill, B x P tokens, is most of the end-to-end time).
+        all_in = max(engine.seqs[i].first_token_at for i in engine.seqs if i not in before)
+        eb_decode = B * (M - 1) / max(1e-9, engine.clock() - all_in)
+        e1 = {"tok_s": N / e_s, "decode_tok_s": (N - 1) / (e_s - e_ttft), "ttft_s": e_ttft, "total_s": e_s}
+        prefix = next((i for i, (a, b) in enumerate(zip(e_out[0], lc["tokens"])) if a != b), min(len(e_out[0]), N))
+        rounds.append({
+            "llamacpp": {k: v for k, v in lc.items() if k != "tokens"},
+            "batch1": e1, "batch": {"requests": B, "new_tokens": M, "tok_s": B * M / eb_s, "total_s": eb_s,
+                                    "decode_tok_s": eb_decode},
+            "identical_prefix_vs_llamacpp": prefix,
+            "ratios": {"batch1_decode_vs_llamacpp": e1["decode_tok_s"] / lc["decode_tok_s"],
+                       "batch1_end_to_end_vs_llamacpp": e1["tok_s"] / lc["tok_s"],
+                       "batch_vs_llamacpp_single": (B * M / eb_s) / lc["tok_s"],
+                       "batch_decode_vs_llamacpp_single_decode": eb_decode / lc["decode_tok_s"],
+                       "prefill_vs_llamacpp": e_ttft / lc["ttft_s"]},
+            "load_average": os.getloadavg(),
+        })
+    # The round whose batch-1 decode ratio is the median one (each line's numbers from one round, both sides).
+    mid = sorted(rounds, key=lambda r: r["ratios"]["batch1_decode_vs_llamacpp"])[len(rounds) // 2]
+    res = {"model": engine.spec.name, "gguf": path, "weights_format": engine.model.weights_format,
+           "torch_threads": torch.get_num_threads(), "rounds": rounds, **mid}
     if args.json:
         print(json.dumps(res))
         return 0
     r = res["ratios"]
     print(f"model {res['model']} ({res['weights_format']}), {res['torch_threads']} torch threads, "
           f"llama.cpp {LLAMA_THREADS} threads, {_load()}")
+    if len(rounds) > 1:
+        for k in ("batch1_decode_vs_llamacpp", "batch_vs_llamacpp_single", "batch_decode_vs_llamacpp_single_decode"):
+            print(f"rounds: {k} " + " ".join(f"{x['ratios'][k]:.2f}" for x in rounds))
+        print("the median round (by batch-1 decode ratio) below:")
+    e1, lc, prefix = res["batch1"], res["llamacpp"], res["identical_prefix_vs_llamacpp"]
+    eb_decode = res["batch"]["decode_tok_s"]
     print(f"(a) 1 x ({P} prompt + {N} new): KV Scope {e1['tok_s']:.1f} tok/s (decode {e1['decode_tok_s']:.1f}, "
-          f"prefill {1000 * e_ttft:.0f} ms) | llama.cpp {lc['tok_s']:.1f} tok/s (decode {lc['decode_tok_s']:.1f}, "
+          f"prefill {1000 * e1['ttft_s']:.0f} ms) | llama.cpp {lc['tok_s']:.1f} tok/s (decode {lc['decode_tok_s']:.1f}, "
           f"prefill {1000 * lc['ttft_s']:.0f} ms) | decode ratio {r['batch1_decode_vs_llamacpp']:.2f}x "
           f"(goal >= 0.8x), identical greedy prefix {prefix}/{N}")
     print(f"(b) {B} x ({P} + {M}): KV Scope {res['batch']['tok_s']:.1f} tok/s end to end = "
