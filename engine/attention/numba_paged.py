@@ -127,6 +127,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
             raise RuntimeError(f"numba does not import ({IMPORT_ERROR})")
         super().__init__(chunk_elems=chunk_elems, dense_prefill=dense_prefill)
         self._held = None  # (the batch and tier a step's layers share, the kernel's arrays of it): _rows
+        self._any_host = None  # (a batch, whether it has host blocks): _alt
 
     def decode(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, *, scale: float,
                window: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,7 +225,8 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         """Decode over plain storage (fp32 / fp16 / bf16 / fp8 blocks, keys at their index, no sinks) in one call that
         takes q as the model gives it and returns the normalized output (numba_kernel.decode_plain, split-K over
         the threads); None where it does not apply."""
-        if q.is_cuda or batch.key_pos is not None or paged.k["data"][layer].device.type != "cpu":
+        kt = paged.k["data"][layer]
+        if q.is_cuda or batch.key_pos is not None or kt.device.type != "cpu":
             return None
         kfmt, vfmt = kv_formats(paged.dtype)
         if kfmt != 0 or vfmt != 0:
@@ -233,7 +235,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         B, H, D = q.shape
         rows = self._rows(batch, paged, alt_table, B, 1)
         try:
-            kd, vd = _np(paged.k["data"][layer]), _np(paged.v["data"][layer])
+            kd, vd = _np(kt), _np(paged.v["data"][layer])
             akd, avd = (_np(alt_kv.k["data"][layer]), _np(alt_kv.v["data"][layer])) if alt_kv is not None else (kd, vd)
         except _Strided:
             return None
@@ -241,7 +243,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         n = max(1, torch.get_num_threads())
         segments = max(1, -(-2 * n // B))  # at least two work units (sequence, key segment) a thread
         args = (q.float().contiguous().numpy(), float(scale), *rows[:4], int(window or 0), kd, vd, akd, avd,
-                _data_lut(paged.k["data"][layer]), out.numpy(), segments)
+                _data_lut(kt), out.numpy(), segments)
         kind = f"{kd.dtype} decode"
         if kind not in compile_seconds:
             with _compile_lock:
@@ -252,11 +254,15 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         numba_kernel.decode_plain(*args)
         return out
 
-    @staticmethod
-    def _alt(layer: int, paged: PagedKV, batch: PagedBatch):
+    def _alt(self, layer: int, paged: PagedKV, batch: PagedBatch):
         """(the tier, its block table) a step's host blocks are read from (read_blocks' choice: the staging
-        buffer when there is one on this device, else the host tier), or (None, None) with no host block."""
-        if batch.on_host is not None and bool(batch.on_host.any()):
+        buffer when there is one on this device, else the host tier), or (None, None) with no host block.
+        Whether the batch has host blocks at all is asked once a batch (a tensor reduction)."""
+        if batch.on_host is None:
+            return None, None
+        if self._any_host is None or self._any_host[0] is not batch:
+            self._any_host = (batch, bool(batch.on_host.any()))
+        if self._any_host[1]:
             if paged.staged is not None and batch.staged_table is not None and \
                     paged.staged.k["data"][layer].device.type == "cpu":
                 return paged.staged, batch.staged_table

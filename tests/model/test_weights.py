@@ -317,6 +317,9 @@ def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
     tokenizer = ("import os; from engine.model.tokenizer import Tokenizer; from engine.model.loader import hf_reference_dir; "
                  "from engine.model.spec import model_eos_ids, read_json; d = hf_reference_dir(None); "
                  "t = Tokenizer(d, model_eos_ids(d, read_json(os.path.join(d, 'config.json')))); ")
+    from engine.model.loader import hf_reference_dir
+
+    hf_reference_dir(None)  # the first start's conversion done here, not in the baseline (it peaked at 1.2 GiB there)
     base = peak_rss_of("import torch, engine.runtime.engine, app.commands, gguf; " + tokenizer + warm)
     peak = peak_rss_of("import sys; from app.cli import main; "
                        "sys.exit(main(['generate', 'hi', '--max-new-tokens', '8', '--weights-dtype', 'int4']))")
@@ -329,6 +332,8 @@ def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
     with capsys.disabled():
         print(f"\nint4: peak RSS {peak / MB:.0f} MiB, imports alone {base / MB:.0f} MiB, packed weights "
               f"{packed / MB:.1f} MiB + KV {kv / MB:.2f} MiB: (peak - imports) / that = {(peak - base) / (packed + kv):.2f}")
-    # The goal is 1.2x; measured here 1.22-1.23x (the engine's runner buffers, ~8 MiB, and the allocator's slack
-    # over the weights' ~110 MiB): asserted at 1.3x, far below the 4.7x an fp32 copy of the model would cost.
-    assert peak - base <= 1.3 * (packed + kv)
+    # The goal is 1.2x; measured here 1.21-1.23x (the engine's runner buffers, ~8 MiB, the fused layers' and
+    # decode attention's compiled code, and the allocator's slack over the weights' ~110 MiB): asserted at 1.3x, far
+    # below the 4.7x an fp32 copy of the model would cost. The baseline is checked too: a baseline that converted
+    # the GGUF itself passed this vacuously (peak - imports < 0).
+    assert 0 < peak - base <= 1.3 * (packed + kv)
