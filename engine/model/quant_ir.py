@@ -289,8 +289,121 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     return "".join(L)
 
 
-def module_ir(x86: bool) -> str:
-    return (_DECLARE_X86 if x86 else "") + _DECLARE + "".join(kernel_ir(k, t, x86) for k in KINDS for t in TILES)
+_DECLARE_VNNI = """
+declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare <2 x float> @llvm.fma.v2f32(<2 x float>, <2 x float>, <2 x float>)
+declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
+declare float @llvm.vector.reduce.fadd.v2f32(float, <2 x float>)
+declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
+"""
+VNNI_KINDS = {"q4v": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
+
+
+def kernel_ir_vnni(kind: str, T: int) -> str:
+    """q4i's / q8w's work with AVX-512 VNNI: two activation groups (64 inputs) a step in one 512-bit register, their
+    u8 x s8 products summed in fours by one vpdpbusd (lanes 0-7 the first group's, 8-15 the second's), scaled by
+    [s0 d0 x 8, s1 d1 x 8]; an odd last group through the AVX2 step. Same arguments and arithmetic as q4i / q8w."""
+    int4 = kind == "q4v"
+    name = f"{kind}_t{T}"
+    a = ", ".join(f"i64 %{n}.i" for n in _ARGS)
+    L = [f"define void @{name}({a}) {{\nentry:\n"]
+    for n in _ARGS[:8]:
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n")
+    L.append("  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n")
+    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
+    for t in range(T):
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
+        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
+    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
+    L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
+    L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
+             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %haspair, label %step, label %pairend\n")
+    L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n")
+    for t in range(T):
+        L.append(f"  %acc{t} = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
+        if int4:
+            L.append(f"  %zacc{t} = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n")
+    L.append("  %g0 = shl i64 %c, 1\n  %g1 = add i64 %g0, 1\n")
+    if int4:
+        L.append("  %qa.o = mul i64 %c, 32\n" + _load("i8", "%qp", "%qa.o", "%qv", "<32 x i8>"))
+        L.append(f"  %lo = and <32 x i8> %qv, {_splat('i8', 32, 15)}\n  %hi = lshr <32 x i8> %qv, {_splat('i8', 32, 4)}\n")
+        order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+        L.append("  %w = shufflevector <32 x i8> %lo, <32 x i8> %hi, <64 x i32> <"
+                 + ", ".join(f"i32 {i}" for i in order) + ">\n")
+        L.append("  %wi = bitcast <64 x i8> %w to <16 x i32>\n")
+        L.append(_load("float", "%sp", "%g0", "%sv2", "<2 x float>") + _load("float", "%zp", "%g0", "%zv2", "<2 x float>"))
+    else:
+        L.append("  %qa.o = mul i64 %c, 64\n" + _load("i8", "%qp", "%qa.o", "%qv", "<64 x i8>"))
+        L.append("  %neg = icmp slt <64 x i8> %qv, zeroinitializer\n"
+                 "  %aw = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %qv, i1 false)\n"
+                 "  %wi = bitcast <64 x i8> %aw to <16 x i32>\n")
+        for i in (0, 1):
+            L.append(_load("i32", "%gidx", f"%g{i}", f"%gi{i}") + f"  %gi{i}.w = sext i32 %gi{i} to i64\n")
+            L.append(_load("float", "%sp", f"%gi{i}.w", f"%s{i}"))
+        L.append("  %sv2.a = insertelement <2 x float> poison, float %s0, i64 0\n"
+                 "  %sv2 = insertelement <2 x float> %sv2.a, float %s1, i64 1\n")
+    L.append("  %xo = mul i64 %c, 64\n")
+    pick = "<16 x i32> <" + ", ".join("i32 0" for _ in range(8)) + ", " + ", ".join("i32 1" for _ in range(8)) + ">"
+    for t in range(T):
+        L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<64 x i8>"))
+        if int4:
+            L.append(f"  %xi{t} = bitcast <64 x i8> %xv{t} to <16 x i32>\n")
+        else:  # x * sign(w): |w| is the unsigned operand
+            L.append(f"  %nx{t} = sub <64 x i8> zeroinitializer, %xv{t}\n"
+                     f"  %sx{t} = select <64 x i1> %neg, <64 x i8> %nx{t}, <64 x i8> %xv{t}\n"
+                     f"  %xi{t} = bitcast <64 x i8> %sx{t} to <16 x i32>\n")
+        L.append(f"  %p{t} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                 f"<16 x i32> %wi, <16 x i32> %xi{t})\n")
+        L.append(f"  %f{t} = sitofp <16 x i32> %p{t} to <16 x float>\n")
+        L.append(_load("float", f"%db{t}", "%g0", f"%dv{t}", "<2 x float>"))
+        L.append(f"  %sd{t} = fmul <2 x float> %sv2, %dv{t}\n"
+                 f"  %sdv{t} = shufflevector <2 x float> %sd{t}, <2 x float> poison, {pick}\n")
+        L.append(f"  %acc{t}.n = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{t}, <16 x float> %sdv{t}, "
+                 f"<16 x float> %acc{t})\n")
+        if int4:
+            L.append(_load("float", f"%sb{t}", "%g0", f"%xsv{t}", "<2 x float>"))
+            L.append(f"  %zacc{t}.n = call <2 x float> @llvm.fma.v2f32(<2 x float> %zv2, <2 x float> %xsv{t}, "
+                     f"<2 x float> %zacc{t})\n")
+    L.append("  %c1 = add i64 %c, 1\n  %more = icmp ult i64 %c1, %pairs\n  br i1 %more, label %step, label %pairend\n")
+    L.append("pairend:\n")
+    for t in range(T):
+        L.append(f"  %acc{t}.f = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
+        if int4:
+            L.append(f"  %zacc{t}.f = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n")
+    L.append("  br i1 %isodd, label %tail, label %rowend\n")
+    L.append("tail:\n")  # the odd last group, AVX2's step into 8-lane sums
+    L.append(_step(int4, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=not int4))
+    L.append("  br label %rowend\n")
+    L.append("rowend:\n")
+    for t in range(T):
+        L.append(f"  %tacc{t} = phi <8 x float> [zeroinitializer, %pairend], [%acc{t}.T, %tail]\n")
+        if int4:
+            L.append(f"  %tz{t} = phi float [0.0, %pairend], [%zacc{t}.T, %tail]\n")
+    for t in range(T):
+        init = f"%tz{t}" if int4 else "0.0"
+        L.append(f"  %t1{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float {init}, <8 x float> %tacc{t})\n")
+        L.append(f"  %t2{t} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float %t1{t}, <16 x float> %acc{t}.f)\n")
+        if int4:
+            L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v2f32(float %t2{t}, <2 x float> "
+                     f"%zacc{t}.f)\n")
+        else:
+            L.append(f"  %tot{t} = fadd float %t2{t}, 0.0\n")
+        L.append(f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
+    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
+def module_ir(x86: bool, vnni: bool = False) -> str:
+    ir_ = (_DECLARE_X86 if x86 else "") + _DECLARE + "".join(kernel_ir(k, t, x86) for k in KINDS for t in TILES)
+    if vnni:
+        ir_ += _DECLARE_VNNI + "".join(kernel_ir_vnni(k, t) for k in VNNI_KINDS for t in TILES)
+    return ir_
 
 
 # -- compiled library -----------------------------------------------------------------------------------------------
@@ -299,8 +412,10 @@ def module_ir(x86: bool) -> str:
 class _Library:
     """The kernels compiled for this CPU: addresses[kind] = int64 array, [T] = kernel for T rows (0 elsewhere)."""
 
-    def __init__(self, portable: bool = False) -> None:
-        """portable: the plain vector IR even where the x86 intrinsics would do (KVSCOPE_QUANT_IR=portable)."""
+    def __init__(self, portable: bool = False, vnni: bool | None = None) -> None:
+        """portable: the plain vector IR even where the x86 intrinsics would do (KVSCOPE_QUANT_IR=portable);
+        vnni: the AVX-512 VNNI kernels for the integer int4 and wide int8 work (None: where the CPU has them and
+        not portable; KVSCOPE_QUANT_IR=avx2 says False)."""
         llvm.initialize_native_target()
         llvm.initialize_native_asmprinter()
         features = llvm.get_host_cpu_features()
@@ -309,7 +424,9 @@ class _Library:
                     and not portable)
         target = llvm.Target.from_default_triple()
         self._tm = target.create_target_machine(cpu=self.cpu, features=features.flatten(), opt=3)
-        mod = llvm.parse_assembly(module_ir(self.x86))
+        has_vnni = all(features.get(f) for f in ("avx512f", "avx512bw", "avx512vl", "avx512vnni"))
+        self.vnni = self.x86 and has_vnni and (vnni is None or vnni)
+        mod = llvm.parse_assembly(module_ir(self.x86, self.vnni))
         mod.triple = self._tm.triple
         mod.data_layout = str(self._tm.target_data)
         mod.verify()
@@ -323,7 +440,14 @@ class _Library:
             for t in TILES:
                 table[t] = self._engine.get_function_address(f"{kind}_t{t}")
             self.addresses[kind] = table
-        self.isa = "avx2 (pmaddubsw/pmaddwd)" if self.x86 else "portable vector IR"
+        if self.vnni:  # the VNNI kernels do q4i's and q8w's work: they take those names
+            for kind, replaces in VNNI_KINDS.items():
+                table = np.zeros(max(TILES) + 1, dtype=np.int64)
+                for t in TILES:
+                    table[t] = self._engine.get_function_address(f"{kind}_t{t}")
+                self.addresses[replaces] = table
+        self.isa = ("avx512-vnni (vpdpbusd) + avx2" if self.vnni else "avx2 (pmaddubsw/pmaddwd)" if self.x86
+                    else "portable vector IR")
 
 
 _lock = threading.Lock()
@@ -342,7 +466,8 @@ def library() -> "_Library | None":
     with _lock:
         if _lib is None and not _error:
             try:
-                _lib = _Library(portable=os.environ.get("KVSCOPE_QUANT_IR") == "portable")
+                mode = os.environ.get("KVSCOPE_QUANT_IR")
+                _lib = _Library(portable=mode == "portable", vnni=False if mode == "avx2" else None)
             except Exception as e:  # an LLVM that refuses the IR: quant.py uses quant_kernels.py instead
                 _error = f"{type(e).__name__}: {e}"
     return _lib
