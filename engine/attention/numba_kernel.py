@@ -215,6 +215,14 @@ def attend_threads(q, qpos, table, alt, ctx, key_pos, has_kpos, window,
                akd, aks1, aks2, avd, avs1, avs2, dlut, hlut, acc_out, m_out, l_out, i, n)
 
 
+@njit(inline="always")
+def _block_span(b, j, lo, hi, bs, alt, table):
+    """Block j of row b in a pass over keys [lo, hi): (read from the alternative tier?, its slot there or in the
+    table, its first and past-last token in the range)."""
+    a = alt[b, j]
+    return a >= 0, a if a >= 0 else table[b, j], max(lo, j * bs) - j * bs, min(hi, j * bs + bs) - j * bs
+
+
 @njit(cache=True, nogil=True, fastmath=_FAST)
 def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc, mo, lo_, seg, S):
     """Sequence b's keys [lo, hi), every kv head, in two passes: every score first into a buffer (K read once, no
@@ -245,11 +253,8 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     ebuf = np.empty(L, dtype=np.int32)
     efl = ebuf.view(np.float32)
     for j in range(lo // bs, (hi + bs - 1) // bs):
-        a = alt[b, j]
-        kdat = akd if a >= 0 else kd
-        sl = a if a >= 0 else table[b, j]
-        t0 = max(lo, j * bs) - j * bs
-        t1 = min(hi, j * bs + bs) - j * bs
+        on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
+        kdat = akd if on_alt else kd
         for h in range(Hkv):
             for t in range(t0, t1):
                 c = j * bs + t - lo
@@ -272,11 +277,8 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
             mo[u, r] = mx
             lo_[u, r] = tot
     for j in range(lo // bs, (hi + bs - 1) // bs):
-        a = alt[b, j]
-        vdat = avd if a >= 0 else vd
-        sl = a if a >= 0 else table[b, j]
-        t0 = max(lo, j * bs) - j * bs
-        t1 = min(hi, j * bs + bs) - j * bs
+        on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
+        vdat = avd if on_alt else vd
         for h in range(Hkv):
             u = (b * Hkv + h) * S + seg
             for t in range(t0, t1):

@@ -140,6 +140,24 @@ def _load(t: str, base: str, idx: str, out: str, vec: str | None = None) -> str:
     return f"  {out}.a = getelementptr {t}, ptr {base}, i64 {idx}\n  {out} = load {ty}, ptr {out}.a, align 1\n"
 
 
+def _as_floats(convert: str, n: int, sx: str) -> str:
+    """The fp32-activation steps' weights: `convert` (a conversion of n weights) as <8 x float> parts %wf0{sx}..,
+    and the step's scale broadcast, %svb{sx}."""
+    L = [f"  %wf{sx} = {convert} to <{n} x float>\n"]
+    for i in range(n // 8):
+        L.append(f"  %wf{i}{sx} = shufflevector <{n} x float> %wf{sx}, <{n} x float> poison, "
+                 f"<8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
+    return "".join(L) + _bcast(f"%sv{sx}", f"%svb{sx}")
+
+
+def _scaled_into(t: int, sx: str, acc: str) -> str:
+    """%acc{t}{sx} = acc + float(%p{t}{sx}) * (weight scale %sv{sx} * input scale %dv{t}{sx})."""
+    return (f"  %f{t}{sx} = sitofp <8 x i32> %p{t}{sx} to <8 x float>\n"
+            f"  %sd{t}{sx} = fmul float %sv{sx}, %dv{t}{sx}\n" + _bcast(f"%sd{t}{sx}", f"%sdb{t}{sx}")
+            + f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}{sx}, <8 x float> %sdb{t}{sx}, "
+            f"<8 x float> {acc})\n")
+
+
 def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: list[str], zacc: list[str],
           wide: bool = False) -> str:
     """One inner step (a group of 32 inputs for int4, 16 for int8, 32 for wide int8) at step index %c for T x
@@ -154,11 +172,7 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
             L.append(_load("i8", f"%xb{t}", f"%qa.o{sx}", f"%xv{t}{sx}", "<32 x i8>"))
             L.append(_int_dot4s(f"%qv{sx}", f"%xv{t}{sx}", f"%p{t}{sx}", x86))
             L.append(_load("float", f"%db{t}", c, f"%dv{t}{sx}"))
-            L.append(f"  %f{t}{sx} = sitofp <8 x i32> %p{t}{sx} to <8 x float>\n"
-                     f"  %sd{t}{sx} = fmul float %sv{sx}, %dv{t}{sx}\n")
-            L.append(_bcast(f"%sd{t}{sx}", f"%sdb{t}{sx}"))
-            L.append(f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}{sx}, <8 x float> "
-                     f"%sdb{t}{sx}, <8 x float> {acc[t]})\n")
+            L.append(_scaled_into(t, sx, acc[t]))
         return "".join(L)
     if int4:
         L.append(f"  %qa.o{sx} = mul i64 {c}, 16\n" + _load("i8", "%qp", f"%qa.o{sx}", f"%qv{sx}", "<16 x i8>"))
@@ -167,11 +181,7 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
         L.append(f"  %w{sx} = shufflevector <16 x i8> %lo{sx}, <16 x i8> %hi{sx}, <32 x i32> <{_seq(0, 32)}>\n")
         L.append(_load("float", "%sp", c, f"%sv{sx}") + _load("float", "%zp", c, f"%zv{sx}"))
         if not integer:
-            L.append(f"  %wf{sx} = uitofp <32 x i8> %w{sx} to <32 x float>\n")
-            for i in range(4):
-                L.append(f"  %wf{i}{sx} = shufflevector <32 x float> %wf{sx}, <32 x float> poison, "
-                         f"<8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
-            L.append(_bcast(f"%sv{sx}", f"%svb{sx}"))
+            L.append(_as_floats(f"uitofp <32 x i8> %w{sx}", 32, sx))
         L.append(f"  %xo{sx} = mul i64 {c}, 32\n")
     else:
         L.append(f"  %qa.o{sx} = mul i64 {c}, 16\n")
@@ -181,11 +191,7 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
         if integer:
             L.append(f"  %w16{sx} = sext <16 x i8> %qv{sx} to <16 x i16>\n  %dc{sx} = lshr i64 {c}, 1\n")
         else:
-            L.append(f"  %wf{sx} = sitofp <16 x i8> %qv{sx} to <16 x float>\n")
-            for i in range(2):
-                L.append(f"  %wf{i}{sx} = shufflevector <16 x float> %wf{sx}, <16 x float> poison, "
-                         f"<8 x i32> <{_seq(8 * i, 8 * i + 8)}>\n")
-            L.append(_bcast(f"%sv{sx}", f"%svb{sx}"))
+            L.append(_as_floats(f"sitofp <16 x i8> %qv{sx}", 16, sx))
         L.append(f"  %xo{sx} = mul i64 {c}, 16\n")
     for t in range(T):
         if integer:
@@ -197,11 +203,7 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
                 L.append(_load("i8", f"%xb{t}", f"%xo{sx}", f"%xv{t}{sx}", "<16 x i8>"))
                 L.append(_int_dot2(f"%w16{sx}", f"%xv{t}{sx}", f"%p{t}{sx}", x86))
                 L.append(_load("float", f"%db{t}", f"%dc{sx}", f"%dv{t}{sx}"))
-            L.append(f"  %f{t}{sx} = sitofp <8 x i32> %p{t}{sx} to <8 x float>\n"
-                     f"  %sd{t}{sx} = fmul float %sv{sx}, %dv{t}{sx}\n")
-            L.append(_bcast(f"%sd{t}{sx}", f"%sdb{t}{sx}"))
-            L.append(f"  %acc{t}{sx} = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}{sx}, <8 x float> "
-                     f"%sdb{t}{sx}, <8 x float> {acc[t]})\n")
+            L.append(_scaled_into(t, sx, acc[t]))
         else:
             parts = 4 if int4 else 2
             for i in range(parts):
@@ -219,6 +221,40 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
     return "".join(L)
 
 
+def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str) -> str:
+    """A kernel's entry block (arguments as pointers, the step counts `counts` defines, each x row's base
+    pointers) and the head of its row loop (the row's weight, scale and zero pointers), ending in a branch to
+    %step when %haspair, else %pairend."""
+    L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
+    for n in _ARGS[:8]:
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append(counts)
+    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
+    for t in range(T):  # each x row's base pointers
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {x_type}, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
+        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
+    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
+    L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
+    L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
+             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %haspair, label %step, label %pairend\n")
+    return "".join(L)
+
+
+def _sums_from_step(T: int, int4: bool, sfx: str) -> str:
+    """The phis of the A and B sums (%acc{t}A{sfx}, ...): zero when coming from %row, the step's new ones when
+    from %step (at the step loop's head, sfx "", and after it, ".f")."""
+    L = []
+    for t in range(T):
+        for ab in "AB":
+            L.append(f"  %acc{t}{ab}{sfx} = phi <8 x float> [zeroinitializer, %row], [%acc{t}.{ab}, %step]\n")
+            if int4:
+                L.append(f"  %zacc{t}{ab}{sfx} = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
+    return "".join(L)
+
+
 def kernel_ir(kind: str, T: int, x86: bool) -> str:
     """One kernel's IR: `kind` (KINDS) for T rows of x. The inner loop takes two steps at a time into two sets
     of sums (A, B: independent chains, so a step does not wait on the previous one's FMA), then an odd last step
@@ -227,32 +263,11 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
     integer = kind.endswith("i") or wide
     step = 32 if int4 or wide else 16  # inputs per inner step: a group of 32 (int4, wide int8), 16 (int8)
     name = f"{kind}_t{T}"
-    a = ", ".join(f"i64 %{n}.i" for n in _ARGS)
-    L = [f"define void @{name}({a}) {{\nentry:\n"]
-    for n in _ARGS[:8]:
-        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
-    L.append(f"  %steps = udiv i64 %K.i, {step}\n  %pairs2 = and i64 %steps, -2\n  %odd = and i64 %steps, 1\n")
-    L.append("  %haspair = icmp ne i64 %pairs2, 0\n  %isodd = icmp ne i64 %odd, 0\n")
-    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
-    for t in range(T):  # each x row's base pointers
-        xt = "i8" if integer else "float"
-        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {xt}, ptr %x, i64 %xo{t}\n")
-        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
-        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
-        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
-    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
-    # -- row loop
-    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
-    L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
-    L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
-             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %haspair, label %step, label %pairend\n")
+    counts = (f"  %steps = udiv i64 %K.i, {step}\n  %pairs2 = and i64 %steps, -2\n  %odd = and i64 %steps, 1\n"
+              "  %haspair = icmp ne i64 %pairs2, 0\n  %isodd = icmp ne i64 %odd, 0\n")
+    L = [_prologue(name, T, int4, "i8" if integer else "float", counts)]
     # -- two steps at a time
-    L.append("step:\n  %c = phi i64 [0, %row], [%c2, %step]\n")
-    for t in range(T):
-        for ab in "AB":
-            L.append(f"  %acc{t}{ab} = phi <8 x float> [zeroinitializer, %row], [%acc{t}.{ab}, %step]\n")
-            if int4:
-                L.append(f"  %zacc{t}{ab} = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
+    L.append("step:\n  %c = phi i64 [0, %row], [%c2, %step]\n" + _sums_from_step(T, int4, ""))
     L.append("  %cb = add i64 %c, 1\n")
     L.append(_step(int4, integer, T, x86, "%c", ".A", [f"%acc{t}A" for t in range(T)], [f"%zacc{t}A" for t in range(T)],
                    wide))
@@ -260,12 +275,7 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
                    wide))
     L.append("  %c2 = add i64 %c, 2\n  %more = icmp ult i64 %c2, %pairs2\n  br i1 %more, label %step, label %pairend\n")
     # -- the sums after the pairs, and an odd last step into A
-    L.append("pairend:\n  %cend = phi i64 [0, %row], [%c2, %step]\n")
-    for t in range(T):
-        for ab in "AB":
-            L.append(f"  %acc{t}{ab}.f = phi <8 x float> [zeroinitializer, %row], [%acc{t}.{ab}, %step]\n")
-            if int4:
-                L.append(f"  %zacc{t}{ab}.f = phi float [0.0, %row], [%zacc{t}.{ab}, %step]\n")
+    L.append("pairend:\n  %cend = phi i64 [0, %row], [%c2, %step]\n" + _sums_from_step(T, int4, ".f"))
     L.append("  br i1 %isodd, label %tail, label %rowend\n")
     L.append("tail:\n")
     L.append(_step(int4, integer, T, x86, "%cend", ".T", [f"%acc{t}A.f" for t in range(T)],
@@ -306,28 +316,16 @@ def kernel_ir_vnni(kind: str, T: int) -> str:
     [s0 d0 x 8, s1 d1 x 8]; an odd last group through the AVX2 step. Same arguments and arithmetic as q4i / q8w."""
     int4 = kind == "q4v"
     name = f"{kind}_t{T}"
-    a = ", ".join(f"i64 %{n}.i" for n in _ARGS)
-    L = [f"define void @{name}({a}) {{\nentry:\n"]
-    for n in _ARGS[:8]:
-        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
-    L.append("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n")
-    L.append("  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n")
-    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
-    for t in range(T):
-        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
-        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
-        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
-        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
-    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
-    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
-    L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
-    L.append("  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
-             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %haspair, label %step, label %pairend\n")
-    L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n")
-    for t in range(T):
-        L.append(f"  %acc{t} = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
-        if int4:
-            L.append(f"  %zacc{t} = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n")
+    counts = ("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n"
+              "  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n")
+    L = [_prologue(name, T, int4, "i8", counts)]
+
+    def sums(sfx: str) -> str:  # the 16-lane sums (and the zero term's 2): zero from %row, the step's from %step
+        return "".join(f"  %acc{t}{sfx} = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n"
+                       + (f"  %zacc{t}{sfx} = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n"
+                          if int4 else "") for t in range(T))
+
+    L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n" + sums(""))
     L.append("  %g0 = shl i64 %c, 1\n  %g1 = add i64 %g0, 1\n")
     if int4:
         L.append("  %qa.o = mul i64 %c, 32\n" + _load("i8", "%qp", "%qa.o", "%qv", "<32 x i8>"))
@@ -370,11 +368,7 @@ def kernel_ir_vnni(kind: str, T: int) -> str:
             L.append(f"  %zacc{t}.n = call <2 x float> @llvm.fma.v2f32(<2 x float> %zv2, <2 x float> %xsv{t}, "
                      f"<2 x float> %zacc{t})\n")
     L.append("  %c1 = add i64 %c, 1\n  %more = icmp ult i64 %c1, %pairs\n  br i1 %more, label %step, label %pairend\n")
-    L.append("pairend:\n")
-    for t in range(T):
-        L.append(f"  %acc{t}.f = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n")
-        if int4:
-            L.append(f"  %zacc{t}.f = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n")
+    L.append("pairend:\n" + sums(".f"))
     L.append("  br i1 %isodd, label %tail, label %rowend\n")
     L.append("tail:\n")  # the odd last group, AVX2's step into 8-lane sums
     L.append(_step(int4, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=not int4))
