@@ -82,10 +82,9 @@ class QuantWeight:
             # matrix, freed after) and multiplied by MKL's gemm, as llama.cpp hands large batches to BLAS. With
             # int8 activations (already approximate) in bf16 where the CPU has bf16 arithmetic: inputs and weights
             # rounded to bf16's 8-bit mantissa, sums in fp32.
-            w = self.lookup(torch.arange(N))
             if self.activations == "int8" and BF16_PREFILL:
-                return F.linear(x.bfloat16(), w.bfloat16()).float()
-            return F.linear(x, w)
+                return F.linear(x.bfloat16(), self.lookup_bf16(torch.arange(N))).float()
+            return F.linear(x, self.lookup(torch.arange(N)))
         xn, q, s, z = x.numpy(), self.q.numpy(), self.scale.numpy(), self.zero.numpy()
         if quant_ir.library() is not None:
             if self.kind == "int4":
@@ -113,6 +112,16 @@ class QuantWeight:
         out = (quant_kernels.int8_rows(q, s, z, self.group, i) if self.kind == "int8"
                else quant_kernels.int4_rows(q, s, z, i))
         return torch.from_numpy(out)
+
+    def lookup_bf16(self, ids: torch.Tensor) -> torch.Tensor:
+        """lookup(ids) rounded to bfloat16 (to nearest, ties to even, as Tensor.bfloat16()), computed row by row
+        without an fp32 copy of the rows."""
+        if ids.device.type != "cpu" or not quant_kernels.AVAILABLE:
+            return self.lookup(ids).bfloat16()
+        i, q, s, z = ids.to(torch.int64).contiguous().numpy(), self.q.numpy(), self.scale.numpy(), self.zero.numpy()
+        bits = (quant_kernels.int8_rows_bf16(q, s, z, self.group, i) if self.kind == "int8"
+                else quant_kernels.int4_rows_bf16(q, s, z, i))
+        return torch.from_numpy(bits).view(torch.bfloat16)
 
     def dequantize(self) -> torch.Tensor:
         """W as float32 [N, K]: the reference the kernels are checked against (never used on the hot path)."""

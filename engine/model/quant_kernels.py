@@ -134,6 +134,42 @@ if AVAILABLE:
                     out[i, base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
 
 
+    @njit(inline="always")
+    def _bf16_bits(row, out, i):  # pragma: no cover - compiled
+        """out[i] = row (float32) rounded to bfloat16, as bits: to nearest, ties to even (torch's rounding)."""
+        bits = row.view(np.uint32)
+        for k in range(bits.shape[0]):
+            b = bits[k]
+            out[i, k] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _int8_rows_bf16(q, scale, zero, group, ids, out):  # pragma: no cover - compiled
+        """_int8_rows into bfloat16 bits (uint16): a prompt chunk's bf16 gemm operand without an fp32 copy."""
+        K = q.shape[1]
+        for i in prange(ids.shape[0]):
+            r = ids[i]
+            row = np.empty(K, dtype=np.float32)
+            for g in range(K // group):
+                s, z, base = scale[r, g], zero[r, g], g * group
+                for k in range(base, base + group):
+                    row[k] = s * np.float32(q[r, k]) + z
+            _bf16_bits(row, out, i)
+
+    @njit(parallel=True, cache=True, nogil=True)
+    def _int4_rows_bf16(q, scale, zero, ids, out):  # pragma: no cover - compiled
+        half = ids.shape[0] * 0 + 16
+        for i in prange(ids.shape[0]):
+            r = ids[i]
+            row = np.empty(q.shape[1] * 2, dtype=np.float32)
+            for g in range(q.shape[1] // half):
+                s, z, base, at = scale[r, g], zero[r, g], g * 2 * half, g * half
+                for j in range(half):
+                    row[base + j] = s * np.float32(np.int32(q[r, at + j]) & np.int32(15)) + z
+                for j in range(half):
+                    row[base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
+            _bf16_bits(row, out, i)
+
+
 def int8_mm(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int) -> np.ndarray:
     out = np.empty((x.shape[0], q.shape[0]), dtype=np.float32)
     (_int8_mv if x.shape[0] == 1 else _int8_mm)(x, q, scale, zero, group, out)
@@ -155,4 +191,17 @@ def int8_rows(q, scale, zero, group, ids) -> np.ndarray:
 def int4_rows(q, scale, zero, ids) -> np.ndarray:
     out = np.empty((ids.shape[0], q.shape[1] * 2), dtype=np.float32)
     _int4_rows(q, scale, zero, ids, out)
+    return out
+
+
+def int8_rows_bf16(q, scale, zero, group, ids) -> np.ndarray:
+    """int8_rows rounded to bfloat16, as uint16 bits [len(ids), K]."""
+    out = np.empty((ids.shape[0], q.shape[1]), dtype=np.uint16)
+    _int8_rows_bf16(q, scale, zero, group, ids, out)
+    return out
+
+
+def int4_rows_bf16(q, scale, zero, ids) -> np.ndarray:
+    out = np.empty((ids.shape[0], q.shape[1] * 2), dtype=np.uint16)
+    _int4_rows_bf16(q, scale, zero, ids, out)
     return out

@@ -50,6 +50,19 @@ def test_embedding_lookup_is_the_dequantized_rows(kind):
     assert torch.equal(qw.lookup(ids), qw.dequantize()[ids])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_bf16_rows_are_the_dequantized_rows_rounded(kind):
+    """lookup_bf16 (a prompt chunk's bf16 gemm operand): bit for bit Tensor.bfloat16() of the fp32 rows, ties to
+    even included (values built to sit exactly halfway between two bf16 numbers)."""
+    qw = quantize(torch.randn(40, 96), kind)
+    ids = torch.tensor([0, 39, 7, 7, 12])
+    assert torch.equal(qw.lookup_bf16(ids).view(torch.int16), qw.lookup(ids).bfloat16().view(torch.int16))
+    ties = QuantWeight("int8", torch.full((2, 32), 1, dtype=torch.int8),
+                       torch.tensor([[1.0 + 2 ** -8], [1.0 + 3 * 2 ** -8]]), torch.zeros(2, 1), 32)
+    got = ties.lookup_bf16(torch.tensor([0, 1])).float()[:, 0]
+    assert got.tolist() == [1.0, 1.0 + 2 ** -6]  # halfway: to the even neighbour, down then up
+
+
 def test_quantization_rounds_to_the_nearest_level():
     """int4: each group's 16 levels span its min..max; every value lands on its nearest level (error <= scale/2)."""
     w = torch.randn(8, 64)
