@@ -302,8 +302,8 @@ def default_model_loaded():
 def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
     """`kvscope generate "hi" --max-new-tokens 8 --weights-dtype int4` on the default GGUF: its Q4_1 / Q8_0 tensors
     are read one at a time into their packed form (engine/model/gguf_direct.py), never into float, so peak RSS over
-    the same imports (numba's compiled kernels loaded, the tokenizer read) stays within 1.2x the packed weights + the
-    KV the run holds."""
+    the same imports (numba's compiled kernels loaded and the attention self-check run, the tokenizer read) stays within
+    1.2x the packed weights + the KV the run holds."""
     if sys.platform != "linux":
         pytest.skip("ru_maxrss units are Linux's")
     from engine.config import CacheConfig
@@ -312,7 +312,12 @@ def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
 
     warm = ("import torch; from engine.model.quant import quantize; "
             "[quantize(torch.randn(64, 64), k).matmul(torch.randn(n, 64)) for k in ('int8', 'int4') for n in (1, 2)]; "
-            "[quantize(torch.randn(64, 64), k).lookup(torch.tensor([1])) for k in ('int8', 'int4')]")
+            "[quantize(torch.randn(64, 64), k).lookup(torch.tensor([1])) for k in ('int8', 'int4')]; "
+            # the engine's attention self-check at start-up, on scratch pools of other heads than the model's: its
+            # kernels loaded and its buffers (~7 MiB, the same at 4 x 32 as at the model's 9 x 64 heads)
+            "from engine.attention import make_backend; from engine.attention.check import check_backend; "
+            "from engine.config import KVDtype; assert check_backend(make_backend('cpu'), KVDtype.FP32, 16, 4, 2, 32, "
+            "torch.device('cpu'), torch.float32, (), False).ok")
     # The baseline also holds the tokenizer as the loader builds it (~38 MiB here, the same for every weights dtype).
     tokenizer = ("import os; from engine.model.tokenizer import Tokenizer; from engine.model.loader import hf_reference_dir; "
                  "from engine.model.spec import model_eos_ids, read_json; d = hf_reference_dir(None); "
@@ -332,8 +337,8 @@ def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
     with capsys.disabled():
         print(f"\nint4: peak RSS {peak / MB:.0f} MiB, imports alone {base / MB:.0f} MiB, packed weights "
               f"{packed / MB:.1f} MiB + KV {kv / MB:.2f} MiB: (peak - imports) / that = {(peak - base) / (packed + kv):.2f}")
-    # The goal is 1.2x; measured here 1.21-1.23x (the engine's runner buffers, ~8 MiB, the fused layers' and
-    # decode attention's compiled code, and the allocator's slack over the weights' ~110 MiB): asserted at 1.3x, far
-    # below the 4.7x an fp32 copy of the model would cost. The baseline is checked too: a baseline that converted
-    # the GGUF itself passed this vacuously (peak - imports < 0).
-    assert 0 < peak - base <= 1.3 * (packed + kv)
+    # The goal is 1.2x: measured 1.16-1.18x (without the self-check in the baseline 1.20-1.23x, session 13); the
+    # rest over the packed bytes is the engine's runner buffers and the allocator's slack, which move a few MiB run
+    # to run, so the assertion keeps a margin: 1.25x, against the 4.7x an fp32 copy would cost. The baseline is
+    # checked too: one that converted the GGUF itself passed vacuously (peak - imports < 0).
+    assert 0 < peak - base <= 1.25 * (packed + kv)
