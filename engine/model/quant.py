@@ -54,7 +54,7 @@ class QuantWeight:
     # dequantized weight's matmul up to float rounding). Set per model (EngineOptions.quant_activations).
     activations: str = "fp32"
     _cuda: tuple | None = None  # the CUDA kernel's own packing, built on first use there
-    _cpu: tuple | None = None  # the IR kernels' (group index, has nonzero zeros), built on first use
+    _cpu: tuple | None = None  # the IR kernels' (quant_ir.operand, zero-term group), built on first use
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,13 +87,11 @@ class QuantWeight:
             return F.linear(x, self.lookup(torch.arange(N)))
         xn, q, s, z = x.numpy(), self.q.numpy(), self.scale.numpy(), self.zero.numpy()
         if quant_ir.library() is not None:
-            if self.kind == "int4":
-                return torch.from_numpy(quant_ir.int4_matmul(xn, q, s, z, self.activations))
-            if self.group % 16 == 0 and K % 16 == 0:
-                if self._cpu is None:
-                    self._cpu = (quant_ir.group_index(K, self.group), bool((self.zero != 0).any()))
-                act = self.activations if K % quant_ir.ACT_GROUP == 0 else "fp32"
-                return torch.from_numpy(quant_ir.int8_matmul(xn, q, s, z, self.group, *self._cpu, act))
+            if self._cpu is None:  # (operand or None, the zero term's group: int8 weights with zeros only)
+                op = quant_ir.operand(self.kind, q, s, z, self.group, self.activations)
+                self._cpu = (op, self.group if self.kind == "int8" and bool((self.zero != 0).any()) else 0)
+            if self._cpu[0] is not None:
+                return torch.from_numpy(quant_ir.matmul(xn, *self._cpu))
         out = (quant_kernels.int8_mm(xn, q, s, z, self.group) if self.kind == "int8"
                else quant_kernels.int4_mm(xn, q, s, z))
         return torch.from_numpy(out)
@@ -102,7 +100,7 @@ class QuantWeight:
         """This weight (same tensors) with the CPU kernels' activations `activations` (ACTIVATIONS)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"quantized weights' activations {activations!r} are not one of {', '.join(ACTIVATIONS)}")
-        return self if activations == self.activations else replace(self, activations=activations)
+        return self if activations == self.activations else replace(self, activations=activations, _cpu=None)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W, dequantized [len(ids), K] float32 (an embedding lookup)."""

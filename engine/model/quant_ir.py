@@ -555,50 +555,57 @@ def _chunk(n: int) -> int:
 
 
 _NO_GIDX = np.zeros(1, dtype=np.int32)
-_NO_F32 = np.zeros((1, 1), dtype=np.float32)
 
 
-def int4_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, activations: str,
-                lib: "_Library | None" = None) -> np.ndarray:
-    """x [B, K] float32 @ the int4 weight (quant.py's layout) -> [B, N] float32 (lib: the compiled kernels to use,
-    library() by default)."""
+def operand(kind: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int, activations: str,
+            lib: "_Library | None" = None) -> tuple | None:
+    """How the IR kernels run a packed weight (quant.py's layouts), as the tuple _mm takes: (kernels, q, scale, zero,
+    the weight group of each inner step, groups a row, inputs K, int8 activations?, rows a thread's chunk); None
+    where they cannot (int8 weights with groups or inputs not in 16s). int8 activations need K in 32s (else fp32
+    ones); int8 weights with groups of 32 or more take 32 inputs a step (q8w), else 16. lib: the compiled kernels
+    (library() by default)."""
     lib = lib or library()
-    B, K = x.shape
     N = q.shape[0]
-    out = np.empty((B, N), dtype=np.float32)
-    if activations == "int8":
-        xq, dx, xs = quantize_activations(x)
-        _drive(lib.addresses["q4i"], q, scale, zero, xq, dx, xs, out, _NO_GIDX, scale.shape[1], K, _chunk(N))
+    K = q.shape[1] * (2 if kind == "int4" else 1)
+    if kind == "int4":
+        act8 = activations == "int8"
+        name, gidx = ("q4i" if act8 else "q4f"), _NO_GIDX
     else:
+        if group % 16 or K % 16:
+            return None
+        act8 = activations == "int8" and K % ACT_GROUP == 0
+        step = 32 if act8 and group % 32 == 0 else 16
+        name = "q8w" if step == 32 else "q8i" if act8 else "q8f"
+        gidx = (np.arange(K // step, dtype=np.int64) * step // group).astype(np.int32)
+    return (lib.addresses[name], q, scale, zero, gidx, scale.shape[1], K, act8, _chunk(N))
+
+
+if llvm is not None:
+
+    @njit(nogil=True, cache=True)
+    def _mm(w, x, out):  # pragma: no cover - compiled
+        """out = x @ W.T for an operand() tuple w: x rounded to int8 first where it says so."""
+        fns, q, s, z, gidx, Gw, K, act8, chunk = w
+        B = x.shape[0]
         xs = np.empty((B, K // 32), dtype=np.float32)
-        _group_sums(x, 32, xs)
-        _drive(lib.addresses["q4f"], q, scale, zero, x, _NO_F32, xs, out, _NO_GIDX, scale.shape[1], K, _chunk(N))
-    return out
+        if act8:
+            xq = np.empty((B, K), dtype=np.int8)
+            dx = np.empty((B, K // 32), dtype=np.float32)
+            _quantize_rows(x, xq, dx, xs)
+            _drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
+        else:
+            _group_sums(x, 32, xs)  # the int4 kernels' zero term (int8 ones read no zeros)
+            _drive(fns, q, s, z, x, np.empty((1, 1), dtype=np.float32), xs, out, gidx, Gw, K, chunk)
 
 
-def group_index(K: int, group: int) -> np.ndarray:
-    """int32 [K/16]: the group of each 16 inputs of a row with groups of `group` (a multiple of 16)."""
-    return (np.arange(K // 16, dtype=np.int64) * 16 // group).astype(np.int32)
-
-
-def int8_matmul(x: np.ndarray, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int, gidx: np.ndarray,
-                has_zero: bool, activations: str, lib: "_Library | None" = None) -> np.ndarray:
-    """x [B, K] float32 @ the int8 weight (groups of `group`, a multiple of 16; K a multiple of 32 for int8
-    activations) -> [B, N] float32."""
-    lib = lib or library()
-    B, K = x.shape
-    N = q.shape[0]
-    out = np.empty((B, N), dtype=np.float32)
-    if activations == "int8":
-        xq, dx, _ = quantize_activations(x)
-        wide = group % 32 == 0  # 32 inputs a step: the group of each 32 is gidx's (of each 16) every other entry
-        steps = np.ascontiguousarray(gidx[::2]) if wide else gidx
-        _drive(lib.addresses["q8w" if wide else "q8i"], q, scale, zero, xq, dx, _NO_F32, out, steps, scale.shape[1],
-               K, _chunk(N))
-    else:
-        _drive(lib.addresses["q8f"], q, scale, zero, x, _NO_F32, _NO_F32, out, gidx, scale.shape[1], K, _chunk(N))
-    if has_zero:  # only int8 weights made from int4 ones (quant.stack_rows of mixed formats) have zeros
-        xs = np.empty((B, K // group), dtype=np.float32)
-        _group_sums(x, group, xs)
-        out += xs @ zero.T
+def matmul(x: np.ndarray, op: tuple, zero_group: int = 0) -> np.ndarray:
+    """x [B, K] float32 @ the weight of operand() op -> [B, N] float32. zero_group: the group size of an int8
+    weight with nonzero zeros (only int8 weights made from int4 ones, quant.stack_rows of mixed formats, have
+    them; the int8 kernels read none): its zero term added here; 0: none."""
+    out = np.empty((x.shape[0], op[1].shape[0]), dtype=np.float32)
+    _mm(op, x, out)
+    if zero_group:
+        xs = np.empty((x.shape[0], x.shape[1] // zero_group), dtype=np.float32)
+        _group_sums(x, zero_group, xs)
+        out += xs @ op[3].T
     return out

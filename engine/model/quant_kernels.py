@@ -110,29 +110,35 @@ if AVAILABLE:
                 t += zero[n, g] * xs[g]
             out[0, n] = t
 
+    @njit(inline="always")
+    def _int8_row(q, scale, zero, group, r, dst):  # pragma: no cover - compiled
+        """dst = row r of the dequantized int8 weight."""
+        for g in range(q.shape[1] // group):
+            s, z, base = scale[r, g], zero[r, g], g * group
+            for k in range(base, base + group):
+                dst[k] = s * np.float32(q[r, k]) + z
+
+    @njit(inline="always")
+    def _int4_row(q, scale, zero, half, r, dst):  # pragma: no cover - compiled
+        """dst = row r of the dequantized int4 weight (half = 16, at run time: see _int4_mm)."""
+        for g in range(q.shape[1] // half):
+            s, z, base, at = scale[r, g], zero[r, g], g * 2 * half, g * half
+            for j in range(half):
+                dst[base + j] = s * np.float32(np.int32(q[r, at + j]) & np.int32(15)) + z
+            for j in range(half):
+                dst[base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
+
     @njit(parallel=True, cache=True, nogil=True)
     def _int8_rows(q, scale, zero, group, ids, out):  # pragma: no cover - compiled
         """Embedding lookup: rows ids of the dequantized weight."""
-        K = q.shape[1]
         for i in prange(ids.shape[0]):
-            r = ids[i]
-            for g in range(K // group):
-                s, z, base = scale[r, g], zero[r, g], g * group
-                for k in range(base, base + group):
-                    out[i, k] = s * np.float32(q[r, k]) + z
+            _int8_row(q, scale, zero, group, ids[i], out[i])
 
     @njit(parallel=True, cache=True, nogil=True)
     def _int4_rows(q, scale, zero, ids, out):  # pragma: no cover - compiled
         half = ids.shape[0] * 0 + 16  # a run-time 16: a constant trip count is unrolled into scalar code
         for i in prange(ids.shape[0]):
-            r = ids[i]
-            for g in range(q.shape[1] // half):
-                s, z, base, at = scale[r, g], zero[r, g], g * 2 * half, g * half
-                for j in range(half):
-                    out[i, base + j] = s * np.float32(np.int32(q[r, at + j]) & np.int32(15)) + z
-                for j in range(half):
-                    out[i, base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
-
+            _int4_row(q, scale, zero, half, ids[i], out[i])
 
     @njit(inline="always")
     def _bf16_bits(row, out, i):  # pragma: no cover - compiled
@@ -145,28 +151,17 @@ if AVAILABLE:
     @njit(parallel=True, cache=True, nogil=True)
     def _int8_rows_bf16(q, scale, zero, group, ids, out):  # pragma: no cover - compiled
         """_int8_rows into bfloat16 bits (uint16): a prompt chunk's bf16 gemm operand without an fp32 copy."""
-        K = q.shape[1]
         for i in prange(ids.shape[0]):
-            r = ids[i]
-            row = np.empty(K, dtype=np.float32)
-            for g in range(K // group):
-                s, z, base = scale[r, g], zero[r, g], g * group
-                for k in range(base, base + group):
-                    row[k] = s * np.float32(q[r, k]) + z
+            row = np.empty(q.shape[1], dtype=np.float32)
+            _int8_row(q, scale, zero, group, ids[i], row)
             _bf16_bits(row, out, i)
 
     @njit(parallel=True, cache=True, nogil=True)
     def _int4_rows_bf16(q, scale, zero, ids, out):  # pragma: no cover - compiled
         half = ids.shape[0] * 0 + 16
         for i in prange(ids.shape[0]):
-            r = ids[i]
             row = np.empty(q.shape[1] * 2, dtype=np.float32)
-            for g in range(q.shape[1] // half):
-                s, z, base, at = scale[r, g], zero[r, g], g * 2 * half, g * half
-                for j in range(half):
-                    row[base + j] = s * np.float32(np.int32(q[r, at + j]) & np.int32(15)) + z
-                for j in range(half):
-                    row[base + half + j] = s * np.float32(np.int32(q[r, at + j]) >> np.int32(4)) + z
+            _int4_row(q, scale, zero, half, ids[i], row)
             _bf16_bits(row, out, i)
 
 

@@ -29,43 +29,14 @@ except Exception:  # pragma: no cover - numba missing: no fused layers (quant_ir
 
 
 def operand(w, activations: str) -> tuple | None:
-    """The numba tuple of a packed weight (fns, q, s, z, gidx, Gw, K, int8 activations, chunk), or None where the
-    fused path does not take it (int8 weights with zeros, inputs not in 16s)."""
-    lib = quant_ir.library()
-    if lib is None or w.q.device.type != "cpu":
+    """quant_ir.operand of a packed weight, or None where the fused path does not take it: no kernels, CUDA, or int8
+    weights with zeros (the fused calls add no zero term) or groups / inputs not in 16s."""
+    if quant_ir.library() is None or w.q.device.type != "cpu" or (w.kind == "int8" and bool((w.zero != 0).any())):
         return None
-    N, K = w.shape
-    if w.kind == "int4":
-        act8 = activations == "int8"
-        fns = lib.addresses["q4i" if act8 else "q4f"]
-        gidx = np.zeros(1, dtype=np.int32)
-    else:
-        if w.group % 16 or K % 16 or bool((w.zero != 0).any()):
-            return None
-        act8 = activations == "int8" and K % quant_ir.ACT_GROUP == 0
-        wide = act8 and w.group % 32 == 0  # quant_ir.int8_matmul's choice: 32 inputs a step
-        fns = lib.addresses["q8w" if wide else "q8i" if act8 else "q8f"]
-        gidx = quant_ir.group_index(K, w.group)
-        gidx = np.ascontiguousarray(gidx[::2]) if wide else gidx
-    return (fns, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), gidx, w.scale.shape[1], K, act8, quant_ir._chunk(N))
+    return quant_ir.operand(w.kind, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), w.group, activations)
 
 
 if njit is not None and quant_ir.llvm is not None:
-
-    @njit(nogil=True, cache=True)
-    def _mm(w, x, out):  # pragma: no cover - compiled
-        """out = x @ W.T through the IR kernels (QuantWeight.matmul's arithmetic)."""
-        fns, q, s, z, gidx, Gw, K, act8, chunk = w
-        B = x.shape[0]
-        xs = np.empty((B, K // 32), dtype=np.float32)
-        if act8:
-            xq = np.empty((B, K), dtype=np.int8)
-            dx = np.empty((B, K // 32), dtype=np.float32)
-            quant_ir._quantize_rows(x, xq, dx, xs)
-            quant_ir._drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
-        else:
-            quant_ir._group_sums(x, 32, xs)  # the int4 kernels' zero term (int8 ones read no zeros)
-            quant_ir._drive(fns, q, s, z, x, np.empty((1, 1), dtype=np.float32), xs, out, gidx, Gw, K, chunk)
 
     @njit(nogil=True, cache=True)
     def _rms(x, w, eps, out):  # pragma: no cover - compiled
@@ -94,7 +65,7 @@ if njit is not None and quant_ir.llvm is not None:
     def pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, out):  # pragma: no cover - compiled
         h = np.empty_like(x)
         _rms(x, norm_w, eps, h)
-        _mm(w_qkv, h, out)
+        quant_ir._mm(w_qkv, h, out)
         if rope_heads > 0:
             _rope(out, rope_heads, D, cos, sin)
 
@@ -102,20 +73,20 @@ if njit is not None and quant_ir.llvm is not None:
     def post_attention(x, attn, w_o, norm_w, eps, w_gu, w_down, inter, out):  # pragma: no cover - compiled
         T, n = x.shape
         o = np.empty((T, n), dtype=np.float32)
-        _mm(w_o, attn, o)
+        quant_ir._mm(w_o, attn, o)
         for t in range(T):
             for i in range(n):
                 o[t, i] += x[t, i]  # o is now the residual stream after attention
         h = np.empty((T, n), dtype=np.float32)
         _rms(o, norm_w, eps, h)
         gu = np.empty((T, 2 * inter), dtype=np.float32)
-        _mm(w_gu, h, gu)
+        quant_ir._mm(w_gu, h, gu)
         a = np.empty((T, inter), dtype=np.float32)
         for t in range(T):
             for i in range(inter):
                 g = gu[t, i]
                 a[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, inter + i]
-        _mm(w_down, a, out)
+        quant_ir._mm(w_down, a, out)
         for t in range(T):
             for i in range(n):
                 out[t, i] += o[t, i]

@@ -44,12 +44,8 @@ def _want(x: np.ndarray, w: QuantWeight, activations: str) -> np.ndarray:
 
 
 def _run(lib, x: np.ndarray, w: QuantWeight, activations: str) -> np.ndarray:
-    q, s, z = w.q.numpy(), w.scale.numpy(), w.zero.numpy()
-    if w.kind == "int4":
-        return quant_ir.int4_matmul(x, q, s, z, activations, lib=lib)
-    K = x.shape[1]
-    return quant_ir.int8_matmul(x, q, s, z, w.group, quant_ir.group_index(K, w.group), bool((w.zero != 0).any()),
-                                activations, lib=lib)
+    op = quant_ir.operand(w.kind, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), w.group, activations, lib=lib)
+    return quant_ir.matmul(x, op, w.group if w.kind == "int8" and bool((w.zero != 0).any()) else 0)
 
 
 def _weights(N: int, K: int, seed: int) -> dict[str, QuantWeight]:
