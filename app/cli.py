@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare", choices=("hf", "llamacpp"), default="hf",
                    help="the default run: tokens/s of the engine against transformers' generate on the same model; "
                         "llamacpp: against llama.cpp (llama-cpp-python, optional) on the same GGUF, batch 1 and "
-                        "--batch (give --weights-dtype int4 to keep the GGUF's blocks packed)")
+                        "--batch (give --weights-dtype int4 to keep the GGUF's blocks packed); both sides keep K/V in --kv-dtype, fp16 "
+                        "when not given (llama.cpp's default)")
     b.add_argument("--prompt-tokens", type=_count(1, 1_000_000), default=275, metavar="N",
                    help="prompt length of every request in the --compare run (default 275)")
     b.add_argument("--batch1-new-tokens", type=_count(1, 1_000_000), default=128, metavar="N",

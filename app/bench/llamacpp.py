@@ -2,7 +2,9 @@
 kvscope[llamacpp]`, compiled from source) on the same GGUF, prompt and machine, in one run.
 
 llama.cpp runs one sequence (2 threads, greedy), KV Scope one (batch 1) and then --batch of them (batch 8), with
-the engine's --weights-dtype (int4 keeps the GGUF's own quantized blocks: engine/model/gguf_direct.py). Printed:
+the engine's --weights-dtype (int4 keeps the GGUF's own quantized blocks: engine/model/gguf_direct.py). Both keep
+their K/V in the same format: --kv-dtype (fp16 when not given: llama.cpp's default) and llama.cpp's type_k/type_v
+set to match where it has that type (f32, f16, bf16; otherwise its f16, and the output says so). Printed:
 tok/s of each, decode tok/s (tokens after the first over the time after it), prefill time, and the ratios the
 issue sets (batch-1 decode vs llama.cpp's, batch-8 tok/s vs llama.cpp's single sequence), with the load average.
 
@@ -22,18 +24,25 @@ from app.bench.prompts import bench_prompts
 from app.commands import open_engine
 
 LLAMA_THREADS = 2
+# The GGML type of llama.cpp's K/V cache for each KV Scope storage format it has (ggml.h: F32 0, F16 1, BF16 30);
+# the others (int8 with per-token scales, fp8 ...) have no llama.cpp counterpart: it keeps its default, f16.
+GGML_KV = {"fp32": 0, "fp16": 1, "bf16": 30}
+GGML_NAMES = {0: "f32", 1: "f16", 30: "bf16"}
+DEFAULT_KV = "fp16"  # this comparison's KV format when --kv-dtype is not given: llama.cpp's default (f16), both sides
 
 
 def _load() -> str:
     return "load average " + " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def llamacpp_run(path: str, prompt: list[int], n: int, threads: int = LLAMA_THREADS) -> dict:
-    """One greedy sequence through llama-cpp-python: prefill seconds, total seconds, decode tok/s, tokens."""
+def llamacpp_run(path: str, prompt: list[int], n: int, threads: int = LLAMA_THREADS, kv_type: int | None = None,
+                 flash_attn: bool = False) -> dict:
+    """One greedy sequence through llama-cpp-python: prefill seconds, total seconds, decode tok/s, tokens.
+    kv_type: the GGML type of its K and V cache (None: llama.cpp's default, f16)."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=len(prompt) + n + 16,
-                n_batch=512, verbose=False)
+                n_batch=512, verbose=False, type_k=kv_type, type_v=kv_type, flash_attn=flash_attn)
 
     def run(p: list[int], k: int) -> tuple[list[int], float, float]:
         llm.reset()
@@ -72,7 +81,12 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     say = (lambda *a: print(*a, file=sys.stderr)) if args.json else print
+    if getattr(args, "kv_dtype", None) is None:
+        args.kv_dtype = DEFAULT_KV
     engine, _ = open_engine(args)
+    kv = engine.config.kv_dtype.label
+    kv_type = GGML_KV.get(kv)
+    lc_kv = GGML_NAMES.get(kv_type, "f16 (its default: it has no " + kv + ")")
     P, N, B, M = args.prompt_tokens, args.batch1_new_tokens, args.batch, args.batch_new_tokens
     one = bench_prompts(engine.tokenizer, 1, P)[0]
     many = bench_prompts(engine.tokenizer, B, P)[::-1]
@@ -89,7 +103,7 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
     for i in range(args.rounds):  # llama.cpp and KV Scope alternate: a slow spell of the machine hits both
         tag = f"round {i + 1}/{args.rounds}: " if args.rounds > 1 else ""
         say(f"[bench] {tag}llama.cpp: 1 x ({P} prompt + {N} new), {LLAMA_THREADS} threads; {_load()}")
-        lc = llamacpp_run(path, one, N)
+        lc = llamacpp_run(path, one, N, kv_type=kv_type)
         say(f"[bench] {tag}KV Scope ({engine.model.weights_format}): 1 x ({P} + {N}); {_load()}")
         e_out, e_s = eng_run([one], N)
         e_ttft = engine.seqs[max(engine.seqs)].ttft
@@ -117,6 +131,7 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
     # The round whose batch-1 decode ratio is the median one (each line's numbers from one round, both sides).
     mid = sorted(rounds, key=lambda r: r["ratios"]["batch1_decode_vs_llamacpp"])[len(rounds) // 2]
     res = {"model": engine.spec.name, "gguf": path, "weights_format": engine.model.weights_format,
+           "kv_dtype": kv, "llamacpp_kv_type": lc_kv,
            "torch_threads": torch.get_num_threads(), "rounds": rounds, **mid}
     if args.json:
         print(json.dumps(res))
@@ -124,6 +139,7 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
     r = res["ratios"]
     print(f"model {res['model']} ({res['weights_format']}), {res['torch_threads']} torch threads, "
           f"llama.cpp {LLAMA_THREADS} threads, {_load()}")
+    print(f"KV cache: KV Scope {kv}, llama.cpp {lc_kv}")
     if len(rounds) > 1:
         for k in ("batch1_decode_vs_llamacpp", "batch_vs_llamacpp_single", "batch_decode_vs_llamacpp_single_decode"):
             print(f"rounds: {k} " + " ".join(f"{x['ratios'][k]:.2f}" for x in rounds))

@@ -7,25 +7,143 @@ backend's Python changes. Importing this module imports numba.
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir as llir
 from numba import njit, prange
-from numba.extending import overload
+from numba.core import types
+from numba.extending import intrinsic, overload
 
 # The score and output sums may be reordered and fused (fp32 summation-order noise, as any matmul); the
 # dequantization helpers are compiled strict, so a decoded value is the codec's bit for bit.
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
 
 
-def to_f32(x, lut):  # a stored element as fp32: float / int8 cast, uint8 / uint16 through their table
+# The `lut` argument of to_f32 for 16-bit data: not a table but a marker whose dtype says the format, so the
+# conversion is an instruction LLVM vectorizes (vcvtph2ps where the CPU has F16C; a shift for bf16), not a gather.
+F16_BITS = np.zeros(1, dtype=np.int16)  # uint16 data are fp16 bits
+BF16_BITS = np.zeros(1, dtype=np.int32)  # uint16 data are bf16 bits
+
+
+@intrinsic
+def _f16_to_f32(typingctx, x):  # pragma: no cover - compiled
+    """fp16 bits (uint16) -> fp32, exact (fpext: every fp16 value, subnormals, inf and NaN, is an fp32 one)."""
+    if not (isinstance(x, types.Integer) and x.bitwidth == 16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.fpext(builder.bitcast(args[0], llir.HalfType()), llir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def _bf16_to_f32(typingctx, x):  # pragma: no cover - compiled
+    """bf16 bits (uint16) -> fp32, exact: the bits as the high half of an fp32."""
+    if not (isinstance(x, types.Integer) and x.bitwidth == 16):
+        return None
+
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], llir.IntType(32)), llir.Constant(llir.IntType(32), 16))
+        return builder.bitcast(wide, llir.FloatType())
+
+    return types.float32(x), codegen
+
+
+def to_f32(x, lut):  # a stored element as fp32: float / int8 cast, fp16 / bf16 converted, uint8 through its table
     raise NotImplementedError
 
 
 @overload(to_f32, inline="always")
 def _to_f32_impl(x, lut):
-    from numba.core import types
-
     if isinstance(x, types.Float) or (isinstance(x, types.Integer) and x.signed):
         return lambda x, lut: np.float32(x)
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and lut.dtype == types.int16:
+        return lambda x, lut: _f16_to_f32(x)
+    if isinstance(x, types.Integer) and x.bitwidth == 16 and lut.dtype == types.int32:
+        return lambda x, lut: _bf16_to_f32(x)
     return lambda x, lut: lut[x]
+
+
+@intrinsic
+def _f32_to_f16(typingctx, x):  # pragma: no cover - compiled
+    """fp32 -> fp16 bits (uint16): fptrunc, round to nearest even (what Tensor.half() does; overflow to inf)."""
+    if not isinstance(x, types.Float):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = args[0] if x.bitwidth == 32 else builder.fptrunc(args[0], llir.FloatType())
+        return builder.bitcast(builder.fptrunc(v, llir.HalfType()), llir.IntType(16))
+
+    return types.uint16(x), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):  # pragma: no cover - compiled
+    """The bits of an fp32 (uint32)."""
+    if not (isinstance(x, types.Float) and x.bitwidth == 32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llir.IntType(32))
+
+    return types.uint32(x), codegen
+
+
+def from_f32(x, like, lut):  # an fp32 as the storage element `like` holds (to_f32's inverse, rounded)
+    raise NotImplementedError
+
+
+@overload(from_f32, inline="always")
+def _from_f32_impl(x, like, lut):
+    if isinstance(like, types.Float):
+        return lambda x, like, lut: np.float32(x)
+    if isinstance(like, types.Integer) and like.bitwidth == 16 and lut.dtype == types.int16:
+        return lambda x, like, lut: _f32_to_f16(x)
+    if isinstance(like, types.Integer) and like.bitwidth == 16 and lut.dtype == types.int32:
+        def bf16(x, like, lut):  # round to nearest even, NaN kept quiet: torch's (c10's) fp32 -> bf16
+            if x != x:
+                return np.uint16(0x7FC0)
+            b = _f32_bits(np.float32(x))
+            return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return bf16
+    return None
+
+
+@njit(cache=True, nogil=True)
+def write_plain(k, v, slots, offs, kd, vd, dlut, kmax, err, lossy):  # pragma: no cover - compiled
+    """One layer's new K/V (k, v [T, Hkv, D] fp32) into plain storage kd / vd [N, Hkv, bs, D] at (slots[t],
+    offs[t]) as the codec stores them (fp32, or rounded to fp16 / bf16: from_f32), with what the fidelity probe
+    measures (engine/fidelity/block_error.py), read back from the pool: kmax [Hkv, D] the running |key| max per
+    channel, and where lossy, err [2, T] (K, V) the max over layers of each token's ||x - stored|| / ||x||.
+    NaN wins every max, as torch.maximum's."""
+    T, Hkv, D = k.shape
+    for t in range(T):
+        sl, o = slots[t], offs[t]
+        for h in range(Hkv):
+            for d in range(D):
+                kd[sl, h, o, d] = from_f32(k[t, h, d], kd[0, 0, 0, 0], dlut)
+                vd[sl, h, o, d] = from_f32(v[t, h, d], vd[0, 0, 0, 0], dlut)
+                a = abs(k[t, h, d])
+                if a != a or kmax[h, d] != kmax[h, d]:
+                    kmax[h, d] = np.nan
+                elif a > kmax[h, d]:
+                    kmax[h, d] = a
+        if not lossy:
+            continue
+        for side in range(2):
+            x = k if side == 0 else v
+            st = kd if side == 0 else vd
+            num = 0.0
+            den = 0.0
+            for h in range(Hkv):
+                for d in range(D):
+                    e = np.float64(x[t, h, d]) - np.float64(to_f32(st[sl, h, o, d], dlut))
+                    num += e * e
+                    den += np.float64(x[t, h, d]) * np.float64(x[t, h, d])
+            r = np.float32(np.sqrt(num) / max(np.sqrt(den), 1e-30))
+            if r != r or err[side, t] != err[side, t]:
+                err[side, t] = np.nan
+            elif r > err[side, t]:
+                err[side, t] = r
 
 
 @njit(cache=True, nogil=True)

@@ -18,9 +18,11 @@ outside every query's range are skipped before any byte of them is read (without
 index; with them, by the block's positions). Blocks on the host tier (PagedBatch.on_host) are read from the
 staging buffer or the host tier, as read_blocks chooses, in the same walk.
 
-Storage types numba has no dtype for are read as their bits: fp16 and bf16 data as uint16, fp8 as uint8, each
-through a lookup table of its values (built by torch's own conversion, so exact); fp16 scales likewise. One
-compiled variant per data type (fp32, uint16, int8, uint8), compiled at first use and cached on disk
+Storage types numba has no dtype for are read as their bits: fp16 and bf16 data as uint16, converted by an
+instruction (fpext of the half bits, vcvtph2ps where the CPU has F16C; bf16 a 16-bit shift: both exact), fp8 as
+uint8 through a table of its 256 values (built by torch's own conversion, so exact); fp16 scales through a table
+too (one per block row: not the inner loop). One compiled variant per data type (fp32, fp16, bf16, int8, uint8),
+compiled at first use and cached on disk
 (numba's cache=True: __pycache__ beside this file, or numba's per-user cache dir where that is not writable;
 NUMBA_CACHE_DIR overrides); `compile_seconds` records what compiling (or loading from the cache) cost.
 
@@ -98,9 +100,29 @@ def _np(t: torch.Tensor) -> np.ndarray:
 
 
 def _data_lut(t: torch.Tensor) -> np.ndarray:
+    """What numba_kernel.to_f32 reads a data tensor's elements through: nothing (fp32, int8), a marker of the
+    16-bit format (fp16, bf16: converted by an instruction), or the table of the 256 fp8 values."""
     if t.dtype in (torch.float32, torch.int8):
         return _lut("none")
+    if t.dtype == torch.float16:
+        return numba_kernel.F16_BITS
+    if t.dtype == torch.bfloat16:
+        return numba_kernel.BF16_BITS
     return _lut(str(t.dtype).replace("torch.", ""))
+
+
+_variants: dict[tuple, str] = {}
+
+
+def _variant(data: np.ndarray, lut: np.ndarray, what: str) -> str:
+    """The compiled variant a data array and its to_f32 argument select, by name (compile_seconds' key); looked up
+    per call, so built once per pair of dtypes."""
+    key = (data.dtype, lut.dtype, what)
+    name = _variants.get(key)
+    if name is None:
+        mark = {np.dtype(np.int16): " (fp16)", np.dtype(np.int32): " (bf16)"}.get(lut.dtype, "")
+        name = _variants[key] = f"{data.dtype}{mark}{what}"
+    return name
 
 
 def _side(parts, fmt: KVFormat, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -201,11 +223,11 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         acc = torch.empty((B, Hkv, G * Q, D), dtype=torch.float32)
         m = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
         l = torch.empty((B, Hkv, G * Q), dtype=torch.float32)
-        data = paged.k["data"][layer]
+        dlut = _data_lut(paged.k["data"][layer])
         args = (qg.numpy(), *rows, int(window or 0),
                 k[0], k[1], k[2], int(kfmt), v[0], v[1], v[2], int(vfmt), ak[0], ak[1], ak[2], av[0], av[1], av[2],
-                _data_lut(data), _lut("float16"), acc.numpy(), m.numpy(), l.numpy())
-        kind = str(args[8].dtype)
+                dlut, _lut("float16"), acc.numpy(), m.numpy(), l.numpy())
+        kind = _variant(k[0], dlut, "")
         one, many = numba_kernel.attend, numba_kernel.attend_threads
         if kind not in compile_seconds:  # the first call of this variant compiles it (or loads it from the cache)
             with _compile_lock:
@@ -244,7 +266,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         segments = max(1, -(-2 * n // B))  # at least two work units (sequence, key segment) a thread
         args = (q.float().contiguous().numpy(), float(scale), *rows[:4], int(window or 0), kd, vd, akd, avd,
                 _data_lut(kt), out.numpy(), segments)
-        kind = f"{kd.dtype} decode"
+        kind = _variant(kd, args[11], " decode")
         if kind not in compile_seconds:
             with _compile_lock:
                 t0 = time.perf_counter()
@@ -253,6 +275,35 @@ class NumbaPagedBackend(ChunkedPagedBackend):
             return out
         numba_kernel.decode_plain(*args)
         return out
+
+    def decode_plan(self, paged: PagedKV, batch: PagedBatch, B: int):
+        """For a whole decode step over plain storage (fp32 / fp16 / bf16 blocks on the CPU, keys at their index):
+        (the step's arrays decode_plain takes: qpos, table, alt, ctx, the data's to_f32 argument, key segments per
+        sequence; layer(li) -> that layer's (kd, vd, akd, avd)), for a caller that runs decode_plain itself
+        (quant_layer.decode_layer); None where _decode_plain would not run."""
+        kt = paged.k["data"][0]
+        if batch.key_pos is not None or kt.device.type != "cpu" or paged.k["data"][-1].device.type != "cpu":
+            return None
+        if kv_formats(paged.dtype) != (0, 0) or kt.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            return None
+        alt_kv, alt_table = self._alt(0, paged, batch)
+        if alt_kv is not None and alt_kv.k["data"][0].device.type != "cpu":
+            return None
+        rows = self._rows(batch, paged, alt_table, B, 1)
+        n = max(1, torch.get_num_threads())
+        step = (*rows[:4], _data_lut(kt), max(1, -(-2 * n // B)))
+
+        def layer(li: int) -> tuple:
+            kd, vd = _np(paged.k["data"][li]), _np(paged.v["data"][li])
+            if alt_kv is None:
+                return kd, vd, kd, vd
+            return kd, vd, _np(alt_kv.k["data"][li]), _np(alt_kv.v["data"][li])
+
+        try:
+            layer(0)
+        except _Strided:
+            return None
+        return step, layer
 
     def _alt(self, layer: int, paged: PagedKV, batch: PagedBatch):
         """(the tier, its block table) a step's host blocks are read from (read_blocks' choice: the staging

@@ -132,6 +132,21 @@ class StepProbe:
         x_hat = (stored(self.kc, self.k_axes, parts_k, layer, a), stored(self.vc, self.v_axes, parts_v, layer, a))
         _reduce(t, torch.stack((k.float(), v.float()))[:, None].to(dev), torch.stack(x_hat)[:, None].to(dev))
 
+    def direct(self, tokens: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+        """For a step whose tokens all go to the device tier, written and measured by compiled code
+        (numba_kernel.write_plain): (the running key absmax [layers, Hkv, D] to update in place, this step's K and V
+        errors [2, tokens] to max into over the layers, whether the format is lossy), both views of what finish()
+        reads; None where the probe's tensors are not plain CPU memory (then keys() / measure() are called)."""
+        absmax = self.owner.key_absmax_dev
+        if absmax.device.type != "cpu" or len(self.targets) != 1 or self.targets[0].device.type != "cpu" \
+                or len(self.targets[0].tok_block) != tokens or self.held_keys or self.targets[0].held:
+            return None
+        t = self.targets[0]
+        if self.lossy and t.err is None:
+            t.err = torch.full((2, tokens), -np.inf, dtype=torch.float32)
+        err = t.err.numpy() if self.lossy else np.empty((2, 0), dtype=np.float32)
+        return absmax.numpy(), err, self.lossy
+
     def finish(self) -> None:
         """One transfer to the host (the compute device's errors and key absmax), then each written block's
         K and V error in its tier's metadata."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -331,6 +332,9 @@ class LlamaFamily:
         packed_layers = any(isinstance(layer[1], QuantWeight) for layer in self.layers)
         self.fused = [FusedLayer.of(self, li) if packed_layers else None for li in range(spec.num_layers)]
         self.fused_enabled = True  # the tests compare both ways
+        # Decode steps run each fused layer whole, its KV write and attention included (_decode_plan); the tests
+        # compare both ways.
+        self.whole_layers = True
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe
@@ -518,9 +522,15 @@ class LlamaFamily:
             for local, li in enumerate(part.layers):
                 where[li] = (pi, local)
         parallel = s.norm_placement == "parallel"
+        whole_layer = (self._decode_plan(batch, parts, T) if T < PREFILL_ROWS and self.fused_enabled and self.whole_layers
+                       else None)
         for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
             fused = self.fused[li] if T < PREFILL_ROWS and self.fused_enabled else None
+            if whole_layer is not None:  # the layer, its KV write and attention in one compiled call
+                cos, sin = rot[self.layer_rope[li]] if self.layer_rope[li] is not None else (None, None)
+                x = fused.decode(x, cos, sin, whole_layer(li), self.scale, s.sliding_window[li])
+                continue
             if fused is not None:  # the same steps as below, in two compiled calls (quant_layer.py)
                 qkv = fused.pre(x, *(rot[self.layer_rope[li]] if self.layer_rope[li] is not None else (None, None)))
                 qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
@@ -568,6 +578,49 @@ class LlamaFamily:
         if s.final_softcap is not None:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits.float()  # [R, vocab]
+
+    def _decode_plan(self, batch: ForwardBatch, parts: list, T: int):
+        """For a decode step the fused layers can run whole (FusedLayer.decode: layer, KV write and attention in one
+        compiled call): kv(li) -> layer li's tuple of what that call reads and writes. None (the layer-by-layer path)
+        unless every layer is fused, there are no attention sinks, one KV part and one group of T one-token rows,
+        no host-tier split, the store's writes are plain device-tier ones on the CPU (StepKV.plain_writes), its
+        fidelity probe can be fed directly (StepProbe.direct) and the backend reads plain blocks in place
+        (NumbaPagedBackend.decode_plan)."""
+        if len(parts) != 1 or not hasattr(self.backend, "decode_plan") or any(f is None for f in self.fused) \
+                or any(x is not None for x in self.sinks):
+            return None
+        store = parts[0].store
+        groups = parts[0].groups
+        if not hasattr(store, "plain_writes") or len(groups) != 1:
+            return None
+        g = groups[0]
+        if g.q_len != 1 or g.rows.shape[0] != T or g.table.shape[0] != T:
+            return None
+        paged = store.paged()
+        if g.split(paged.block_size) is not None:
+            return None
+        writes = store.plain_writes()
+        if writes is None:
+            return None
+        got = self.backend.decode_plan(paged, g.paged(), T)
+        if got is None:
+            return None
+        if store.probe is not None:
+            direct = store.probe.direct(T)
+            if direct is None:
+                return None
+        else:  # nothing measured: scratch the kernel writes into
+            direct = (np.zeros((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), np.float32),
+                      np.empty((2, 0), np.float32), False)
+        (slots, offs), ((qpos, table, alt, ctx, dlut, S), layer) = writes, got
+        absmax, err, lossy = direct
+        ids = store.layer_ids
+
+        def kv(li: int) -> tuple:
+            return (slots, offs, qpos, table, alt, ctx, dlut, S, *layer(li), absmax[li if ids is None else ids[li]],
+                    err, lossy)
+
+        return kv
 
     def _residual(self, x: torch.Tensor, out: torch.Tensor, post_norm: torch.Tensor | None) -> torch.Tensor:
         """x plus a branch's output, normed first where a norm sits on the branch's output (OLMo 2, Gemma) and

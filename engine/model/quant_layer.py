@@ -10,6 +10,13 @@ matmul, a residual, a norm, gate/up, the activation, down and a residual, each a
 with the matmuls through the same IR kernels and the same arithmetic as QuantWeight.matmul (quant_ir._drive), so
 a fused layer computes what the unfused one does up to float rounding (tests/model/test_quant_layer.py).
 
+A decode step over plain KV blocks on the CPU (fp32 / fp16 / bf16, the device tier only, no attention sinks, keys at
+their index: LlamaFamily._decode_plan says when) runs each layer whole, in one call (decode_layer): pre, the new K/V
+written into their blocks with what the fidelity probe measures (numba_kernel.write_plain), the decode attention
+kernel over the blocks in place (numba_kernel.decode_plain, what the numba backend runs) and post. The same
+arithmetic as the three calls and the Python between them, bit for bit; what it saves is that Python (the KV
+write's scatters and the probe's read-back, ~1.5-3.5 ms of a ~10 ms step of the default model).
+
 Only for the layers this shape describes (FusedLayer.of says which): pre-norm RMSNorm, no biases, no q/k norm, no
 post-norms, SiLU, a dense MLP, rotate-half RoPE over the whole head, int4 weights or int8 ones without zeros,
 fp32 activations and at most quant.PREFILL_ROWS rows (a prompt chunk goes the unfused way, through gemm).
@@ -24,6 +31,8 @@ from engine.model import quant_ir
 
 try:
     from numba import njit
+
+    from engine.attention import numba_kernel
 except Exception:  # pragma: no cover - numba missing: no fused layers (quant_ir is unavailable too)
     njit = None
 
@@ -92,6 +101,26 @@ if njit is not None and quant_ir.llvm is not None:
                 out[t, i] += o[t, i]
 
 
+    @njit(nogil=True, cache=True)
+    def decode_layer(x, norm_w, eps, w_qkv, cos, sin, rope_heads, H, Hkv, D, kv, scale, window, w_o, mlp_norm, w_gu,
+                     w_down, inter, out):  # pragma: no cover - compiled
+        """A whole decode layer in one call: pre_attention, the new K/V written into the pool's plain blocks (with
+        the fidelity probe's measurements: numba_kernel.write_plain), decode attention over the blocks in place
+        (numba_kernel.decode_plain) and post_attention. kv: the step's (slots, offsets, qpos, table, alt, ctx,
+        dlut, segments) and this layer's (kd, vd, akd, avd, key absmax, errors, lossy)."""
+        slots, offs, qpos, table, alt, ctx, dlut, S, kd, vd, akd, avd, kmax, err, lossy = kv
+        T = x.shape[0]
+        qkv = np.empty((T, (H + 2 * Hkv) * D), dtype=np.float32)
+        pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, qkv)
+        q = qkv[:, : H * D].copy().reshape(T, H, D)
+        k = qkv[:, H * D: (H + Hkv) * D].copy().reshape(T, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].copy().reshape(T, Hkv, D)
+        numba_kernel.write_plain(k, v, slots, offs, kd, vd, dlut, kmax, err, lossy)
+        attn = np.empty((T, H, D), dtype=np.float32)
+        numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, attn, S)
+        post_attention(x, attn.reshape(T, H * D), w_o, mlp_norm, eps, w_gu, w_down, inter, out)
+
+
 class FusedLayer:
     """One layer's operands for pre_attention / post_attention."""
 
@@ -147,6 +176,17 @@ class FusedLayer:
         out = torch.empty_like(x)
         post_attention(x.contiguous().numpy(), attn.contiguous().numpy(), self.o, self.mlp_norm, self.eps, self.gu,
                        self.down, self.inter, out.numpy())
+        return out
+
+    def decode(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, kv: tuple, scale: float,
+               window: int | None) -> torch.Tensor:
+        """x after the layer, attention and the KV write included (decode_layer); kv: DecodePlan.layer's tuple."""
+        out = torch.empty_like(x)
+        c = cos.contiguous().numpy() if cos is not None else _EMPTY
+        s = sin.contiguous().numpy() if sin is not None else _EMPTY
+        decode_layer(x.contiguous().numpy(), self.attn_norm, self.eps, self.qkv, c, s, self.rope_heads, self.H,
+                     self.Hkv, self.D, kv, scale, int(window or 0), self.o, self.mlp_norm, self.gu, self.down,
+                     self.inter, out.numpy())
         return out
 
 

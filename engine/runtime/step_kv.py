@@ -6,13 +6,16 @@ read the tiers through it; CUDA-graph capture builds one over its static buffers
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import PagedKV, read_blocks
 from engine.attention.host_stream import StepStream
 from engine.fidelity.block_error import StepProbe
 from engine.kv.block_pool import BlockPool, Tier
-from engine.kv.codecs import Appends
+from engine.kv.codecs import Appends, Codec
+
+PLAIN = (torch.float32, torch.float16, torch.bfloat16)  # what plain_writes takes
 
 
 class StepKV:
@@ -61,6 +64,22 @@ class StepKV:
             vc.append(self.dev.v, layer, app, dv)
             if probe is not None:
                 probe.measure(layer, 0, self.dev.k, self.dev.v, app, dk, dv)
+
+    def plain_writes(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """(slots, offsets) of the step's tokens, in row order, where a compiled decode layer may write them itself
+        (quant_layer.decode_layer, numba_kernel.write_plain): every token to the device tier, nothing streamed,
+        plain codecs (fp32 / fp16 / bf16, Codec itself) on both sides, every layer's blocks in CPU memory. None
+        otherwise: write() does it."""
+        if self.host is not None or self.stream is not None or self.appends is None or self.appends.rows is not None:
+            return None
+        kc, vc = self.pool.kcodec, self.pool.vcodec
+        if type(kc) is not Codec or type(vc) is not Codec or kc.storage != vc.storage or kc.storage not in PLAIN:
+            return None
+        data = self.dev.k["data"]
+        if any(data[i].device.type != "cpu" for i in (0, len(data) - 1)) or self.appends.slots.device.type != "cpu":
+            return None
+        return (self.appends.slots.to(torch.int64).contiguous().numpy(),
+                self.appends.offsets.to(torch.int64).contiguous().numpy())
 
     def _placed(self, layer: int, app: Appends, k: torch.Tensor, v: torch.Tensor):
         """Appends and K/V on the device the device tier keeps `layer` on (host memory past device_layers)."""

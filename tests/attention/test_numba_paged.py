@@ -244,3 +244,62 @@ def test_without_numba_cpu_is_the_chunked_path(monkeypatch, llama_model, llama_r
         monkeypatch.undo()
         importlib.reload(numba_paged)
     assert numba_paged.available() and make_backend("cpu").name == "numba"
+
+
+# -- 16-bit storage conversions ------------------------------------------------------------------------------------
+
+def _conversions():
+    import numpy as np
+    from numba import njit
+
+    from engine.attention.numba_kernel import from_f32, to_f32
+
+    @njit
+    def read(bits, lut, out):
+        for i in range(bits.shape[0]):
+            out[i] = to_f32(bits[i], lut)
+
+    @njit
+    def write(x, like, lut, out):
+        for i in range(x.shape[0]):
+            out[i] = from_f32(x[i], like[0], lut)
+
+    return np, read, write
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_16_bit_data_read_as_torch_converts_every_pattern(dtype):
+    """to_f32 on fp16 / bf16 bits (an fpext / a shift, in place of the old table) equals torch's conversion for all
+    65,536 patterns: subnormals, infinities and NaNs included (NaNs as NaN)."""
+    np, read, _ = _conversions()
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    want = bits.view(dtype).float().numpy()
+    got = np.empty(1 << 16, dtype=np.float32)
+    read(bits.numpy().view(np.uint16), numba_paged._data_lut(bits.view(dtype)), got)
+    nan = np.isnan(want)
+    assert (np.isnan(got) == nan).all()
+    assert (got[~nan].view(np.uint32) == want[~nan].view(np.uint32)).all()  # bit for bit: -0.0 too
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp32_written_as_16_bit_rounds_as_torch(dtype):
+    """from_f32 (the whole-layer decode path's KV write, numba_kernel.write_plain) rounds fp32 to fp16 / bf16 as
+    Tensor.to does: to nearest, ties to even, overflow to inf, subnormals, NaN; checked on the exact midpoints
+    between neighbouring 16-bit values (ties), just either side of them, and random values of every exponent."""
+    np, _, write = _conversions()
+    bits = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16)
+    vals = bits.view(dtype).float()
+    vals = vals[torch.isfinite(vals)].unique()  # sorted
+    mid = (vals[:-1].double() + vals[1:].double()) / 2
+    g = torch.Generator().manual_seed(5)
+    rnd = torch.randn(200_000, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-140, 128, (200_000,),
+                                                                                                 generator=g)).double()
+    x = torch.cat([mid, torch.nextafter(mid, torch.full_like(mid, np.inf)), torch.nextafter(mid, -torch.full_like(mid, np.inf)),
+                   rnd]).float()
+    x = torch.cat([x, torch.tensor([np.inf, -np.inf, np.nan, 0.0, -0.0, 3.4e38, -3.4e38, 1e-45, 65520.0, 65519.0])])
+    want = x.to(dtype).view(torch.int16).numpy().view(np.uint16)
+    got = np.empty(len(x), dtype=np.uint16)
+    write(x.numpy(), np.zeros(1, np.uint16), numba_paged._data_lut(vals.to(dtype)), got)
+    back = torch.from_numpy(got.view(np.int16)).view(dtype).float()
+    same = (got == want) | (torch.isnan(back) & torch.isnan(x)).numpy()
+    assert same.all(), x[~torch.from_numpy(same)][:5]

@@ -89,3 +89,82 @@ def test_layers_of_other_shapes_keep_the_unfused_path(tiny_gemma3):
     eng = Engine(load_model(tiny_gemma3, dtype="int4"), CacheConfig(block_size=16), EngineOptions(weights_dtype="int4"))
     assert eng.model.fused == [None] * eng.spec.num_layers
     assert np.asarray(eng.generate(prompts(2, [9]), SamplingParams(max_new_tokens=3, ignore_eos=True))).size == 3
+
+
+
+class _Count:
+    """Counts FusedLayer.decode calls (whole decode layers) while active."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        real = FusedLayer.decode
+
+        def counted(layer, *a, **k):
+            self.n += 1
+            return real(layer, *a, **k)
+
+        monkeypatch.setattr(FusedLayer, "decode", counted)
+
+
+def _engine(loaded, whole: bool, **cache) -> Engine:
+    e = Engine(loaded, CacheConfig(shadow_every_s=0.0, **cache), EngineOptions(weights_dtype="int4",
+                                                                             quant_activations="fp32"))
+    e.model.whole_layers = whole
+    return e
+
+
+def _run_both(monkeypatch, path: str, ps, n: int, **cache):
+    """The same requests through an engine taking whole decode layers (FusedLayer.decode) and one going layer by
+    layer: (the engines, their tokens, the whole-layer calls each made)."""
+    loaded = load_model(path, dtype="int4")
+    count = _Count(monkeypatch)
+    engines, out, calls = [_engine(loaded, True, **cache), _engine(loaded, False, **cache)], [], []
+    for e in engines:
+        before = count.n
+        out.append(e.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True)))
+        calls.append(count.n - before)
+    return engines, out, calls
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_whole_decode_layers_equal_the_layer_by_layer_path(monkeypatch, tiny_llama, kv_dtype, block_size):
+    """A decode step whose layers run whole (layer + KV write + attention in one compiled call) computes what the
+    layer-by-layer path computes, bit for bit: the same tokens, the same stored K/V (the fp16 / bf16 rounding of
+    numba_kernel.from_f32 is torch's), and the same measurements of the fidelity probe (each block's K and V
+    error, the key channels' absmax)."""
+    from engine.kv.block_pool import Tier
+
+    engines, out, calls = _run_both(monkeypatch, tiny_llama, prompts(11, [5, 21, 40]), 12, block_size=block_size,
+                                    kv_dtype=kv_dtype)
+    layers = engines[0].spec.num_layers
+    assert calls[1] == 0 and calls[0] >= 11 * layers  # decode steps took the whole-layer path, the other never
+    assert out[0] == out[1]
+    d0, d1 = (e.pool.tiers[Tier.DEVICE] for e in engines)
+    for side in ("k", "v"):
+        for li in range(layers):
+            assert torch.equal(getattr(d0, side)["data"][li], getattr(d1, side)["data"][li])
+    np.testing.assert_allclose(d0.kerr, d1.kerr, rtol=2e-6, atol=0, equal_nan=True)
+    np.testing.assert_allclose(d0.verr, d1.verr, rtol=2e-6, atol=0, equal_nan=True)
+    measured = np.isfinite(d0.kerr)
+    assert measured.any()
+    if kv_dtype == "fp32":
+        assert (d0.kerr[measured] == 0).all()
+    else:  # a lossy format: the rounding shows
+        assert (d0.kerr[measured] > 0).any() and (d0.verr[np.isfinite(d0.verr)] > 0).any()
+    np.testing.assert_array_equal(engines[0].runner.errors.key_absmax, engines[1].runner.errors.key_absmax)
+    assert engines[0].runner.errors.key_absmax.max() > 0
+
+
+def test_host_blocks_leave_the_whole_layer_path(monkeypatch, tiny_llama):
+    """A device tier too small for the batch (blocks written to or read from the host tier): those steps run layer
+    by layer (StepKV.plain_writes / decode_plan say no), and the tokens equal an unbudgeted engine's."""
+    loaded = load_model(tiny_llama, dtype="int4")
+    ps, sp = prompts(13, [40, 40, 40]), SamplingParams(max_new_tokens=8, ignore_eos=True)
+    count = _Count(monkeypatch)
+    want = _engine(loaded, True, block_size=4).generate(ps, sp)
+    steps = count.n // load_model(tiny_llama).spec.num_layers
+    count.n = 0
+    small = _engine(loaded, True, block_size=4, device_budget_mb=0.02, host_budget_mb=4)
+    assert small.generate(ps, sp) == want
+    assert count.n < steps * small.spec.num_layers  # some steps went layer by layer
