@@ -70,55 +70,90 @@ if njit is not None and quant_ir.llvm is not None:
                     qkv[t, base + i] = a * cos[t, i] - b * sin[t, i]
                     qkv[t, base + half + i] = b * cos[t, half + i] + a * sin[t, half + i]
 
-    @njit(nogil=True, cache=True)
-    def pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, out):  # pragma: no cover - compiled
-        h = np.empty_like(x)
-        _rms(x, norm_w, eps, h)
-        quant_ir._mm(w_qkv, h, out)
-        if rope_heads > 0:
-            _rope(out, rope_heads, D, cos, sin)
+    def _sources_stamp() -> str:
+        """A hash of the other files whose compiled code the functions below link (quant_ir.py, numba_kernel.py).
+        numba's disk cache checks only a function's own file, so a change there alone would leave these cached
+        with the old code; each function below closes over this stamp, and a closure's values are part of numba's
+        cache key: a new stamp compiles them afresh."""
+        import hashlib
 
-    @njit(nogil=True, cache=True)
-    def post_attention(x, attn, w_o, norm_w, eps, w_gu, w_down, inter, out):  # pragma: no cover - compiled
-        T, n = x.shape
-        o = np.empty((T, n), dtype=np.float32)
-        quant_ir._mm(w_o, attn, o)
-        for t in range(T):
-            for i in range(n):
-                o[t, i] += x[t, i]  # o is now the residual stream after attention
-        h = np.empty((T, n), dtype=np.float32)
-        _rms(o, norm_w, eps, h)
-        gu = np.empty((T, 2 * inter), dtype=np.float32)
-        quant_ir._mm(w_gu, h, gu)
-        a = np.empty((T, inter), dtype=np.float32)
-        for t in range(T):
-            for i in range(inter):
-                g = gu[t, i]
-                a[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, inter + i]
-        quant_ir._mm(w_down, a, out)
-        for t in range(T):
-            for i in range(n):
-                out[t, i] += o[t, i]
+        h = hashlib.sha256()
+        for mod in (quant_ir, numba_kernel):
+            with open(mod.__file__, "rb") as f:
+                h.update(f.read())
+        return h.hexdigest()[:16]
 
+    _STAMP = _sources_stamp()
 
-    @njit(nogil=True, cache=True)
-    def decode_layer(x, norm_w, eps, w_qkv, cos, sin, rope_heads, H, Hkv, D, kv, scale, window, w_o, mlp_norm, w_gu,
-                     w_down, inter, out):  # pragma: no cover - compiled
-        """A whole decode layer in one call: pre_attention, the new K/V written into the pool's plain blocks (with
-        the fidelity probe's measurements: numba_kernel.write_plain), decode attention over the blocks in place
-        (numba_kernel.decode_plain) and post_attention. kv: the step's (slots, offsets, qpos, table, alt, ctx,
-        dlut, segments) and this layer's (kd, vd, akd, avd, key absmax, errors, lossy)."""
-        slots, offs, qpos, table, alt, ctx, dlut, S, kd, vd, akd, avd, kmax, err, lossy = kv
-        T = x.shape[0]
-        qkv = np.empty((T, (H + 2 * Hkv) * D), dtype=np.float32)
-        pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, qkv)
-        q = qkv[:, : H * D].copy().reshape(T, H, D)
-        k = qkv[:, H * D: (H + Hkv) * D].copy().reshape(T, Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].copy().reshape(T, Hkv, D)
-        numba_kernel.write_plain(k, v, slots, offs, kd, vd, dlut, kmax, err, lossy)
-        attn = np.empty((T, H, D), dtype=np.float32)
-        numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, attn, S)
-        post_attention(x, attn.reshape(T, H * D), w_o, mlp_norm, eps, w_gu, w_down, inter, out)
+    def _pre(stamp: str):
+        @njit(nogil=True, cache=True)
+        def pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, out):  # pragma: no cover - compiled
+            if len(stamp) == 0:  # never: ties the cache to the stamp
+                return
+            h = np.empty_like(x)
+            _rms(x, norm_w, eps, h)
+            quant_ir._mm(w_qkv, h, out)
+            if rope_heads > 0:
+                _rope(out, rope_heads, D, cos, sin)
+
+        return pre_attention
+
+    pre_attention = _pre(_STAMP)
+
+    def _post(stamp: str):
+        @njit(nogil=True, cache=True)
+        def post_attention(x, attn, w_o, norm_w, eps, w_gu, w_down, inter, out):  # pragma: no cover - compiled
+            if len(stamp) == 0:  # never: ties the cache to the stamp
+                return
+            T, n = x.shape
+            o = np.empty((T, n), dtype=np.float32)
+            quant_ir._mm(w_o, attn, o)
+            for t in range(T):
+                for i in range(n):
+                    o[t, i] += x[t, i]  # o is now the residual stream after attention
+            h = np.empty((T, n), dtype=np.float32)
+            _rms(o, norm_w, eps, h)
+            gu = np.empty((T, 2 * inter), dtype=np.float32)
+            quant_ir._mm(w_gu, h, gu)
+            a = np.empty((T, inter), dtype=np.float32)
+            for t in range(T):
+                for i in range(inter):
+                    g = gu[t, i]
+                    a[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gu[t, inter + i]
+            quant_ir._mm(w_down, a, out)
+            for t in range(T):
+                for i in range(n):
+                    out[t, i] += o[t, i]
+
+        return post_attention
+
+    post_attention = _post(_STAMP)
+
+    def _decode(stamp: str):
+        @njit(nogil=True, cache=True)
+        def decode_layer(x, norm_w, eps, w_qkv, cos, sin, rope_heads, H, Hkv, D, kv, scale, window, w_o, mlp_norm, w_gu,
+                         w_down, inter, out):  # pragma: no cover - compiled
+            """A whole decode layer in one call: pre_attention, the new K/V written into the pool's plain blocks (with
+            the fidelity probe's measurements: numba_kernel.write_plain), decode attention over the blocks in place
+            (numba_kernel.decode_plain) and post_attention. kv: the step's (slots, offsets, qpos, table, alt, ctx,
+            dlut, segments) and this layer's (kd, vd, akd, avd, key absmax, errors, lossy)."""
+            if len(stamp) == 0:  # never: ties the cache to the stamp
+                return
+            slots, offs, qpos, table, alt, ctx, dlut, S, kd, vd, akd, avd, kmax, err, lossy = kv
+            T = x.shape[0]
+            qkv = np.empty((T, (H + 2 * Hkv) * D), dtype=np.float32)
+            pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, qkv)
+            q = qkv[:, : H * D].copy().reshape(T, H, D)
+            k = qkv[:, H * D: (H + Hkv) * D].copy().reshape(T, Hkv, D)
+            v = qkv[:, (H + Hkv) * D:].copy().reshape(T, Hkv, D)
+            numba_kernel.write_plain(k, v, slots, offs, kd, vd, dlut, kmax, err, lossy)
+            attn = np.empty((T, H, D), dtype=np.float32)
+            numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, attn, S)
+            post_attention(x, attn.reshape(T, H * D), w_o, mlp_norm, eps, w_gu, w_down, inter, out)
+
+        return decode_layer
+
+    decode_layer = _decode(_STAMP)
 
 
 class FusedLayer:
