@@ -303,3 +303,60 @@ def test_fp32_written_as_16_bit_rounds_as_torch(dtype):
     back = torch.from_numpy(got.view(np.int16)).view(dtype).float()
     same = (got == want) | (torch.isnan(back) & torch.isnan(x)).numpy()
     assert same.all(), x[~torch.from_numpy(same)][:5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_plain_write_measures_as_the_probe_does(dtype):
+    """numba_kernel.write_plain (the whole-layer decode path's KV write) stores what Codec.append stores and measures
+    what the fidelity probe measures (block_error: the key channels' running absmax; each token's
+    ||x - stored|| / max(||x||, 1e-30), max over layers), on hostile values too: a zero token (error 0), a token
+    past fp16's range (inf stored: error inf), a NaN (NaN wins both maxes, as torch.maximum)."""
+    import numpy as np
+
+    from engine.attention.numba_kernel import write_plain
+    from engine.kv.codecs import Appends, Codec
+
+    g = torch.Generator().manual_seed(3)
+    T, Hkv, bs, D, N = 5, 2, 4, 8, 6
+    k = torch.randn(T, Hkv, D, generator=g) * 3
+    v = torch.randn(T, Hkv, D, generator=g)
+    k[1] = 0.0
+    v[2, 1, 3] = 1e6  # fp16: inf
+    k[3, 0, 5] = float("nan")
+    slots = torch.tensor([4, 4, 1, 0, 5])
+    offs = torch.tensor([2, 3, 0, 1, 3])
+    codec = Codec(dtype)
+    want = {side: {"data": torch.zeros(1, N, Hkv, bs, D, dtype=dtype)} for side in "kv"}
+    a = Appends(slots, offs, slots.unique(), torch.zeros(T, dtype=torch.long), torch.zeros(N, dtype=torch.long),
+                torch.zeros(T, dtype=torch.long), 0)
+    codec.append(want["k"], 0, a, k)
+    codec.append(want["v"], 0, a, v)
+    got = {side: torch.zeros(N, Hkv, bs, D, dtype=dtype) for side in "kv"}
+    kmax = np.zeros((Hkv, D), np.float32)
+    kmax[1, 2] = 100.0  # an earlier layer's / step's max stays
+    err = np.full((2, T), -np.inf, np.float32)
+    err[1, 0] = 7.0  # an earlier layer's error stays where it is larger
+    lut = numba_paged._data_lut(got["k"])
+    write_plain(k.numpy(), v.numpy(), slots.numpy(), offs.numpy(), numba_paged._np(got["k"]),
+                numba_paged._np(got["v"]), lut, kmax, err, dtype != torch.float32)
+    for side in "kv":  # bit for bit, but for a NaN's payload (torch's vectorized bf16 rounding gives 0xFFFF)
+        a, b = got[side], want[side]["data"][0]
+        nan = torch.isnan(b.float())
+        assert torch.equal(torch.isnan(a.float()), nan)
+        bits = torch.int16 if dtype != torch.float32 else torch.int32
+        assert torch.equal(a.view(bits)[~nan], b.view(bits)[~nan])
+    want_max = torch.maximum(torch.from_numpy(np.where(np.arange(Hkv * D).reshape(Hkv, D) == D + 2, 100.0, 0.0)
+                                              .astype(np.float32)), k.abs().amax(0))
+    np.testing.assert_array_equal(np.isnan(kmax), torch.isnan(want_max).numpy())
+    np.testing.assert_array_equal(np.nan_to_num(kmax), torch.nan_to_num(want_max).numpy())
+    if dtype == torch.float32:
+        assert err[1, 0] == 7.0 and np.isneginf(np.delete(err.reshape(-1), T)).all()  # nothing measured
+        return
+    for side, x in ((0, k), (1, v)):
+        stored = want["kv"[side]]["data"][0][slots, :, offs].float()
+        e = torch.linalg.vector_norm(x - stored, dim=(-2, -1)) / torch.linalg.vector_norm(x, dim=(-2, -1)).clamp_min(1e-30)
+        if side == 1:
+            e[0] = torch.maximum(e[0], torch.tensor(7.0))
+        np.testing.assert_allclose(err[side], e.numpy(), rtol=1e-5, equal_nan=True)
+    assert err[0, 1] == 0.0 and np.isnan(err[0, 3])
+    assert np.isinf(err[1, 2]) if dtype == torch.float16 else np.isfinite(err[1, 2])  # 1e6: past fp16's range only
