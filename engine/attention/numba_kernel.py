@@ -23,29 +23,41 @@ F16_BITS = np.zeros(1, dtype=np.int16)  # uint16 data are fp16 bits
 BF16_BITS = np.zeros(1, dtype=np.int32)  # uint16 data are bf16 bits
 
 
-@intrinsic
-def _f16_to_f32(typingctx, x):  # pragma: no cover - compiled
-    """fp16 bits (uint16) -> fp32, exact (fpext: every fp16 value, subnormals, inf and NaN, is an fp32 one)."""
-    if not (isinstance(x, types.Integer) and x.bitwidth == 16):
-        return None
+def _unary(name: str, accepts, result, emit):
+    """A numba intrinsic of one scalar argument x whose numba type `accepts` (else no match): result(x) is the type
+    it returns, emit(builder, value, x) the LLVM instructions that compute it."""
 
-    def codegen(context, builder, signature, args):
-        return builder.fpext(builder.bitcast(args[0], llir.HalfType()), llir.FloatType())
+    def typer(typingctx, x):  # pragma: no cover - compiled
+        if not accepts(x):
+            return None
 
-    return types.float32(x), codegen
+        def codegen(context, builder, signature, args):
+            return emit(builder, args[0], x)
+
+        return result(x)(x), codegen
+
+    typer.__name__ = typer.__qualname__ = name
+    return intrinsic(typer)
 
 
-@intrinsic
-def _bf16_to_f32(typingctx, x):  # pragma: no cover - compiled
-    """bf16 bits (uint16) -> fp32, exact: the bits as the high half of an fp32."""
-    if not (isinstance(x, types.Integer) and x.bitwidth == 16):
-        return None
+def _is16(x) -> bool:
+    return isinstance(x, types.Integer) and x.bitwidth == 16
 
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], llir.IntType(32)), llir.Constant(llir.IntType(32), 16))
-        return builder.bitcast(wide, llir.FloatType())
 
-    return types.float32(x), codegen
+_I32 = llir.IntType(32)
+# fp16 bits (uint16) -> fp32, exact (fpext: every fp16 value, subnormals, inf and NaN, is an fp32 one).
+_f16_to_f32 = _unary("_f16_to_f32", _is16, lambda x: types.float32,
+                     lambda b, v, x: b.fpext(b.bitcast(v, llir.HalfType()), llir.FloatType()))
+# bf16 bits (uint16) -> fp32, exact: the bits as the high half of an fp32.
+_bf16_to_f32 = _unary("_bf16_to_f32", _is16, lambda x: types.float32,
+                      lambda b, v, x: b.bitcast(b.shl(b.zext(v, _I32), llir.Constant(_I32, 16)), llir.FloatType()))
+# fp32 (or fp64) -> fp16 bits (uint16): fptrunc, round to nearest even (what Tensor.half() does; overflow to inf).
+_f32_to_f16 = _unary("_f32_to_f16", lambda x: isinstance(x, types.Float), lambda x: types.uint16,
+                     lambda b, v, x: b.bitcast(b.fptrunc(v if x.bitwidth == 32 else b.fptrunc(v, llir.FloatType()),
+                                                         llir.HalfType()), llir.IntType(16)))
+# The bits of an fp32 (uint32).
+_f32_bits = _unary("_f32_bits", lambda x: isinstance(x, types.Float) and x.bitwidth == 32, lambda x: types.uint32,
+                   lambda b, v, x: b.bitcast(v, _I32))
 
 
 def to_f32(x, lut):  # a stored element as fp32: float / int8 cast, fp16 / bf16 converted, uint8 through its table
@@ -61,31 +73,6 @@ def _to_f32_impl(x, lut):
     if isinstance(x, types.Integer) and x.bitwidth == 16 and lut.dtype == types.int32:
         return lambda x, lut: _bf16_to_f32(x)
     return lambda x, lut: lut[x]
-
-
-@intrinsic
-def _f32_to_f16(typingctx, x):  # pragma: no cover - compiled
-    """fp32 -> fp16 bits (uint16): fptrunc, round to nearest even (what Tensor.half() does; overflow to inf)."""
-    if not isinstance(x, types.Float):
-        return None
-
-    def codegen(context, builder, signature, args):
-        v = args[0] if x.bitwidth == 32 else builder.fptrunc(args[0], llir.FloatType())
-        return builder.bitcast(builder.fptrunc(v, llir.HalfType()), llir.IntType(16))
-
-    return types.uint16(x), codegen
-
-
-@intrinsic
-def _f32_bits(typingctx, x):  # pragma: no cover - compiled
-    """The bits of an fp32 (uint32)."""
-    if not (isinstance(x, types.Float) and x.bitwidth == 32):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llir.IntType(32))
-
-    return types.uint32(x), codegen
 
 
 def from_f32(x, like, lut):  # an fp32 as the storage element `like` holds (to_f32's inverse, rounded)
