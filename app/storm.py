@@ -290,11 +290,11 @@ def run(args) -> dict:
     from engine.model.loader import load_model
 
     path = args.model or tiny_model_dir(seed=args.seed)
-    packed = args.weights_dtype != "fp32"
-    model = load_model(path, dtype=args.weights_dtype)
-    ref = None if packed else Reference(path)
+    weights = getattr(args, "weights_dtype", None) or "fp32"
+    model = load_model(path, dtype=weights)
+    ref = Reference(path) if weights == "fp32" else None
     eng = Engine(model, CacheConfig(block_size=8, device_budget_mb=0.2, host_budget_mb=0.4, shadow_every_s=0.5),
-                 EngineOptions(weights_dtype=args.weights_dtype))
+                 EngineOptions(weights_dtype=weights))
     storm = Storm(eng, ref, args.seed, args.every_ms, args.in_flight)
     proc = psutil.Process()
     t0 = time.monotonic()
@@ -330,7 +330,7 @@ def run(args) -> dict:
     storm.c["lost"] += len(storm.live)
     growth = (rss_max / rss_warm - 1) if rss_warm else None
     out = {"minutes": round((time.monotonic() - t0) / 60, 2), "every_ms": args.every_ms, "seed": args.seed,
-           "weights_dtype": args.weights_dtype,
+           "weights_dtype": weights,
            **{k: storm.c[k] for k in ("steps", "applied", "refused", "requests", "finished", "checked equal",
                                       "finished unchecked",
                                       "finished lossy", "request refused", "refusal events")},

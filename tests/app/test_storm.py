@@ -23,6 +23,30 @@ def test_a_short_storm_breaks_nothing():
     assert out["finished"] >= 20 and out["ok"] is True
 
 
+def test_a_short_storm_on_packed_weights_breaks_nothing(monkeypatch):
+    """int4 weights: decode steps take the whole-layer compiled call (FusedLayer.decode) whenever the step allows it,
+    and the other path when not (host blocks, lossy codecs); changes every 20 ms break neither. No transformers
+    reference here: finished requests are counted as unchecked, none compared."""
+    from engine.model.quant_layer import FusedLayer
+
+    calls = [0]
+    real = FusedLayer.decode
+
+    def counted(layer, *a, **k):
+        calls[0] += 1
+        return real(layer, *a, **k)
+
+    monkeypatch.setattr(FusedLayer, "decode", counted)
+    out = run(argparse.Namespace(model=None, seed=7, every_ms=20.0, in_flight=6, minutes=10.0, steps=300,
+                                 weights_dtype="int4"))
+    for k in ("unexpected (reconfigure)", "unexpected (step)", "engine errors", "dropped", "lost", "mismatched",
+              "invariant failures", "reasons unaccounted"):
+        assert out[k] == 0, (k, out["failures"][:2])
+    assert out["weights_dtype"] == "int4" and out["checked equal"] == 0 and out["finished unchecked"] >= 10
+    assert out["applied"] >= 20 and out["ok"] is True
+    assert calls[0] > 0  # some steps ran whole layers
+
+
 def test_the_storm_counts_what_it_claims(monkeypatch):
     """A storm that hid failures would pass anything: an engine whose step raises is counted, not swallowed."""
     from engine.runtime import engine as engine_mod
