@@ -36,6 +36,7 @@ from engine.attention.tier_split import TierSplit, attend_on_host, attend_split,
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype, weights_quant
+from engine.model import quant_ir
 from engine.model.quant import PREFILL_ROWS, QuantWeight, can_quantize, describe, quantize, stack_rows
 from engine.model.quant_layer import FusedLayer
 from engine.model.moe import MoeMLP
@@ -222,14 +223,17 @@ def _yarn_inv_freq(base: float, d: int, params: dict, max_positions: int) -> tup
 
 
 SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
+F32_KERNEL_ROWS = 8  # rows up to which quant_ir's fp32 kernel beats MKL (it reads the weight once for them)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ w[out, in].T, picking the fastest CPU kernel for the row count.
 
-    Decode steps have a handful of rows. For those, MKL's gemm with the weight as the left operand
-    (w @ x.T) streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest
-    padded to two (the one-column case takes a slow gemv path). Measured in `kvscope bench`.
+    Decode steps have a handful of rows. Up to F32_KERNEL_ROWS, quant_ir's fp32 kernel reads each weight once for
+    all of them at the memory's rate (MKL's gemm at 5-8 rows streams it at half that: `kvscope bench --long`). Past
+    that, or where that kernel is not compiled here, MKL's gemm with the weight as the left operand (w @ x.T)
+    streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest padded to two (the
+    one-column case takes a slow gemv path). Measured in `kvscope bench`.
     """
     if isinstance(w, QuantWeight):  # --weights-dtype int8 / int4: the packed kernel (engine/model/quant.py)
         return w.matmul(x)
@@ -237,6 +241,10 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or T > SMALL_BATCH or x.dtype != torch.float32:
         # bf16/fp16: F.linear is transformers' kernel, and w @ x.T rounds differently there (greedy drifts).
         return F.linear(x, w)
+    if T <= F32_KERNEL_ROWS and w.dtype == torch.float32 and not (w.requires_grad or x.requires_grad):
+        out = quant_ir.matmul_f32(x.contiguous().numpy(), w.numpy())
+        if out is not None:
+            return torch.from_numpy(out)
     if T == 1:
         return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()
     return torch.mm(w, x.t()).t().contiguous()

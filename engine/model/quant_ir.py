@@ -221,15 +221,16 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
     return "".join(L)
 
 
-def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str) -> str:
+def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str, row_bytes: str = "") -> str:
     """A kernel's entry block (arguments as pointers, the step counts `counts` defines, each x row's base
     pointers) and the head of its row loop (the row's weight, scale and zero pointers), ending in a branch to
-    %step when %haspair, else %pairend."""
+    %step when %haspair, else %pairend. row_bytes: the instruction giving a weight row's bytes from %K.i (by
+    default K / 2 for int4, K for int8)."""
     L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
     for n in _ARGS[:8]:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append(counts)
-    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
+    L.append("  %rowq = " + (row_bytes or ("udiv i64 %K.i, 2" if int4 else "add i64 %K.i, 0")) + "\n")
     for t in range(T):  # each x row's base pointers
         L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {x_type}, ptr %x, i64 %xo{t}\n")
         L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
@@ -301,9 +302,7 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
 
 _DECLARE_VNNI = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
-declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 declare <2 x float> @llvm.fma.v2f32(<2 x float>, <2 x float>, <2 x float>)
-declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 declare float @llvm.vector.reduce.fadd.v2f32(float, <2 x float>)
 declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
 """
@@ -393,8 +392,75 @@ def kernel_ir_vnni(kind: str, T: int) -> str:
     return "".join(L)
 
 
+_DECLARE_F32 = """
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
+"""
+
+
+F32_ROWS = {1: 4, 2: 4, 4: 2, 8: 2}  # weight rows a step of the f32 kernel for T rows of x (its sums: T x rows)
+
+
+def kernel_ir_f32(T: int) -> str:
+    """fp32 weights [N, K] (K in 16s) times T rows of fp32 x: R = F32_ROWS[T] weight rows at a time, 16 inputs a
+    step: each row's 16 floats loaded once, each x row's 16 once, multiplied into T x R 16-lane sums (fma); at the
+    rows' end each sum added across its lanes. Rows left over (fewer than R) one at a time. The weight is read once
+    for the T rows, where MKL's gemm at 5-8 rows streams it at half the memory's rate (`kvscope bench --long`).
+    Sums in another order than MKL's: equal up to float rounding. Arguments as the other kernels' (s, z, dx, xs,
+    gidx, Gw unused); K >= 16."""
+    R = F32_ROWS[T]
+    L = [f"define void @f32_t{T}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
+    for n in ("q", "x", "out"):
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append("  %steps = udiv i64 %K.i, 16\n")
+    for t in range(T):
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr float, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  br label %head\n")
+
+    def rows(n: int, lab: str, back: str) -> str:
+        """Blocks {lab}, {lab}.step, {lab}.end: rows %r .. %r + n - 1, then a branch to %back."""
+        out = [f"{lab}:\n"]
+        for j in range(n):
+            out.append(f"  %{lab}.r{j} = add i64 %r, {j}\n  %{lab}.wo{j} = mul i64 %{lab}.r{j}, %K.i\n"
+                       f"  %{lab}.wb{j} = getelementptr float, ptr %q, i64 %{lab}.wo{j}\n")
+        out.append(f"  br label %{lab}.step\n{lab}.step:\n  %{lab}.c = phi i64 [0, %{lab}], [%{lab}.c1, %{lab}.step]\n")
+        for t in range(T):
+            for j in range(n):
+                out.append(f"  %{lab}.a{t}.{j} = phi <16 x float> [zeroinitializer, %{lab}], [%{lab}.n{t}.{j}, "
+                           f"%{lab}.step]\n")
+        out.append(f"  %{lab}.o = mul i64 %{lab}.c, 16\n")
+        for j in range(n):
+            out.append(_load("float", f"%{lab}.wb{j}", f"%{lab}.o", f"%{lab}.w{j}", "<16 x float>"))
+        for t in range(T):
+            out.append(_load("float", f"%xb{t}", f"%{lab}.o", f"%{lab}.x{t}", "<16 x float>"))
+            for j in range(n):
+                out.append(f"  %{lab}.n{t}.{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.w{j}, "
+                           f"<16 x float> %{lab}.x{t}, <16 x float> %{lab}.a{t}.{j})\n")
+        out.append(f"  %{lab}.c1 = add i64 %{lab}.c, 1\n  %{lab}.more = icmp ult i64 %{lab}.c1, %steps\n"
+                   f"  br i1 %{lab}.more, label %{lab}.step, label %{lab}.end\n{lab}.end:\n")
+        for t in range(T):
+            for j in range(n):
+                out.append(f"  %{lab}.s{t}.{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
+                           f"<16 x float> %{lab}.n{t}.{j})\n"
+                           f"  %{lab}.p{t}.{j} = getelementptr float, ptr %ob{t}, i64 %{lab}.r{j}\n"
+                           f"  store float %{lab}.s{t}.{j}, ptr %{lab}.p{t}.{j}, align 4\n")
+        out.append(f"  br label %{back}\n")
+        return "".join(out)
+
+    # head: R rows while R are left, then single rows while any are left
+    L.append(f"head:\n  %r = phi i64 [%n0.i, %entry], [%rR, %many.end], [%r1, %one.end]\n"
+             f"  %rR = add i64 %r, {R}\n  %r1 = add i64 %r, 1\n  %fitR = icmp sle i64 %rR, %n1.i\n"
+             f"  br i1 %fitR, label %many, label %left\n"
+             f"left:\n  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %done\n")
+    L.append(rows(R, "many", "head") + rows(1, "one", "head"))
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
 def module_ir(x86: bool, vnni: bool = False) -> str:
     ir_ = (_DECLARE_X86 if x86 else "") + _DECLARE + "".join(kernel_ir(k, t, x86) for k in KINDS for t in TILES)
+    ir_ += _DECLARE_F32 + "".join(kernel_ir_f32(t) for t in TILES)  # (the VNNI kernels use its declarations)
     if vnni:
         ir_ += _DECLARE_VNNI + "".join(kernel_ir_vnni(k, t) for k in VNNI_KINDS for t in TILES)
     return ir_
@@ -429,7 +495,7 @@ class _Library:
         self._engine = llvm.create_mcjit_compiler(mod, self._tm)  # owns the code: kept alive with the library
         self._engine.finalize_object()
         self.addresses = {}
-        for kind in KINDS:
+        for kind in (*KINDS, "f32"):
             table = np.zeros(max(TILES) + 1, dtype=np.int64)
             for t in TILES:
                 table[t] = self._engine.get_function_address(f"{kind}_t{t}")
@@ -608,4 +674,27 @@ def matmul(x: np.ndarray, op: tuple, zero_group: int = 0) -> np.ndarray:
         xs = np.empty((x.shape[0], x.shape[1] // zero_group), dtype=np.float32)
         _group_sums(x, zero_group, xs)
         out += xs @ op[3].T
+    return out
+
+
+_NO_F32 = np.zeros((1, 1), dtype=np.float32)
+
+if llvm is not None:
+
+    @njit(nogil=True, cache=True)
+    def _mm_f32(fns, w, x, out, chunk):  # pragma: no cover - compiled
+        _drive(fns, w, _NO_F32, _NO_F32, x, _NO_F32, _NO_F32, out, _NO_GIDX, 0, w.shape[1], chunk)
+
+
+def matmul_f32(x: np.ndarray, w: np.ndarray, lib: "_Library | None" = None) -> np.ndarray | None:
+    """x [B, K] float32 @ w [N, K].T float32 (both C-contiguous, K in 16s) by the f32 kernels (kernel_ir_f32), or
+    None where they are not compiled here or the arrays do not suit them (the caller's gemm then). lib: the compiled
+    kernels (library() by default)."""
+    lib = lib or library()
+    if (lib is None or x.dtype != np.float32 or w.dtype != np.float32 or x.ndim != 2 or w.ndim != 2
+            or w.shape[1] % 16 or not w.shape[1] or x.shape[1] != w.shape[1]
+            or not (x.flags.c_contiguous and w.flags.c_contiguous)):
+        return None
+    out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
+    _mm_f32(lib.addresses["f32"], w, x, out, _chunk(w.shape[0]))
     return out

@@ -116,3 +116,41 @@ def test_status_names_the_build():
     assert quant_ir.library() is not None, quant_ir.status()
     assert quant_ir.status().startswith("LLVM IR kernels for ")
     assert "x86" not in quant_ir.module_ir(x86=False)  # the portable build calls no x86 intrinsic
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])
+@pytest.mark.parametrize("shape", [(96, 576), (203, 1536), (17, 64), (5, 16), (1, 48)])  # rows past a multiple of
+def test_fp32_kernel_is_the_product(lib, rows, shape):                                   # F32_ROWS; 1 or 3 steps
+    """The fp32-weight kernel (decode steps of fp32 models): x @ W.T up to float32 rounding, every tile of x rows
+    and weight-row grouping, into rows of its own; what it cannot take (K not in 16s, strided, other dtypes) it
+    returns None for, for the caller's gemm."""
+    N, K = shape
+    rng = np.random.default_rng(rows + K)
+    x = rng.standard_normal((rows, K), dtype=np.float32)
+    w = rng.standard_normal((N, K), dtype=np.float32)
+    got = quant_ir.matmul_f32(x, w, lib=lib)
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.shape == (rows, N) and got.dtype == np.float32
+    assert np.abs(got - want).max() <= 2e-6 * np.abs(want).max()
+    wide = np.zeros((N, K + 16), dtype=np.float32)
+    wide[:, :K] = w
+    if N > 1:  # (numpy calls one row contiguous whatever its stride)
+        assert quant_ir.matmul_f32(x, wide[:, :K], lib=lib) is None  # rows strided
+    assert quant_ir.matmul_f32(x[:, :K - 1], w[:, :K - 1].copy(), lib=lib) is None  # K not in 16s
+    assert quant_ir.matmul_f32(x.astype(np.float64), w, lib=lib) is None
+
+
+def test_fp32_linear_takes_the_kernel_for_decode_rows(monkeypatch):
+    """llama_family.linear sends fp32 CPU rows up to F32_KERNEL_ROWS to the fp32 kernel (and more rows to MKL);
+    its result is the product either way."""
+    from engine.model import llama_family
+
+    calls = []
+    real = quant_ir.matmul_f32
+    monkeypatch.setattr(quant_ir, "matmul_f32", lambda x, w, lib=None: calls.append(x.shape[0]) or real(x, w, lib))
+    w = torch.randn(40, 96)
+    for rows in (1, 8, 9, 300):
+        x = torch.randn(rows, 96)
+        got = llama_family.linear(x, w)
+        assert torch.allclose(got, x.double().matmul(w.double().T).float(), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 8]
