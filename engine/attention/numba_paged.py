@@ -242,31 +242,45 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         many(*args, n)
         return acc, m, l
 
-    def _decode_plain(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, scale: float,
-                      window: int | None) -> torch.Tensor | None:
-        """Decode over plain storage (fp32 / fp16 / bf16 / fp8 blocks, keys at their index, no sinks) in one call that
-        takes q as the model gives it and returns the normalized output (numba_kernel.decode_plain, split-K over
-        the threads); None where it does not apply."""
+    def _plain_step(self, layer: int, paged: PagedKV, batch: PagedBatch, B: int):
+        """What decode_plain takes for a step over plain storage (fp32 / fp16 / bf16 / fp8 blocks on the CPU, keys at
+        their index) besides q, scale, window and the blocks: ((qpos, table, alt, ctx, the data's to_f32 argument,
+        key segments per sequence), the tier host blocks are read from or None); None where it does not apply.
+        The one place _decode_plain and decode_plan decide it."""
         kt = paged.k["data"][layer]
-        if q.is_cuda or batch.key_pos is not None or kt.device.type != "cpu":
-            return None
-        kfmt, vfmt = kv_formats(paged.dtype)
-        if kfmt != 0 or vfmt != 0:
+        if batch.key_pos is not None or kt.device.type != "cpu" or kv_formats(paged.dtype) != (0, 0):
             return None
         alt_kv, alt_table = self._alt(layer, paged, batch)
-        B, H, D = q.shape
         rows = self._rows(batch, paged, alt_table, B, 1)
+        n = max(1, torch.get_num_threads())
+        return (*rows[:4], _data_lut(kt), max(1, -(-2 * n // B))), alt_kv  # >= 2 (sequence, segment) units a thread
+
+    @staticmethod
+    def _plain_blocks(paged: PagedKV, alt_kv: PagedKV | None, layer: int) -> tuple:
+        """(kd, vd, akd, avd): a layer's device-tier K/V blocks and those host blocks are read from, as arrays
+        (_Strided where they cannot be)."""
+        kd, vd = _np(paged.k["data"][layer]), _np(paged.v["data"][layer])
+        if alt_kv is None:
+            return kd, vd, kd, vd
+        return kd, vd, _np(alt_kv.k["data"][layer]), _np(alt_kv.v["data"][layer])
+
+    def _decode_plain(self, q: torch.Tensor, layer: int, paged: PagedKV, batch: PagedBatch, scale: float,
+                      window: int | None) -> torch.Tensor | None:
+        """Decode over plain storage (_plain_step) in one call that takes q as the model gives it and returns the
+        normalized output (numba_kernel.decode_plain, split-K over the threads); None where it does not apply."""
+        B, H, D = q.shape
+        plan = None if q.is_cuda else self._plain_step(layer, paged, batch, B)
+        if plan is None:
+            return None
+        step, alt_kv = plan
         try:
-            kd, vd = _np(kt), _np(paged.v["data"][layer])
-            akd, avd = (_np(alt_kv.k["data"][layer]), _np(alt_kv.v["data"][layer])) if alt_kv is not None else (kd, vd)
+            blocks = self._plain_blocks(paged, alt_kv, layer)
         except _Strided:
             return None
         out = torch.empty((B, H, D), dtype=torch.float32)
-        n = max(1, torch.get_num_threads())
-        segments = max(1, -(-2 * n // B))  # at least two work units (sequence, key segment) a thread
-        args = (q.float().contiguous().numpy(), float(scale), *rows[:4], int(window or 0), kd, vd, akd, avd,
-                _data_lut(kt), out.numpy(), segments)
-        kind = _variant(kd, args[11], " decode")
+        args = (q.float().contiguous().numpy(), float(scale), *step[:4], int(window or 0), *blocks, step[4],
+                out.numpy(), step[5])
+        kind = _variant(blocks[0], args[11], " decode")
         if kind not in compile_seconds:
             with _compile_lock:
                 t0 = time.perf_counter()
@@ -277,27 +291,22 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         return out
 
     def decode_plan(self, paged: PagedKV, batch: PagedBatch, B: int):
-        """For a whole decode step over plain storage (fp32 / fp16 / bf16 blocks on the CPU, keys at their index):
-        (the step's arrays decode_plain takes: qpos, table, alt, ctx, the data's to_f32 argument, key segments per
-        sequence; layer(li) -> that layer's (kd, vd, akd, avd)), for a caller that runs decode_plain itself
-        (quant_layer.decode_layer); None where _decode_plain would not run."""
-        kt = paged.k["data"][0]
-        if batch.key_pos is not None or kt.device.type != "cpu" or paged.k["data"][-1].device.type != "cpu":
+        """For a whole decode step over plain fp32 / fp16 / bf16 blocks, every layer's on the CPU: (the step's
+        arrays decode_plain takes, as _plain_step gives them; layer(li) -> that layer's (kd, vd, akd, avd)), for a
+        caller that runs decode_plain itself (quant_layer.decode_layer); None where _decode_plain would not run
+        (or the storage is fp8, which the caller's KV write does not take)."""
+        if paged.k["data"][-1].device.type != "cpu" or \
+                paged.k["data"][0].dtype not in (torch.float32, torch.float16, torch.bfloat16):
             return None
-        if kv_formats(paged.dtype) != (0, 0) or kt.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        plan = self._plain_step(0, paged, batch, B)
+        if plan is None:
             return None
-        alt_kv, alt_table = self._alt(0, paged, batch)
+        step, alt_kv = plan
         if alt_kv is not None and alt_kv.k["data"][0].device.type != "cpu":
             return None
-        rows = self._rows(batch, paged, alt_table, B, 1)
-        n = max(1, torch.get_num_threads())
-        step = (*rows[:4], _data_lut(kt), max(1, -(-2 * n // B)))
 
         def layer(li: int) -> tuple:
-            kd, vd = _np(paged.k["data"][li]), _np(paged.v["data"][li])
-            if alt_kv is None:
-                return kd, vd, kd, vd
-            return kd, vd, _np(alt_kv.k["data"][li]), _np(alt_kv.v["data"][li])
+            return self._plain_blocks(paged, alt_kv, li)
 
         try:
             layer(0)

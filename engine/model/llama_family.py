@@ -343,6 +343,8 @@ class LlamaFamily:
         # Decode steps run each fused layer whole, its KV write and attention included (_decode_plan); the tests
         # compare both ways.
         self.whole_layers = True
+        # Fixed at load: every layer fused and no attention sinks (else no step runs whole; _decode_plan not asked).
+        self._can_run_whole = all(f is not None for f in self.fused) and all(x is None for x in self.sinks)
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe
@@ -531,7 +533,7 @@ class LlamaFamily:
                 where[li] = (pi, local)
         parallel = s.norm_placement == "parallel"
         whole_layer = (self._decode_plan(batch, parts, T) if T < PREFILL_ROWS and self.fused_enabled and self.whole_layers
-                       else None)
+                       and self._can_run_whole else None)
         for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
             fused = self.fused[li] if T < PREFILL_ROWS and self.fused_enabled else None
@@ -594,8 +596,7 @@ class LlamaFamily:
         no host-tier split, the store's writes are plain device-tier ones on the CPU (StepKV.plain_writes), its
         fidelity probe can be fed directly (StepProbe.direct) and the backend reads plain blocks in place
         (NumbaPagedBackend.decode_plan)."""
-        if len(parts) != 1 or not hasattr(self.backend, "decode_plan") or any(f is None for f in self.fused) \
-                or any(x is not None for x in self.sinks):
+        if len(parts) != 1 or not hasattr(self.backend, "decode_plan") or not self._can_run_whole:
             return None
         store = parts[0].store
         groups = parts[0].groups

@@ -35,6 +35,7 @@ import numpy as np
 
 try:
     import llvmlite.binding as llvm
+    import numba
     from llvmlite import ir
     from numba import njit, prange, types
     from numba.extending import intrinsic
@@ -614,8 +615,6 @@ def quantize_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndar
 
 
 def _chunk(n: int) -> int:
-    import numba
-
     per = -(-n // (8 * numba.get_num_threads()))  # ~8 chunks a thread: balance without tiny calls
     return max(16, per)
 
