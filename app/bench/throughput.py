@@ -240,6 +240,11 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     prefill_s = time.perf_counter() - t0
     say(f"[bench] prefilled in {prefill_s:.1f} s; decoding")
     engine.step()  # warm-up: first decode step's allocations
+    # The memory's rate is measured just before and just after the timed steps, and the floor takes their mean: on a
+    # shared machine the rate drifts (here 18-41 GB/s within a day), and one measurement after the steps alone put
+    # the same step time anywhere between 1.2x and 1.7x of it.
+    say("[bench] memcpy bandwidth (before the steps)")
+    bw_before = memcpy_bandwidth(args.device, copy_mb)
     times, fwd = [], []
     for _ in range(steps):
         f0 = engine.counters.forward_s
@@ -254,8 +259,9 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
     bs = engine.config.block_size
     kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
     weights = model_weight_bytes(engine.model)
-    say("[bench] memcpy bandwidth")
-    bw = memcpy_bandwidth(args.device, copy_mb)
+    say("[bench] memcpy bandwidth (after the steps)")
+    bw_after = memcpy_bandwidth(args.device, copy_mb)
+    bw = (bw_before + bw_after) / 2
     floor = (weights + kv_read) / bw
     step_s = float(np.median(times))
     res = {"sequences": B, "context_tokens": ctx, "attention": engine.model.attention, "device": args.device,
@@ -264,20 +270,26 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
            "config": engine.config.as_dict(), "torch_threads": torch.get_num_threads(), "prefill_s": prefill_s,
            "decode_steps": steps, "step_ms_median": 1e3 * step_s, "step_ms_min": 1e3 * min(times),
            "forward_ms_median": 1e3 * float(np.median(fwd)), "weights_bytes": weights, "kv_bytes_read": kv_read,
-           "memcpy_gbps": bw / 1e9, "floor_ms": 1e3 * floor, "step_over_floor": step_s / floor,
+           "memcpy_gbps": bw / 1e9, "memcpy_gbps_before": bw_before / 1e9, "memcpy_gbps_after": bw_after / 1e9,
+           "floor_ms": 1e3 * floor, "step_over_floor": step_s / floor,
            "target_over_floor": 1.5}
     say("[bench] profiling 3 decode steps")
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if str(args.device).startswith("cuda") else [])
     with profile(activities=acts) as prof:
+        t = time.perf_counter()
         for _ in range(3):
             engine.step()
         _sync(args.device)
+        profiled_s = time.perf_counter() - t
     cuda = str(args.device).startswith("cuda")
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)
     total = sum(getattr(e, key, 0) for e in events) or 1
+    if not cuda:  # numba's kernels (attention, packed and fp32 matmuls) are no torch op: their time is in here
+        res["outside_torch_ops_ms_per_step"] = max(0.0, profiled_s * 1e3 - total / 1e3) / 3
+        total = max(total, profiled_s * 1e6)  # shares of the steps' wall time, not of the torch ops' alone
     res["profile_top_ops"] = [{"op": e.key, "calls_per_step": e.count / 3, "ms_per_step": getattr(e, key) / 3e3,
                                "share": getattr(e, key) / total} for e in events[:12]]
     # The paged-decode kernel's own bandwidth (CUDA, triton): the KV bytes a step attends over / the kernel's device
@@ -302,13 +314,18 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
           f"{res['context_tokens']} tokens of context")
     print(f"decode step: median {res['step_ms_median']:.1f} ms (forward {res['forward_ms_median']:.1f} ms, min "
           f"{res['step_ms_min']:.1f} ms) | memory floor {res['floor_ms']:.1f} ms = ({res['weights_bytes'] / 1e6:.0f} MB "
-          f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy | "
+          f"weights + {res['kv_bytes_read'] / 1e6:.0f} MB KV) / {res['memcpy_gbps']:.1f} GB/s memcpy (mean of "
+          f"{res['memcpy_gbps_before']:.1f} before and {res['memcpy_gbps_after']:.1f} after the steps) | "
           f"step / floor {res['step_over_floor']:.2f}x (target <= {res['target_over_floor']}x)")
     if "paged_decode_gbps" in res:
         print(f"paged decode kernel: {res['paged_decode_ms_per_step']:.2f} ms per step for {res['kv_bytes_read'] / 1e6:.0f} MB "
               f"of KV = {res['paged_decode_gbps']:.0f} GB/s, {100 * res['paged_decode_hbm_share']:.0f} % of the HBM "
               f"traffic of a memcpy ({res['hbm_gbps']:.0f} GB/s read + write; target >= 50 %)")
     print("top ops per decode step (self time):")
+    if "outside_torch_ops_ms_per_step" in res:
+        print(f"  {res['outside_torch_ops_ms_per_step']:8.2f} ms  in no torch op (numba's compiled attention and "
+              f"matmuls, Python; the profiled steps' wall time less every op's self time; shares below are of that "
+              f"wall time)")
     for op in res["profile_top_ops"]:
         print(f"  {op['ms_per_step']:8.2f} ms  {100 * op['share']:5.1f} %  {op['calls_per_step']:7.1f} calls  {op['op']}")
     return 0
