@@ -219,6 +219,8 @@ class MainWindow(QtWidgets.QMainWindow):
             self.hit.update_snapshot(snap, "rates" if slot == 0 else "flow")
         elif slot in (1, 3):
             self.memory.update_snapshot(snap, "tiers" if slot == 1 else "process")
+        if not every_panel and slot not in (1, 3) and self._on_screen(self.memory):
+            self.memory.update_text(snap)  # its tier rows in step with the map (nothing done where they are unchanged)
         if every_panel or slot == 4:
             # Tabbed docks share a place; only the one on top is drawn, so only it is updated.
             for panel in (self.heat, self.residency, self.cost, self.why, self.diagnostics):

@@ -549,3 +549,25 @@ def test_the_value_boxes_step_arrows_show(qtbot, qapp, window):
         qapp.setStyleSheet(saved[0])
         qapp.setPalette(saved[1])
         qapp.setFont(saved[2])
+
+
+def test_memory_table_counts_the_blocks_the_map_counts_in_every_frame(qtbot, window, runner):
+    """A screenshot shows both: the Memory panel's tier rows and the block map's tier labels come from the same
+    snapshot in every frame, not only in the frames whose turn the Memory panel has (before, its text was re-rendered
+    at most once a second, and the two disagreed while the engine ran)."""
+    import re
+
+    busy(runner)
+    qtbot.waitUntil(lambda: runner.engine.counters.generated > 5, timeout=20_000)
+    seen = set()
+    for _ in range(40):
+        qtbot.wait(40)
+        window.refresh()
+        labels = window.block_map.label_texts()
+        table = window.memory.text.text()
+        for name in ("device", "host"):
+            used, cap = re.search(rf"{name}\s+([\d,]+) / ([\d,]+) blocks", " ".join(labels)).groups()
+            row = re.search(rf"<b>{name}</b></td><td>([\d,]+)/([\d,]+)</td>", table).groups()
+            assert row == (used, cap), (name, labels, row)
+            seen.add((name, used))
+    assert len(seen) > 2, seen  # the counts moved while the frames were drawn

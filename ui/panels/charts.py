@@ -122,7 +122,7 @@ class MemoryPanel(QtWidgets.QWidget):
         self.proc.add_series("rss_bytes", "process RSS", "#9e9e9e", width=2)
         self.text = FitLabel("font-size: 8pt;")
         self.text.setTextFormat(QtCore.Qt.RichText)
-        self._text_at = 0.0
+        self._text_at, self._text_key = 0.0, None
         lay.addWidget(self.plot, 5)
         lay.addWidget(self.proc, 4)
         lay.addWidget(self.text, 0)
@@ -144,11 +144,19 @@ class MemoryPanel(QtWidgets.QWidget):
                 # NaN where NVML could not be read: the chart breaks the line there.
                 chart.set_data(x, {k: snap.series[k] / MB for k in chart.series if k in snap.series})
         self.proc.set_note("" if gpu.get("available") else "no GPU")
-        # The text changes slowly and re-rendering it is not free: once a second, and at every full refresh
-        # (a screenshot must agree with itself).
-        if part != "all" and time.monotonic() - self._text_at < 1.0:
+        self.update_text(snap, force=part == "all")
+
+    def update_text(self, snap: Snapshot, force: bool = False) -> None:
+        """The breakdown under the charts. Its tier rows count the blocks the block map counts, so they are
+        rendered in the frame their numbers change (the window calls this every frame, with the map: a screenshot
+        shows both from one snapshot); the rest (RSS, GPU, sizing) changes slowly and re-rendering is not free:
+        once a second otherwise, and at every full refresh (force)."""
+        tiers, gpu = snap.memory["tiers"], snap.memory["gpu"]
+        key = tuple((t["used_blocks"], t["capacity_blocks"], t["k_bytes"], t["v_bytes"], t["scale_bytes"],
+                     t["metadata_bytes"], t["device"]) for t in tiers.values())
+        if not force and key == self._text_key and time.monotonic() - self._text_at < 1.0:
             return
-        self._text_at = time.monotonic()
+        self._text_at, self._text_key = time.monotonic(), key
         rows = []
         for name, t in tiers.items():
             rows.append(
@@ -167,7 +175,9 @@ class MemoryPanel(QtWidgets.QWidget):
         else:  # the chart above says "no GPU"; the reason is the tooltip
             gline = rss
         self.text.setToolTip(
-            "tiers: blocks in use / capacity, and the bytes of their K, V, scales and metadata\n"
+            "tiers: blocks in use / capacity, and the bytes of their K, V, scales and metadata as allocated: the "
+            "device tier's include its two reserved slots (the null and sink blocks), which the block map's "
+            "capacity (usable blocks) leaves out\n"
             "stream staging: the buffers on the compute device that host-tier blocks are copied into, a layer "
             "ahead, to be read there (host_reads=stream); not part of either tier's budget\n"
             + ("" if gpu.get("available") else f"{gpu.get('reason', 'no GPU')}\n")
