@@ -243,3 +243,20 @@ def test_gguf_direct_engine_reports_its_format(smollm2_int4):
     out = eng.generate([smollm2_int4.tokenizer.encode("The capital of France is")],
                        SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert "Paris" in smollm2_int4.tokenizer.decode(out[0])
+
+
+def test_cuda_int8_packing_is_what_torchs_int8pack_kernel_multiplies():
+    """The CUDA path of int8 weights (QuantWeight._pack_cuda -> aten._weight_int8pack_mm) has not run on a GPU here;
+    torch's CPU kernel of the same op takes the same operands, so the packing's layout and scales are checked on it:
+    equal to the dequantized weight's matmul up to float rounding. A weight with groups (a GGUF's Q8_0) is refused by
+    name, not multiplied wrongly."""
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(48, 160, generator=g), torch.randn(3, 160, generator=g)
+    q = quantize(w, "int8")
+    qi, s = q._pack_cuda()
+    got = torch.ops.aten._weight_int8pack_mm(x, qi, s)
+    want = x.double() @ q.dequantize().double().T
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    grouped = QuantWeight("int8", qi, torch.rand(48, 5, generator=g), torch.zeros(48, 5), 32)
+    with pytest.raises(NotImplementedError, match="groups of 32"):
+        grouped._pack_cuda()
