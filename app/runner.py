@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.config import KNOBS, CacheConfig, ConfigError
 from engine.errors import RequestError
+from engine.runtime.threads import follow_torch
 
 
 class EngineRunner:
@@ -28,6 +29,7 @@ class EngineRunner:
         self._lock = threading.Lock()
         self._tokens: collections.deque[tuple[int, str]] = collections.deque(maxlen=100_000)
         self._decoders: dict[int, Any] = {}
+        self.numba_threads: int | None = None  # what the engine thread set numba's thread count to (None: no numba)
         self._thread = threading.Thread(target=self._loop, name="kvscope-engine", daemon=True)
         # The ref-count leak check (engine/telemetry/health.py), every few seconds, off the engine's thread.
         self._health = threading.Thread(target=self._check_health, name="kvscope-health", daemon=True)
@@ -60,6 +62,7 @@ class EngineRunner:
 
     def _loop(self) -> None:
         eng = self.engine
+        self.numba_threads = follow_torch()  # the compiled kernels on this thread use the cores torch has
         while not self._stop.is_set():
             with self._lock:
                 paused = self._paused and self._single_steps == 0

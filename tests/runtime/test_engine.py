@@ -343,3 +343,30 @@ def test_a_paused_engine_s_clock_stands_still_so_nothing_demotes_on_resume(llama
     now[0] += 6.0  # running time past demote_after_s: now they go
     eng.kv.residency.demote_idle(eng.clock())
     assert eng.pool.tiers[Tier.DEVICE].used == 0
+
+
+def test_engine_thread_kernels_use_torchs_threads(llama_model):
+    """The window gives torch all cores but one (the UI's); numba's kernels (attention, the fp32 and packed matmuls)
+    take their thread count per calling thread, every core by default: the engine thread sets it to torch's, so a
+    step leaves the UI its core. Here torch is given 1 thread: numba's, on the engine thread, is 1 too, while the
+    test's own thread keeps numba's default."""
+    import time
+
+    numba = pytest.importorskip("numba")
+    from app.runner import EngineRunner
+
+    before = torch.get_num_threads()
+    default = numba.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        runner = EngineRunner(Engine(llama_model, CacheConfig(block_size=4))).start()
+        try:
+            deadline = time.monotonic() + 10
+            while runner.numba_threads is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert runner.numba_threads == 1
+        finally:
+            runner.stop()
+    finally:
+        torch.set_num_threads(before)
+    assert numba.get_num_threads() == default
