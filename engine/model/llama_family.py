@@ -223,6 +223,7 @@ def _yarn_inv_freq(base: float, d: int, params: dict, max_positions: int) -> tup
 
 
 SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
+FUSE_FP32 = os.environ.get("KVSCOPE_FUSE_FP32", "1") != "0"  # fp32 CPU models take quant_layer's fused layers
 F32_KERNEL_ROWS = 8  # rows up to which quant_ir's fp32 kernel beats MKL (it reads the weight once for them)
 
 
@@ -335,10 +336,11 @@ class LlamaFamily:
         # What the weights are held as: "fp32", or the packed kinds and where their values came from (quant.describe).
         names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
         self.weights_format = describe(w) or names[self.dtype]
-        # Packed weights on the CPU: a layer of the plain Llama shape runs its compute around attention as two
-        # compiled calls (engine/model/quant_layer.py) in steps of fewer than quant.PREFILL_ROWS rows.
+        # Packed weights, or fp32 ones, on the CPU: a layer of the plain Llama shape runs its compute around attention
+        # as two compiled calls (engine/model/quant_layer.py) in steps of fewer than quant.PREFILL_ROWS rows.
         packed_layers = any(isinstance(layer[1], QuantWeight) for layer in self.layers)
-        self.fused = [FusedLayer.of(self, li) if packed_layers else None for li in range(spec.num_layers)]
+        fusable = packed_layers or (self.dtype == torch.float32 and self._dev.type == "cpu" and FUSE_FP32)
+        self.fused = [FusedLayer.of(self, li) if fusable else None for li in range(spec.num_layers)]
         self.fused_enabled = True  # the tests compare both ways
         # Decode steps run each fused layer whole, its KV write and attention included (_decode_plan); the tests
         # compare both ways.

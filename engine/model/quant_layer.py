@@ -1,4 +1,5 @@
-"""A decoder layer's compute around attention in two compiled calls, for packed weights on the CPU (quant_ir.py).
+"""A decoder layer's compute around attention in two compiled calls, for packed or fp32 weights on the CPU
+(quant_ir.py's kernels: fp32 ones through its f32 kernels, which sum in another order than MKL's gemm).
 
 A decode step of a small model is mostly dispatch: per layer a norm, the q/k/v matmul, two RoPE rotations, the o
 matmul, a residual, a norm, gate/up, the activation, down and a residual, each a torch op or a numba call of
@@ -18,8 +19,9 @@ arithmetic as the three calls and the Python between them, bit for bit; what it 
 write's scatters and the probe's read-back, ~1.5-3.5 ms of a ~10 ms step of the default model).
 
 Only for the layers this shape describes (FusedLayer.of says which): pre-norm RMSNorm, no biases, no q/k norm, no
-post-norms, SiLU, a dense MLP, rotate-half RoPE over the whole head, int4 weights or int8 ones without zeros,
-fp32 activations and at most quant.PREFILL_ROWS rows (a prompt chunk goes the unfused way, through gemm).
+post-norms, SiLU, a dense MLP, rotate-half RoPE over the whole head, int4 weights or int8 ones without zeros or
+fp32 ones (KVSCOPE_FUSE_FP32=0 leaves fp32 models layer by layer, through torch), fp32 activations and at most
+quant.PREFILL_ROWS rows (a prompt chunk goes the unfused way, through gemm).
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ except Exception:  # pragma: no cover - numba missing: no fused layers (quant_ir
 def operand(w, activations: str) -> tuple | None:
     """quant_ir.operand of a packed weight, or None where the fused path does not take it: no kernels, CUDA, or int8
     weights with zeros (the fused calls add no zero term) or groups / inputs not in 16s."""
+    if isinstance(w, torch.Tensor):  # fp32 weights: the f32 kernels
+        if w.device.type != "cpu" or w.dtype != torch.float32 or w.requires_grad:
+            return None
+        return quant_ir.operand_f32(w.detach().numpy())
     if quant_ir.library() is None or w.q.device.type != "cpu" or (w.kind == "int8" and bool((w.zero != 0).any())):
         return None
     return quant_ir.operand(w.kind, w.q.numpy(), w.scale.numpy(), w.zero.numpy(), w.group, activations)
@@ -179,7 +185,9 @@ class FusedLayer:
         weights = (qkv_w, o_w, gu_w, down_w)
         if njit is None or quant_ir.llvm is None or quant_ir.library() is None:
             return None
-        if not all(isinstance(w, QuantWeight) for w in weights) or model.dtype != torch.float32:
+        packed = all(isinstance(w, QuantWeight) for w in weights)
+        if not (packed or all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in weights)) \
+                or model.dtype != torch.float32:
             return None
         if (qkv_b is not None or model.o_bias[li] is not None or model.qk_norms[li] is not None
                 or attn_in is None or mlp_in is None or attn_out is not None or mlp_out is not None
@@ -189,7 +197,7 @@ class FusedLayer:
         rope = model.layer_rope[li] is not None
         if rope and (s.rope_interleaved or model.ropes[model.layer_rope[li]][0].shape[0] * 2 != s.head_dim):
             return None
-        ops = [operand(w, w.activations) for w in weights]
+        ops = [operand(w, w.activations if packed else "fp32") for w in weights]
         if any(op is None for op in ops):
             return None
         inter = gu_w.shape[0] // 2

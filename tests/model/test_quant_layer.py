@@ -106,19 +106,19 @@ class _Count:
         monkeypatch.setattr(FusedLayer, "decode", counted)
 
 
-def _engine(loaded, whole: bool, **cache) -> Engine:
-    e = Engine(loaded, CacheConfig(shadow_every_s=0.0, **cache), EngineOptions(weights_dtype="int4",
+def _engine(loaded, whole: bool, weights: str = "int4", **cache) -> Engine:
+    e = Engine(loaded, CacheConfig(shadow_every_s=0.0, **cache), EngineOptions(weights_dtype=weights,
                                                                              quant_activations="fp32"))
     e.model.whole_layers = whole
     return e
 
 
-def _run_both(monkeypatch, path: str, ps, n: int, **cache):
+def _run_both(monkeypatch, path: str, ps, n: int, weights: str = "int4", **cache):
     """The same requests through an engine taking whole decode layers (FusedLayer.decode) and one going layer by
     layer: (the engines, their tokens, the whole-layer calls each made)."""
-    loaded = load_model(path, dtype="int4")
+    loaded = load_model(path, dtype=weights)
     count = _Count(monkeypatch)
-    engines, out, calls = [_engine(loaded, True, **cache), _engine(loaded, False, **cache)], [], []
+    engines, out, calls = [_engine(loaded, True, weights, **cache), _engine(loaded, False, weights, **cache)], [], []
     for e in engines:
         before = count.n
         out.append(e.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True)))
@@ -126,17 +126,18 @@ def _run_both(monkeypatch, path: str, ps, n: int, **cache):
     return engines, out, calls
 
 
+@pytest.mark.parametrize("weights", ["int4", "fp32"])
 @pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_whole_decode_layers_equal_the_layer_by_layer_path(monkeypatch, tiny_llama, kv_dtype, block_size):
+def test_whole_decode_layers_equal_the_layer_by_layer_path(monkeypatch, tiny_llama, kv_dtype, block_size, weights):
     """A decode step whose layers run whole (layer + KV write + attention in one compiled call) computes what the
     layer-by-layer path computes, bit for bit: the same tokens, the same stored K/V (the fp16 / bf16 rounding of
     numba_kernel.from_f32 is torch's), and the same measurements of the fidelity probe (each block's K and V
     error, the key channels' absmax)."""
     from engine.kv.block_pool import Tier
 
-    engines, out, calls = _run_both(monkeypatch, tiny_llama, prompts(11, [5, 21, 40]), 12, block_size=block_size,
-                                    kv_dtype=kv_dtype)
+    engines, out, calls = _run_both(monkeypatch, tiny_llama, prompts(11, [5, 21, 40]), 12, weights,
+                                    block_size=block_size, kv_dtype=kv_dtype)
     layers = engines[0].spec.num_layers
     assert calls[1] == 0 and calls[0] >= 11 * layers  # decode steps took the whole-layer path, the other never
     assert out[0] == out[1]
@@ -168,3 +169,22 @@ def test_host_blocks_leave_the_whole_layer_path(monkeypatch, tiny_llama):
     small = _engine(loaded, True, block_size=4, device_budget_mb=0.02, host_budget_mb=4)
     assert small.generate(ps, sp) == want
     assert count.n < steps * small.spec.num_layers  # some steps went layer by layer
+
+
+def test_fp32_weights_run_whole_layers_with_transformers_tokens(monkeypatch, llama_model, llama_ref):
+    """fp32 weights on the CPU take the fused layers too (the f32 kernels: quant_ir.operand_f32), so a decode step
+    of a Llama runs each layer as one call; the sums' order is not MKL's, and greedy tokens still equal
+    transformers' generate. KVSCOPE_FUSE_FP32=0's switch (llama_family.FUSE_FP32) keeps them out."""
+    from engine.model import llama_family
+    from engine.model.llama_family import LlamaFamily
+
+    count = _Count(monkeypatch)
+    eng = Engine(llama_model, CacheConfig(block_size=8, shadow_every_s=0.0), EngineOptions())
+    assert all(f is not None for f in eng.model.fused)
+    ps = prompts(21, [6, 19, 33])
+    out = eng.generate(ps, SamplingParams(max_new_tokens=10, ignore_eos=True))
+    assert out == [llama_ref.greedy(p, 10) for p in ps]
+    assert count.n >= 9 * eng.spec.num_layers  # the decode steps ran whole layers
+    monkeypatch.setattr(llama_family, "FUSE_FP32", False)
+    plain = Engine(llama_model, CacheConfig(block_size=8), EngineOptions())
+    assert isinstance(plain.model, LlamaFamily) and plain.model.fused == [None] * plain.spec.num_layers
