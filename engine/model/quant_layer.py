@@ -40,8 +40,9 @@ except Exception:  # pragma: no cover - numba missing: no fused layers (quant_ir
 
 
 def operand(w, activations: str) -> tuple | None:
-    """quant_ir.operand of a packed weight, or None where the fused path does not take it: no kernels, CUDA, or int8
-    weights with zeros (the fused calls add no zero term) or groups / inputs not in 16s."""
+    """quant_ir.operand of a packed weight (quant_ir.operand_f32 of an fp32 tensor), or None where the fused path
+    does not take it: no kernels, CUDA, int8 weights with zeros (the fused calls add no zero term), groups / inputs
+    not in 16s, an fp32 tensor that is not C-contiguous."""
     if isinstance(w, torch.Tensor):  # fp32 weights: the f32 kernels
         if w.device.type != "cpu" or w.dtype != torch.float32 or w.requires_grad:
             return None
