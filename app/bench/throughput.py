@@ -241,7 +241,6 @@ def long_context_bench(args: argparse.Namespace, say=print, copy_mb: int = 512, 
         _sync(args.device)
         rates.append(copy_bytes / (time.perf_counter() - t))
         f0 = engine.counters.forward_s
-        _sync(args.device)
         t = time.perf_counter()
         outs = engine.step()
         _sync(args.device)

@@ -222,16 +222,15 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
     return "".join(L)
 
 
-def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str, row_bytes: str = "") -> str:
+def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str) -> str:
     """A kernel's entry block (arguments as pointers, the step counts `counts` defines, each x row's base
     pointers) and the head of its row loop (the row's weight, scale and zero pointers), ending in a branch to
-    %step when %haspair, else %pairend. row_bytes: the instruction giving a weight row's bytes from %K.i (by
-    default K / 2 for int4, K for int8)."""
+    %step when %haspair, else %pairend."""
     L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
     for n in _ARGS[:8]:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append(counts)
-    L.append("  %rowq = " + (row_bytes or ("udiv i64 %K.i, 2" if int4 else "add i64 %K.i, 0")) + "\n")
+    L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
     for t in range(T):  # each x row's base pointers
         L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {x_type}, ptr %x, i64 %xo{t}\n")
         L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
@@ -399,16 +398,15 @@ declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 """
 F32_PREFETCH = 256  # floats ahead of each weight row's load that the f32 kernel prefetches (1 KiB: +10-15 % at 8 rows)
-
-
 F32_ROWS = {1: 4, 2: 4, 4: 2, 8: 2}  # weight rows a step of the f32 kernel for T rows of x (its sums: T x rows)
 
 
 def kernel_ir_f32(T: int) -> str:
     """fp32 weights [N, K] (K in 16s) times T rows of fp32 x: R = F32_ROWS[T] weight rows at a time, 16 inputs a
     step: each row's 16 floats loaded once (and F32_PREFETCH floats ahead prefetched), each x row's 16 once,
-    multiplied into T x R 16-lane sums (fma); at the rows' end each sum added across its lanes. Rows left over (fewer than R) one at a time. The weight is read once
-    for the T rows, where MKL's gemm at 5-8 rows streams it at half the memory's rate (`kvscope bench --long`).
+    multiplied into T x R 16-lane sums (fma); at the rows' end each sum added across its lanes. Rows left over
+    (fewer than R) one at a time. The weight is read once for the T rows, where MKL's gemm at 5-8 rows streams it
+    at half the memory's rate (`kvscope bench --long`).
     Sums in another order than MKL's: equal up to float rounding. Arguments as the other kernels' (s, z, dx, xs,
     gidx, Gw unused); K >= 16."""
     R = F32_ROWS[T]
@@ -705,11 +703,9 @@ def matmul_f32(x: np.ndarray, w: np.ndarray, lib: "_Library | None" = None) -> n
     """x [B, K] float32 @ w [N, K].T float32 (both C-contiguous, K in 16s) by the f32 kernels (kernel_ir_f32), or
     None where they are not compiled here or the arrays do not suit them (the caller's gemm then). lib: the compiled
     kernels (library() by default)."""
-    lib = lib or library()
-    if (lib is None or x.dtype != np.float32 or w.dtype != np.float32 or x.ndim != 2 or w.ndim != 2
-            or w.shape[1] % 16 or not w.shape[1] or x.shape[1] != w.shape[1]
-            or not (x.flags.c_contiguous and w.flags.c_contiguous)):
+    op = operand_f32(w, lib)
+    if op is None or x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.shape[1] or not x.flags.c_contiguous:
         return None
     out = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)
-    _mm_f32(lib.addresses["f32"], w, x, out, _chunk(w.shape[0]))
+    _mm_f32(op[0], w, x, out, op[8])
     return out
