@@ -67,7 +67,16 @@ def test_the_process_waits_for_a_step_that_outlasts_stops_timeout():
     assert not runner._thread.is_alive()
 
 
-def test_a_signal_inside_the_held_section_waits_until_it_ends():
+@pytest.fixture
+def default_sigint():
+    """SIGINT with Python's default handler (KeyboardInterrupt) for the test, whatever this process inherited: one
+    started in the background by a non-interactive shell has it ignored (SIG_IGN), and Python keeps that."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_a_signal_inside_the_held_section_waits_until_it_ends(default_sigint):
     from app.window import _deliver, held_signals
 
     with held_signals() as held:
@@ -78,3 +87,21 @@ def test_a_signal_inside_the_held_section_waits_until_it_ends():
     with pytest.raises(KeyboardInterrupt):
         for signum, handler in held:
             _deliver(signum, handler)
+
+
+def test_a_signal_the_process_ignores_stays_ignored_after_the_held_section():
+    """A process started with SIGINT ignored (SIG_IGN, as a background job of a non-interactive shell is): a
+    SIGINT inside the held section is kept with that handler, and delivering it does nothing."""
+    from app.window import _deliver, held_signals
+
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with held_signals() as held:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert held == [(signal.SIGINT, signal.SIG_IGN)]
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+        for signum, handler in held:
+            _deliver(signum, handler)  # ignored: no KeyboardInterrupt, the process lives on
+    finally:
+        signal.signal(signal.SIGINT, before)
