@@ -12,6 +12,20 @@ import torch
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
+# KVSCOPE_TEST_WITHOUT=numba,llvmlite: those packages cannot be imported in this run, as on a machine without
+# them (tests/model/test_other_builds.py runs the kernel tests so). Installed before any engine import.
+KEPT_OUT = _WITHOUT = tuple(m for m in os.environ.get("KVSCOPE_TEST_WITHOUT", "").split(",") if m)
+if _WITHOUT:
+    import sys
+
+    class _Refuse:
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in _WITHOUT:
+                raise ImportError(f"{name} is kept out of this run (KVSCOPE_TEST_WITHOUT)")
+            return None
+
+    sys.meta_path.insert(0, _Refuse())
+
 # The suite converts the default model into a cache of its own, never the user's ~/.cache/kvscope:
 # a temporary one for the session (removed at its end), or $KVSCOPE_TEST_CACHE_DIR to reuse one across
 # runs. Set before any engine import; subprocesses inherit it.

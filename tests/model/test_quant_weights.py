@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import prompts
+from conftest import KEPT_OUT, prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.fidelity.shadow import dense_logits
 from engine.model import gguf_direct, quant_kernels
@@ -89,8 +89,9 @@ def test_stacked_rows_of_mixed_formats_hold_the_same_values():
 
 
 def test_kernels_compiled_here():
-    """The packed kernels run compiled (numba); without it quant.py falls back to dequantize + matmul."""
-    assert quant_kernels.AVAILABLE
+    """The packed kernels run compiled (numba); without it (a run with numba kept out, test_other_builds.py)
+    quant.py falls back to dequantize + matmul."""
+    assert quant_kernels.AVAILABLE == ("numba" not in KEPT_OUT)
 
 
 # -- GGUF blocks ------------------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def test_int8_activations_stay_close_to_the_exact_math(smollm2_int4):
     """The default model, its GGUF's Q4_1/Q8_0 weights: the engine with int8 activations (the default, llama.cpp's
     math) against the same weights with fp32 activations, after a 22-token prompt: the next token's distributions
     within 0.01 nats (KL) and the same top token; the options really differ (the logits are not identical). (After the
-    5 tokens of "The capital of France is" it measured 0.010-0.022.)"""
+    5 tokens of "The capital of France is" it measured 0.010-0.022.) Without numba there is no int8 kernel: the
+    fallback dequantizes and multiplies in fp32, so the two are the same logits."""
     p = smollm2_int4.tokenizer.encode("The capital of France is a city that has been the home of many famous "
                                       "artists and writers. In the summer")
     logits = {}
@@ -233,6 +235,9 @@ def test_int8_activations_stay_close_to_the_exact_math(smollm2_int4):
     fast, exact = logits["int8"], logits["fp32"]
     lp, lq = torch.log_softmax(exact, -1), torch.log_softmax(fast, -1)
     kld = (lp.exp() * (lp - lq)).sum().item()  # measured 0.0011 (fused layers) and 0.0015 (unfused) nats
+    if not quant_kernels.AVAILABLE:
+        assert torch.equal(fast, exact)
+        return
     assert (fast - exact).abs().max() > 0 and kld < 0.01, kld
     assert fast.argmax() == exact.argmax()
 
