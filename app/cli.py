@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="instead: the window's frame costs at 1M / 100k blocks and event-loop stalls while decoding")
     b.add_argument("--snapshot-blocks", type=_count(1, 100_000_000), metavar="N",
                    help="instead: time engine snapshots of a pool of N blocks filled by live sequences")
-    b.add_argument("--long", type=_count(1, 10_000_000), nargs="?", const=2048, metavar="CONTEXT", help="instead: --batch sequences of CONTEXT tokens (2048), decode step time against the memory floor (weights + KV read per step / memcpy bandwidth), top ops")
+    b.add_argument("--long", type=_count(1, 10_000_000), nargs="?", const=2048, metavar="CONTEXT", help="instead: --batch sequences of CONTEXT tokens (2048), decode step time against the memory floor (weights + KV read per step / a streaming read's rate measured beside each step; a step below it is an error), top ops")
     b.add_argument("--kv-memory", type=_count(2, 10_000_000), nargs="?", const=8192, metavar="CONTEXT",
                    help="instead: KV bytes one request of CONTEXT prompt tokens (8192) holds with KV-cache groups "
                         "against one pool for every layer (--kv-groups off), and whether the tokens are the same")

@@ -36,7 +36,7 @@ from engine.attention.tier_split import TierSplit, attend_on_host, attend_split,
 from engine.attention.reference import dense_attention
 from engine.config import ConfigError, EngineOptions
 from engine.model.loader import ModelSpec, resolve_weights_dtype, weights_quant
-from engine.model import quant_ir
+from engine.model import kernel_choice, quant_ir
 from engine.model.quant import PREFILL_ROWS, QuantWeight, can_quantize, describe, quantize, stack_rows
 from engine.model.quant_layer import FusedLayer
 from engine.model.moe import MoeMLP
@@ -223,18 +223,16 @@ def _yarn_inv_freq(base: float, d: int, params: dict, max_positions: int) -> tup
 
 
 SMALL_BATCH = 256  # rows up to which W @ x.T beats F.linear on CPU
-FUSE_FP32 = os.environ.get("KVSCOPE_FUSE_FP32", "1") != "0"  # fp32 CPU models take quant_layer's fused layers
-F32_KERNEL_ROWS = 8  # rows up to which quant_ir's fp32 kernel beats MKL (it reads the weight once for them)
+FUSE_FP32 = os.environ.get("KVSCOPE_FUSE_FP32", "1") != "0"  # fp32 CPU models may take quant_layer's fused layers
+F32_KERNEL_ROWS = 8  # rows up to which quant_ir's fp32 kernel may beat MKL (it reads the weight once for them)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, in] @ w[out, in].T, picking the fastest CPU kernel for the row count.
 
-    Decode steps have a handful of rows. Up to F32_KERNEL_ROWS, quant_ir's fp32 kernel reads each weight once for
-    all of them at the memory's rate (MKL's gemm at 5-8 rows streams it at half that: `kvscope bench --long`). Past
-    that, or where that kernel is not compiled here, MKL's gemm with the weight as the left operand (w @ x.T)
-    streams the weight up to 3x faster than F.linear's x @ w.T, and a single row is fastest padded to two (the
-    one-column case takes a slow gemv path). Measured in `kvscope bench`.
+    Up to F32_KERNEL_ROWS rows (decode steps), quant_ir's fp32 kernel or MKL's gemm, whichever measured faster on
+    this CPU for this weight's shape (engine/model/kernel_choice.py). Past that, MKL's gemm with the weight as the
+    left operand (kernel_choice.mkl).
     """
     if isinstance(w, QuantWeight):  # --weights-dtype int8 / int4: the packed kernel (engine/model/quant.py)
         return w.matmul(x)
@@ -242,13 +240,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     if x.device.type != "cpu" or T > SMALL_BATCH or x.dtype != torch.float32:
         # bf16/fp16: F.linear is transformers' kernel, and w @ x.T rounds differently there (greedy drifts).
         return F.linear(x, w)
-    if T <= F32_KERNEL_ROWS and w.dtype == torch.float32 and not (w.requires_grad or x.requires_grad):
+    if T <= F32_KERNEL_ROWS and w.dtype == torch.float32 and not (w.requires_grad or x.requires_grad) \
+            and kernel_choice.use_ir(w, T):
         out = quant_ir.matmul_f32(x.contiguous().numpy(), w.numpy())
         if out is not None:
             return torch.from_numpy(out)
-    if T == 1:
-        return torch.mm(w, torch.cat((x, x)).t())[:, :1].t()
-    return torch.mm(w, x.t()).t().contiguous()
+    return kernel_choice.mkl(x, w)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -339,7 +336,8 @@ class LlamaFamily:
         # Packed weights, or fp32 ones, on the CPU: a layer of the plain Llama shape runs its compute around attention
         # as two compiled calls (engine/model/quant_layer.py) in steps of fewer than quant.PREFILL_ROWS rows.
         packed_layers = any(isinstance(layer[1], QuantWeight) for layer in self.layers)
-        fusable = packed_layers or (self.dtype == torch.float32 and self._dev.type == "cpu" and FUSE_FP32)
+        fusable = packed_layers or (self.dtype == torch.float32 and self._dev.type == "cpu" and FUSE_FP32
+                                    and self._f32_kernel_wins())
         self.fused = [FusedLayer.of(self, li) if fusable else None for li in range(spec.num_layers)]
         self.fused_enabled = True  # the tests compare both ways
         # Decode steps run each fused layer whole, its KV write and attention included (_decode_plan); the tests
@@ -347,6 +345,15 @@ class LlamaFamily:
         self.whole_layers = True
         # Fixed at load: every layer fused and no attention sinks (else no step runs whole; _decode_plan not asked).
         self._can_run_whole = all(f is not None for f in self.fused) and all(x is None for x in self.sinks)
+
+    def _f32_kernel_wins(self) -> bool:
+        """Whether quant_ir's f32 kernel beats MKL at one row on the first layer's four matmuls here (measured once
+        per CPU: engine/model/kernel_choice.py); fp32 layers are fused only where it does."""
+        _, qkv, _, o, _, gate_up, down = self.layers[0]
+        ws = [qkv, o, gate_up, down]
+        if quant_ir.library() is None or not all(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in ws):
+            return False
+        return kernel_choice.fuse_layer(ws)
 
     def _moe(self, w: dict[str, torch.Tensor], p: str) -> MoeMLP:
         own, m = self._own, self.spec.moe

@@ -24,8 +24,7 @@ The checklist:
   for the engine lock: a histogram by decade and the p99 and max of the last LOCK_SAMPLES;
 - bandwidth utilization: a decode step's bytes (weights, each storage once, and the K/V its attention read: keys read ×
   bytes per token of each group's pool) ÷ its time (bookkeeping, forward and commit), against the peak
-  (engine/runtime/bandwidth.py). A memcpy moves each byte twice (read and write), a step reads most of its bytes once:
-  above 100 % is possible against a CPU memcpy;
+  (engine/runtime/bandwidth.py: on a CPU a streaming read, the limit of a step that reads its bytes once);
 - throughput drop: tokens/s over the last WINDOW_S more than 30 % below the median of the last minute's, while the
   batch is no smaller than 70 % of the minute's median batch (a drop in demand is not one), with at least 30 s of
   history: a "throughput_drop" event and mark, with the checklist's findings at that moment.

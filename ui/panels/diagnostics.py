@@ -73,7 +73,8 @@ def rows(h: dict) -> list[tuple[str, str, str, str]]:
     out.append(("lock wait", grade, " · ".join(parts), MEANING["lock_wait"]))
     bw = h.get("bandwidth", {})
     peak = bw.get("peak", "")
-    source = "memcpy" if "memcpy" in peak else "NVML peak" if "NVML" in peak else "device copy" if peak else "no data"
+    source = ("NVML peak" if "NVML" in peak else "weights read" if "weights read" in peak
+              else "streaming read" if "streaming read" in peak else "measured" if peak else "no data")
     found = (f"{pct(bw.get('w'))} over 5 s, {pct(bw.get('minute'))} over a minute of {_gb(bw.get('peak_bytes_per_s'))} "
              f"({source}); last decode step {_mb(bw.get('last_bytes'))} in {ms(bw.get('last_step_s'), True)}")
     meaning = (f"{MEANING['bandwidth']}; medians of the decode steps; the peak: {peak or 'not measured'}; weights "
