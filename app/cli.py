@@ -162,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvscope bench: error: {', '.join(given)} replay a workload: give --workload NAME or --trace "
                   "FILE.jsonl", file=sys.stderr)
             return 2
+    if args.cmd == "bench":  # every figure names its machine: the line first, and "machine" in --json
+        from engine.runtime import machine
+
+        args.machine = machine.describe(getattr(args, "device", None) or "cpu")
+        print(machine.line(args.machine), file=sys.stderr if args.json else sys.stdout, flush=True)
     try:
         if args.cmd == "generate":
             from app.commands import cmd_generate
@@ -180,13 +185,13 @@ def main(argv: list[str] | None = None) -> int:
 
             res = run_ui_bench(say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
             if args.json:
-                print(json.dumps(res))
+                print(json.dumps({"machine": args.machine, **res}))
             return 0
         if args.cmd == "bench" and args.snapshot_blocks:
             from app.bench.throughput import snapshot_bench
 
             res = snapshot_bench(args.snapshot_blocks)
-            print(json.dumps(res) if args.json else
+            print(json.dumps({"machine": args.machine, **res}) if args.json else
                   f"snapshot of {res['blocks']:,} blocks ({res['used_device']:,} used on device, {res['used_host']:,} "
                   f"on host, {res['sequences']} sequences): median {res['snapshot_ms_median']:.2f} ms, "
                   f"max {res['snapshot_ms_max']:.2f} ms")

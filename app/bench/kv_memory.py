@@ -82,6 +82,6 @@ def cmd_bench_kv_memory(args: argparse.Namespace) -> int:
         f"{ratio:.3f}x; peak {sum(runs['auto']['peak_owned']) / 2**20:.1f} vs {sum(runs['off']['peak_owned']) / 2**20:.1f} "
         f"MiB; same {n_new} tokens: {same}")
     if args.json:
-        print(json.dumps({"model": s.name, "context": ctx, "new_tokens": n_new, "ratio": ratio, "same_tokens": same,
+        print(json.dumps({"machine": getattr(args, "machine", None), "model": s.name, "context": ctx, "new_tokens": n_new, "ratio": ratio, "same_tokens": same,
                           "runs": runs}))
     return 0 if same else 1

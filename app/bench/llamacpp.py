@@ -220,7 +220,7 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
            "kv_dtype": kv, "llamacpp_kv_type": lc_kv,
            "torch_threads": torch.get_num_threads(), "rounds": rounds, **mid}
     if args.json:
-        print(json.dumps(res))
+        print(json.dumps({"machine": getattr(args, "machine", None), **res}))
         return 0
     r = res["ratios"]
     print(f"model {res['model']} ({res['weights_format']}), {res['torch_threads']} torch threads, "
@@ -293,5 +293,5 @@ def cmd_bench_weights_quality(args: argparse.Namespace) -> int:
             f"{100 * r.top1:.2f} %  greedy agreement (free-running, position by position) {100 * greedy:.2f} %  "
             f"identical prefix {r.identical_prefix}")
     if args.json:
-        print(json.dumps({"model": ref_engine.spec.name, "prompts": count, "new_tokens": n, "rows": rows}))
+        print(json.dumps({"machine": getattr(args, "machine", None), "model": ref_engine.spec.name, "prompts": count, "new_tokens": n, "rows": rows}))
     return 0

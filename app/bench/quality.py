@@ -55,5 +55,5 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
             f"(p99 {r.kld_p99:.4f})  top-1 {100 * r.top1:6.2f} %  max logit err {r.max_logit_err:.3f}  "
             f"identical prefix {r.identical_prefix}")
     if args.json:
-        print(json.dumps({"model": base.spec.name, "prompts": count, "new_tokens": n, "rows": rows}))
+        print(json.dumps({"machine": getattr(args, "machine", None), "model": base.spec.name, "prompts": count, "new_tokens": n, "rows": rows}))
     return 0

@@ -282,7 +282,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     if live:
         meta["live_change"] = {r.label: r.live_change for r in results}
     if getattr(args, "json", False):
-        print(json.dumps(report(meta, results)))
+        print(json.dumps({"machine": getattr(args, "machine", None), **report(meta, results)}))
     else:
         scale = "all at once" if time_scale == 0 else f"time x{time_scale:g}"
         print(f"model {meta['model']} on {meta['device']}, workload {name}: {len(requests)} requests ({scale}"

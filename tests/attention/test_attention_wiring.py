@@ -392,6 +392,19 @@ def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
     assert len(each) == 3 and res["step_over_floor"] == pytest.approx(sorted(each)[1])
     assert res["read_gbps_min"] <= res["read_gbps"] <= res["read_gbps_max"] and res["read_mib"] == 64
     assert res["floor_ms"] == pytest.approx((res["weights_bytes"] + res["kv_bytes_read"]) / res["read_gbps"] / 1e6)
+    # the compute floor: 2 FLOP per weight of each matrix per row, 4 per attended key per head dimension per
+    # query head per layer, over the rate of a large fp32 gemm measured in the run
+    from transformers import AutoConfig
+
+    c = AutoConfig.from_pretrained(tiny_llama)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    h, q, kv = c.hidden_size, c.num_attention_heads * hd, c.num_key_value_heads * hd
+    matrices = c.num_hidden_layers * (h * q + 2 * h * kv + q * h + 3 * h * c.intermediate_size) + c.vocab_size * h
+    want = 2 * 2 * matrices + 4 * (2 * 45) * c.num_attention_heads * hd * c.num_hidden_layers
+    assert res["step_gflop"] * 1e9 == pytest.approx(want)
+    assert res["gemm_gflops"] > 0.1
+    assert res["compute_floor_ms"] == pytest.approx(res["step_gflop"] / res["gemm_gflops"] * 1e3)
+    assert res["step_over_compute_floor"] == pytest.approx(res["step_ms_median"] / res["compute_floor_ms"])
     assert res["outside_torch_ops_ms_per_step"] >= 0
     assert res["profile_top_ops"] and all({"op", "ms_per_step", "share"} <= set(op) for op in res["profile_top_ops"])
     assert build_parser().parse_args(["bench", "--long"]).long == 2048
