@@ -39,17 +39,18 @@ class CheckRow:
         return 100 * (self.predicted - self.real)
 
 
-def run_traced(loaded, config, options, requests, cap: int | None, window: int | None = 2):
-    """Run `requests` on a fresh engine with `config`, all arrived at once and at most `window` of them in the
-    engine at a time (so the order of reads is the same at every budget); (trace, device capacity, result)."""
+def run_traced(loaded, config, options, requests, cap: int | None, window: int | None = 2, time_scale: float = 0.0):
+    """Run `requests` on a fresh engine with `config`, at most `window` of them in the engine at a time; all
+    arrived at once (time_scale 0: the order of reads is the same at every budget) or at their arrival times
+    divided by `time_scale`; (trace, device capacity, result)."""
     from engine.runtime.engine import Engine
 
     gc.collect()
     clock = ReplayClock()
     engine = Engine(loaded, config, options, clock=clock)
     engine.start_trace()
-    result = Replay(engine, requests, 0.0, cap, clock, window=window).run(RunResult("check", config, len(requests)),
-                                                           lambda done, elapsed: None)
+    result = Replay(engine, requests, time_scale, cap, clock, window=window).run(
+        RunResult("check", config, len(requests)), lambda done, elapsed: None)
     trace = engine.stop_trace()
     capacity = int(engine.pool.sizes.dev_cap)
     return trace, capacity, result
@@ -73,6 +74,102 @@ def check_workload(loaded, options, base_config, name: str, requests: list, fact
         real, n = real_hit_rate(t)
         rows.append(CheckRow(name, f, mib, c, float(pred), real, n))
     return rows
+
+
+@dataclass(frozen=True)
+class ConfiguredRow:
+    """One budget of the as-configured check: the prediction made from the base run (engine/lab/kv_replay.py)
+    against a real rerun at that budget, for both rates."""
+    workload: str
+    policy: str
+    factor: float
+    capacity: int
+    predicted: float  # counted first reads on the device tier (real_hit_rate)
+    real: float
+    predicted_prefix: float  # prompt tokens served from the prefix cache
+    real_prefix: float
+    counted: int
+
+    @property
+    def diff_points(self) -> float:
+        return 100 * (self.predicted - self.real)
+
+
+def check_as_configured(loaded, options, config, name: str, requests: list, factors=FACTORS, cap: int | None = 16,
+                        window: int | None = None, time_scale: float = 1.0) -> list[ConfiguredRow]:
+    """The engine as `config` sets it (every knob as given), the requests arriving at their times with as many in
+    flight as arrive: a base run with a trace, the prediction of the engine rerun at each factor's capacity
+    (KVReplay, calibrated at the base run's measured point), and a real rerun at each factor's budget."""
+    from engine.lab.kv_replay import KVReplay
+
+    trace, cap0, res0 = run_traced(loaded, config, options, requests, cap, window, time_scale)
+    measured, n0 = real_hit_rate(trace)
+    prefix0 = _prefix_rate(res0)
+    per_block = config.device_budget_mb / (cap0 + _reserved())
+    reruns = []
+    for f in factors:
+        c = max(1, int(round(cap0 * f)))
+        t, got, res = run_traced(loaded, config.replace(device_budget_mb=(c + _reserved()) * per_block), options,
+                                 requests, cap, window, time_scale)
+        reruns.append((f, got, t, res))
+    pred = KVReplay(trace).calibrated([got for _, got, _, _ in reruns], measured, prefix0)
+    rows = [ConfiguredRow(name, config.policy, 1.0, cap0, float(pred.at(cap0)), measured,
+                          _at(pred, cap0, prefix=True), prefix0, n0)]
+    for f, got, t, res in reruns:
+        real, n = real_hit_rate(t)
+        rows.append(ConfiguredRow(name, config.policy, f, got, float(pred.at(got)), real, _at(pred, got, prefix=True),
+                                  _prefix_rate(res), n))
+    return rows
+
+
+def _reserved() -> int:
+    from engine.kv.block_pool import RESERVED
+
+    return RESERVED
+
+
+def _prefix_rate(result) -> float:
+    c = result.counters
+    return c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else float("nan")
+
+
+def _at(pred, capacity: int, prefix: bool = False) -> float:
+    c = pred.capacities()
+    o = np.argsort(c)
+    y = pred.predicted_prefix() if prefix else pred.predicted()
+    return float(np.interp(capacity, c[o], y[o]))
+
+
+def format_configured(rows: list[ConfiguredRow]) -> str:
+    """The as-configured table, and per workload and policy the printed "at 2x" delta against the rerun's."""
+    head = (f"{'workload':<16}{'policy':>8}{'budget':>8}{'blocks':>8}{'predicted %':>13}{'real %':>9}{'diff':>7}"
+            f"{'prefix pred %':>15}{'prefix real %':>15}{'reads':>7}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.workload:<16}{r.policy:>8}{r.factor:>7g}×{r.capacity:>8,}{100 * r.predicted:>13.1f}"
+                     f"{100 * r.real:>9.1f}{r.diff_points:>+7.1f}{100 * r.predicted_prefix:>15.1f}"
+                     f"{100 * r.real_prefix:>15.1f}{r.counted:>7,}")
+    for key, d in configured_summary(rows)["deltas"].items():
+        lines.append(f"{key}: at 2x predicted {d['predicted']:+.1f} points, rerun {d['real']:+.1f} "
+                     f"(off by {d['diff']:+.1f})")
+    s = configured_summary(rows)
+    lines.append(f"largest |predicted - real| at the other budgets: {s['max_abs_diff_points']:.1f} points; "
+                 f"largest |2x delta predicted - rerun|: {s['max_abs_delta_diff_points']:.1f} points")
+    return "\n".join(lines)
+
+
+def configured_summary(rows: list[ConfiguredRow]) -> dict:
+    deltas = {}
+    for r in rows:
+        if r.factor != 2.0:
+            continue
+        base = next(b for b in rows if b.workload == r.workload and b.policy == r.policy and b.factor == 1.0)
+        p, q = 100 * (r.predicted - base.real), 100 * (r.real - base.real)
+        deltas[f"{r.workload}/{r.policy}"] = {"predicted": p, "real": q, "diff": p - q}
+    other = [abs(r.diff_points) for r in rows if r.factor != 1.0]
+    return {"rows": [dict(r.__dict__, diff_points=r.diff_points) for r in rows], "deltas": deltas,
+            "max_abs_diff_points": max(other) if other else float("nan"),
+            "max_abs_delta_diff_points": max((abs(d["diff"]) for d in deltas.values()), default=float("nan"))}
 
 
 def format_rows(rows: list[CheckRow]) -> str:

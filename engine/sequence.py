@@ -38,6 +38,9 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    # The tokens to emit, in order, whatever the logits say (a rerun of a recorded run's token stream:
+    # engine/lab/kv_replay.py); past its end, sampling as above. Empty: none forced.
+    forced: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         """Refuse values the sampler cannot use (RequestError names the field and its range)."""
@@ -54,6 +57,9 @@ class SamplingParams:
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
                                       or not 0 <= self.seed <= SEED_MAX):
             raise RequestError(f"seed: {self.seed!r} must be an integer in [0, {SEED_MAX}]")
+        if not isinstance(self.forced, tuple) or any(isinstance(t, bool) or not isinstance(t, int) or t < 0
+                                                     for t in self.forced):
+            raise RequestError("forced: must be a tuple of token ids (integers >= 0)")
 
     @property
     def greedy(self) -> bool:

@@ -25,7 +25,12 @@ COLUMNS = ("t", "seq", "block", "tier", "hit")
 # they were cut at, so the what-if curves can name a block by its contents and re-cut the tokens at other sizes;
 # and per sequence its prompt's length (`tok_prompt`, with the token columns): a block past the prompt is written by
 # its sequence, never found in a cache at its first read.
-OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size", "tok_prompt")
+# Per sequence also its arrival on the engine clock (`tok_arrival`); per engine step while recording, its start time
+# (`step_t`) and the tokens it computed (`step_tokens`); and `meta`, the engine's knobs and scheduling options as
+# UTF-8 JSON bytes: what engine/lab/kv_replay.py reruns the requests with.
+OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size", "tok_prompt", "tok_arrival", "step_t",
+            "step_tokens", "meta")
+MAX_META_BYTES = 1 << 16
 
 # The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
 # their widest), so a file that passes holds at most ~1.65 GB of columns however well it compresses: a
@@ -39,7 +44,8 @@ MAX_FILE_BYTES = 2 * 2**30
 _KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block": ("iu", "integers"),
           "tier": ("iu", "integers"), "hit": ("b", "booleans"), "pos": ("iu", "integers"),
           "group": ("iu", "integers"), "tok_seq": ("iu", "integers"), "tok_len": ("iu", "integers"),
-          "tok_prompt": ("iu", "integers"),
+          "tok_prompt": ("iu", "integers"), "tok_arrival": ("fiu", "numbers (seconds)"),
+          "step_t": ("fiu", "numbers (seconds)"), "step_tokens": ("iu", "integers"), "meta": ("u", "bytes (uint8)"),
           "tokens": ("iu", "integers"), "block_size": ("iu", "integers")}
 _READ_CHUNK = 1 << 24  # bytes decompressed per read: the only buffer besides the columns themselves
 # The compressions np.savez and np.savez_compressed write, and the most bytes one stored byte can become
@@ -139,6 +145,8 @@ def _read(path: str) -> dict[str, np.ndarray]:
                     raise TraceFileError(f"{path}: column {c!r}: unsupported compression or a size it cannot have")
                 fp = stack.enter_context(z.open(info))
                 n, dt = _header(fp, path, c, info)
+                if c == "meta" and n > MAX_META_BYTES:
+                    raise TraceFileError(f"{path}: column 'meta' holds {n:,} bytes; the limit is {MAX_META_BYTES:,}")
                 if c in ("pos", "group") and n != rows:
                     raise TraceFileError(f"{path}: column {c!r} has {n:,} rows; the trace has {rows:,}")
                 cols[c] = _read_into(fp, path, c, n, dt)
@@ -197,8 +205,30 @@ def _checked_optional(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.nd
             if len(tp) != len(ts) or (tp.dtype.kind == "i" and (tp < 0).any()):
                 raise TraceFileError(f"{path}: tok_prompt must hold one length >= 0 per entry of tok_seq")
             out["tok_prompt"] = tp.astype(np.int64)
+        if "tok_arrival" in cols:
+            ta = cols["tok_arrival"].astype(np.float64)
+            if len(ta) != len(ts) or not np.isfinite(ta).all():
+                raise TraceFileError(f"{path}: tok_arrival must hold one finite time per entry of tok_seq")
+            out["tok_arrival"] = ta
         out.update(tok_seq=ts.astype(np.int64), tok_len=tl.astype(np.int64), tokens=tk.astype(np.int64),
                    block_size=int(bs[0]))
+    if ("step_t" in cols) != ("step_tokens" in cols):
+        raise TraceFileError(f"{path}: step_t and step_tokens go together")
+    if "step_t" in cols:
+        st, sn = cols["step_t"].astype(np.float64), cols["step_tokens"]
+        if len(st) != len(sn) or not np.isfinite(st).all() or (sn.dtype.kind == "i" and (sn < 0).any()):
+            raise TraceFileError(f"{path}: step_t and step_tokens must be of one length, finite times and counts >= 0")
+        out.update(step_t=st, step_tokens=sn.astype(np.int64))
+    if "meta" in cols:
+        import json
+
+        try:
+            meta = json.loads(cols["meta"].tobytes().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise TraceFileError(f"{path}: column 'meta' is not UTF-8 JSON ({type(e).__name__})") from None
+        if not isinstance(meta, dict):
+            raise TraceFileError(f"{path}: column 'meta' must be a JSON object")
+        out["meta"] = meta
     return out
 
 
@@ -216,6 +246,10 @@ class AccessTrace:
     tok_prompt: np.ndarray | None = None  # (optional) how many of them are its prompt,
     tokens: np.ndarray | None = None  # and its token ids, all sequences' concatenated
     block_size: int | None = None  # the block size the trace's blocks were cut at
+    tok_arrival: np.ndarray | None = None  # per recorded sequence: its arrival (engine clock)
+    step_t: np.ndarray | None = None  # per engine step while recording: its start (engine clock),
+    step_tokens: np.ndarray | None = None  # and the tokens it computed (prompt chunks and decodes)
+    meta: dict | None = None  # the engine's knobs and options when recorded ("config", "options", "capacity")
 
     def __len__(self) -> int:
         return len(self.t)
@@ -229,9 +263,13 @@ class AccessTrace:
 
     def save(self, path: str) -> None:
         cols = {c: getattr(self, c) for c in COLUMNS}
-        for c in ("pos", "group", "tok_seq", "tok_len", "tokens", "tok_prompt"):
+        for c in ("pos", "group", "tok_seq", "tok_len", "tokens", "tok_prompt", "tok_arrival", "step_t", "step_tokens"):
             if getattr(self, c) is not None:
                 cols[c] = getattr(self, c)
+        if self.meta is not None:
+            import json
+
+            cols["meta"] = np.frombuffer(json.dumps(self.meta).encode("utf-8"), dtype=np.uint8)
         if self.block_size is not None:
             cols["block_size"] = np.array([self.block_size], dtype=np.int64)
         np.savez_compressed(path, **cols)
@@ -282,6 +320,21 @@ class TraceRecorder:
         self._seqs: dict = {}
         self.block_size = block_size
         self.group = group
+        self._steps: list[tuple[float, int]] = []
+        self.meta: dict | None = None  # set by the engine: its knobs and options (engine/lab/kv_replay.py)
+
+    def step(self, t: float, tokens: int) -> None:
+        """An engine step starting at `t` computes `tokens` tokens (prompt chunks and decodes)."""
+        self._steps.append((t, int(tokens)))
+
+    @property
+    def steps(self) -> int:
+        """Steps recorded so far."""
+        return len(self._steps)
+
+    def step_tokens(self, since: int) -> int:
+        """Tokens computed by the steps recorded from index `since` on."""
+        return sum(n for _, n in self._steps[since:])
 
     def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray,
             group: int | None = None, first: int = 0) -> None:
@@ -312,6 +365,14 @@ class TraceRecorder:
             prompt = [getattr(self._seqs[s], "prompt_len", None) for s in toks]
             if all(isinstance(n, int) for n in prompt):
                 extra["tok_prompt"] = np.array(prompt, dtype=np.int64)
+            arrival = [getattr(self._seqs[s], "arrival", None) for s in toks]
+            if all(isinstance(a, (int, float)) for a in arrival):
+                extra["tok_arrival"] = np.array(arrival, dtype=np.float64)
+        if self._steps:
+            extra["step_t"] = np.array([s[0] for s in self._steps], dtype=np.float64)
+            extra["step_tokens"] = np.array([s[1] for s in self._steps], dtype=np.int64)
+        if self.meta is not None:
+            extra["meta"] = self.meta
         return AccessTrace(
             t=np.repeat([c[0] for c in self._chunks], lens).astype(np.float64),
             seq=np.repeat([c[1] for c in self._chunks], lens).astype(np.int32),

@@ -317,6 +317,8 @@ class Engine:
                 self._carry_out(plan, self.scheduler.watch_progress([], now), now)
                 self._drain_pool_events()
                 return []
+            if self.kv.trace is not None:  # the step's clock and work, for a rerun of the trace (engine/lab/kv_replay.py)
+                self.kv.trace.step(now, sum(n for _, n in sched))
             run, writes = (self.runner.prepare_grouped(self.kv, sched) if self.grouped
                            else self.runner.prepare(self.pool, sched))
             t1 = time.perf_counter()
@@ -419,11 +421,23 @@ class Engine:
             rec, self.kv.trace = self.kv.trace, None
         if rec is None:
             return None
+        rec.meta = self.trace_meta()
         trace = rec.trace()
         if path:
             trace.save(path)
         self.telemetry.emit("trace", recording=False, rows=len(trace), path=path or "")
         return trace
+
+    def trace_meta(self) -> dict:
+        """What a trace carries of this engine (AccessTrace.meta): its knobs, the scheduling options a rerun of
+        its requests needs, and the tiers' capacities in blocks (KV-cache group 0's)."""
+        o = self.options
+        sizes = self.pool.sizes
+        return {"config": self.config.as_dict(),
+                "options": {"max_batch": o.max_batch, "max_batched_tokens": o.max_batched_tokens,
+                            "context_limit": self.context_limit, "n_keep": o.n_keep, "n_discard": o.n_discard},
+                "capacity": {"device": int(sizes.dev_cap), "host": int(sizes.host_cap)},
+                "grouped": bool(self.grouped)}
 
     def reset_prefix_cache(self) -> int:
         with self.lock:

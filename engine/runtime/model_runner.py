@@ -280,6 +280,9 @@ class ModelRunner:
         greedy = logits.argmax(dim=-1).tolist()
         for i, (seq, _) in enumerate(sched):
             sp = seq.sampling
+            if len(seq.output) < len(sp.forced):
+                out.append(sp.forced[len(seq.output)])
+                continue
             if sp.greedy:
                 out.append(greedy[i])
                 continue

@@ -1,0 +1,160 @@
+"""What-if for the engine as configured (engine/lab/kv_replay.py): the engine's scheduler and KV layer rerun on a
+recorded trace's requests, against real runs of the engine."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from engine.config import CacheConfig, EngineOptions
+from engine.kv.access_trace import AccessTrace, TraceFileError
+from engine.lab.kv_replay import KVReplay, KVReplayError, StepCost, requests_of, step_cost
+from engine.lab.whatif import real_hit_rate
+from engine.sequence import SamplingParams
+
+
+class StepClock:
+    """An engine clock that a driver advances by a fixed cost per step: the same seconds in a real run and in its
+    replay, so the two can be compared read for read."""
+
+    def __init__(self, cost: StepCost):
+        self.now, self.cost = 0.0, cost
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _prompts(n: int, seed: int) -> list[tuple[float, list[int], int]]:
+    """(arrival s, prompt ids, new tokens): three shared prefixes of 40 tokens, each prompt its own tail; every fourth
+    prompt instead reads one of two 32-token documents that come back every 8 requests (reuse after a gap)."""
+    rng = np.random.default_rng(seed)
+    heads = [rng.integers(3, 2000, 40).tolist() for _ in range(3)]
+    docs = [rng.integers(3, 2000, 32).tolist() for _ in range(2)]
+    out, t = [], 0.0
+    for i in range(n):
+        t += float(rng.exponential(0.25))
+        tail = rng.integers(3, 2000, int(rng.integers(4, 30))).tolist()
+        out.append((round(t, 3), (docs[(i // 4) % 2] if i % 4 == 0 else heads[i % 3]) + tail, int(rng.integers(3, 9))))
+    return out
+
+
+def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptions | None = None):
+    """The engine itself on `reqs`, arrivals by a StepClock: (trace, engine)."""
+    from engine.runtime.engine import Engine
+
+    clock = StepClock(cost)
+    e = Engine(loaded, config, options or EngineOptions(attention="cpu", max_batch=6), clock=clock)
+    e.start_trace()
+    i = 0
+    while i < len(reqs) or e.has_work():
+        while i < len(reqs) and reqs[i][0] <= clock.now:
+            e.add_request(reqs[i][1], SamplingParams(max_new_tokens=reqs[i][2], ignore_eos=True))
+            i += 1
+        if not e.has_work():
+            clock.now = reqs[i][0]
+            continue
+        before = e.kv.trace.steps
+        e.step()
+        clock.now += cost(e.kv.trace.step_tokens(before))
+    return e.stop_trace(), e
+
+
+def _config(loaded, blocks: int, **knobs) -> CacheConfig:
+    from app.whatif_check import budget_for_blocks
+
+    base = CacheConfig(block_size=8, host_budget_mb=1.0, **knobs)
+    return base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
+
+
+def test_forced_tokens_are_what_the_engine_emits(llama_model):
+    from engine.runtime.engine import Engine
+
+    e = Engine(llama_model, CacheConfig(), EngineOptions(attention="cpu"))
+    forced = (5, 9, 5, 1999)
+    out = e.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=4, ignore_eos=True, forced=forced))
+    assert tuple(out[0]) == forced
+    free = e.generate([[3, 4, 5, 6]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert tuple(free[0]) != forced  # the model's own greedy tokens differ: the forcing is what made them
+    with pytest.raises(Exception, match="forced"):
+        SamplingParams(forced=(1, -2))
+
+
+def test_a_trace_carries_what_a_rerun_needs(llama_model, tmp_path):
+    reqs = _prompts(12, 1)
+    cost = StepCost(0.004, 0.0005, 0)
+    trace, e = _run(llama_model, _config(llama_model, 40), reqs, cost)
+    assert trace.meta["capacity"]["device"] == e.pool.sizes.dev_cap == 40
+    assert trace.meta["config"]["policy"] == "heat" and trace.meta["options"]["max_batch"] == 6
+    assert len(trace.step_t) == len(trace.step_tokens) == e.counters.steps
+    # each step starts where the driver's clock was: the cost of the step before it, or later (an idle wait)
+    gaps = np.diff(trace.step_t) - [cost(n) for n in trace.step_tokens[:-1]]
+    assert (gaps >= -1e-9).all() and (np.abs(gaps) < 1e-9).sum() > len(gaps) // 2
+    # with every request there from the start (no wait between steps) the fit finds the cost again exactly; with
+    # waits (a step then looks longer) it can only come out longer, never shorter
+    at_once, _ = _run(llama_model, _config(llama_model, 40), [(0.0, p, n) for _, p, n in reqs], cost)
+    fitted = step_cost(at_once)
+    assert fitted.fixed_s == pytest.approx(cost.fixed_s, rel=1e-6) and fitted.per_token_s == pytest.approx(
+        cost.per_token_s, rel=1e-6)
+    waited = step_cost(trace)
+    assert all(waited(n) >= cost(n) - 1e-9 for n in (1, 6, 40))
+    rs = requests_of(trace)
+    assert len(rs) == len(reqs) and [list(r.prompt) for r in rs] == [p for _, p, _ in reqs]
+    # arrivals as the engine saw them: added at the first step boundary at or after the request's time
+    late = np.array([r.arrival for r in rs]) - [a for a, _, _ in reqs]
+    assert (late >= -1e-9).all() and (late <= cost(int(trace.step_tokens.max())) + 1e-9).all()
+    path = str(tmp_path / "t.npz")
+    trace.save(path)
+    back = AccessTrace.load(path)
+    assert back.meta == trace.meta and np.array_equal(back.step_tokens, trace.step_tokens)
+    assert np.array_equal(back.tok_arrival, trace.tok_arrival)
+    # a meta column that is not JSON is refused by name
+    cols = dict(np.load(path))
+    cols["meta"] = np.frombuffer(b"\xff{", dtype=np.uint8)
+    np.savez(str(tmp_path / "bad.npz"), **cols)
+    with pytest.raises(TraceFileError, match="meta"):
+        AccessTrace.load(str(tmp_path / "bad.npz"))
+
+
+@pytest.mark.parametrize("policy", ["lru", "heat", "s3fifo"])
+def test_the_rerun_is_the_engine_read_for_read(llama_model, policy):
+    """With the clock the same on both sides, the replay of a recorded run at another capacity is what the
+    engine does at that capacity: the same hit rate and the same prefix hits, under each policy, with the default
+    knobs otherwise (heat decay, batch eviction, prefetch, demotion after 0.5 s so that it happens here, a host
+    tier). Fails if the replay's knobs, clock, arrivals or forced tokens differ from the run's. Every request is
+    there from the start (max_batch 6 of them run at once): a request arriving between steps is added at the next
+    step's start, which differs between capacities, and the trace knows only when it was added (the wall-clock
+    check, test_prediction_holds_on_a_help_desk, covers that)."""
+    reqs = [(0.0, p, n) for _, p, n in _prompts(30, 2)]
+    cost = StepCost(0.05, 0.002, 0)
+    knobs = dict(policy=policy, demote_after_s=0.5)
+    trace, e = _run(llama_model, _config(llama_model, 30, **knobs), reqs, cost)
+    assert step_cost(trace)(1) >= cost(1) - 1e-9  # the fit: waits only lengthen it (the test above)
+    replay = KVReplay(trace, cost=cost)
+    assert replay.config.policy == policy and replay.recorded_capacity == 30
+    for blocks in (30, 18, 60):
+        t, real = _run(llama_model, _config(llama_model, blocks, **knobs), reqs, cost)
+        got = replay.run(blocks)
+        want, n = real_hit_rate(t)
+        assert (got.hit_rate, got.counted) == (pytest.approx(want), n), (blocks, got)
+        assert got.prefix_rate == pytest.approx(real.counters.prefix_hit_rate)
+        assert real.counters.read_miss_demoted_idle > 0  # idle demotion cost this run reads
+
+
+def test_calibrated_curve_passes_through_the_measured_point(llama_model):
+    reqs = _prompts(20, 3)
+    trace, e = _run(llama_model, _config(llama_model, 30), reqs, StepCost(0.01, 0.0005, 0))
+    cal = KVReplay(trace).calibrated([15, 60], measured=0.5, measured_prefix=0.4)
+    assert cal.recorded_capacity == 30 and list(cal.capacities()) == [15, 30, 60]
+    assert cal.at(30) == pytest.approx(0.5)
+    base = next(r for r in cal.runs if r.capacity == 30)
+    assert cal.offset == pytest.approx(0.5 - base.hit_rate)
+    assert cal.predicted_prefix()[1] == pytest.approx(0.4)
+
+
+def test_a_trace_without_tokens_or_capacity_is_refused_by_name():
+    z = np.zeros(3)
+    bare = AccessTrace(z, z.astype(np.int32), np.arange(3), z.astype(np.int8), z.astype(bool))
+    with pytest.raises(KVReplayError, match="no recorded tokens"):
+        KVReplay(bare)
