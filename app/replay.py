@@ -198,6 +198,8 @@ class Replay:
         self.check = RequestCheck(engine, cap)
         self.fmt = self.check.fmt
         at = (lambda r: r.arrival_s / time_scale) if time_scale > 0 else (lambda r: 0.0)
+        self._at = at
+        self._now = 0.0  # seconds since the replay began, as of the last feed
         self.queue = _Arrivals(requests, at)  # in arrival order: load_trace and the generators sort
         self.ready: list = []  # arrived, waiting for their session's reply or their fork parent
         self.session_sid: dict[str, int | None] = {}  # session -> its latest sequence (None: refused)
@@ -265,6 +267,7 @@ class Replay:
 
     def feed(self, now: float, result: RunResult) -> None:
         """Submit what has arrived by `now` (seconds since the replay began) and can start."""
+        self._now = now
         while self.queue and self.queue.first_at() <= now and not self._full():
             self.ready.append(self.queue.pop())
         self._submit_ready(result, force=False)
@@ -337,7 +340,12 @@ class Replay:
                 result.forked += 1
             else:
                 history = self.history.get(r.session) if r.kind == "turn" else None
-                sid = e.add_request(self.check.prompt(r, history), self.check.sampling(r), label=r.session)
+                # A request that waited for nothing but the step to end arrived that long before it is added: the
+                # engine's clock of its arrival (TTFT, and a trace's rerun: engine/lab/kv_replay.py). A later turn
+                # or a fork arrives when what it waits for is done: now.
+                waited = max(0.0, self._now - self._at(r)) if r.kind not in ("turn", "fork") else 0.0
+                sid = e.add_request(self.check.prompt(r, history), self.check.sampling(r), label=r.session,
+                                    waited_s=waited)
         except (RequestError, TypeError, ValueError) as ex:  # (a tokenizer that cannot take the text)
             self.session_sid[r.session] = None
             result.refused.append(f"{self._where(r)}: {ex}")

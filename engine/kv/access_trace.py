@@ -26,10 +26,10 @@ COLUMNS = ("t", "seq", "block", "tier", "hit")
 # and per sequence its prompt's length (`tok_prompt`, with the token columns): a block past the prompt is written by
 # its sequence, never found in a cache at its first read.
 # Per sequence also its arrival on the engine clock (`tok_arrival`); per engine step while recording, its start time
-# (`step_t`) and the tokens it computed (`step_tokens`); and `meta`, the engine's knobs and scheduling options as
+# (`step_t`), the tokens it computed (`step_tokens`) and the sequences it ran (`step_seqs`); and `meta`, the engine's knobs and scheduling options as
 # UTF-8 JSON bytes: what engine/lab/kv_replay.py reruns the requests with.
 OPTIONAL = ("pos", "group", "tok_seq", "tok_len", "tokens", "block_size", "tok_prompt", "tok_arrival", "step_t",
-            "step_tokens", "meta")
+            "step_tokens", "step_seqs", "meta")
 MAX_META_BYTES = 1 << 16
 
 # The most rows `AccessTrace.load` accepts. A trace's columns take at most 33 bytes a row (all five at
@@ -45,7 +45,7 @@ _KINDS = {"t": ("fiu", "numbers (seconds)"), "seq": ("iu", "integers"), "block":
           "tier": ("iu", "integers"), "hit": ("b", "booleans"), "pos": ("iu", "integers"),
           "group": ("iu", "integers"), "tok_seq": ("iu", "integers"), "tok_len": ("iu", "integers"),
           "tok_prompt": ("iu", "integers"), "tok_arrival": ("fiu", "numbers (seconds)"),
-          "step_t": ("fiu", "numbers (seconds)"), "step_tokens": ("iu", "integers"), "meta": ("u", "bytes (uint8)"),
+          "step_t": ("fiu", "numbers (seconds)"), "step_tokens": ("iu", "integers"), "step_seqs": ("iu", "integers"), "meta": ("u", "bytes (uint8)"),
           "tokens": ("iu", "integers"), "block_size": ("iu", "integers")}
 _READ_CHUNK = 1 << 24  # bytes decompressed per read: the only buffer besides the columns themselves
 # The compressions np.savez and np.savez_compressed write, and the most bytes one stored byte can become
@@ -219,6 +219,11 @@ def _checked_optional(path: str, cols: dict[str, np.ndarray]) -> dict[str, np.nd
         if len(st) != len(sn) or not np.isfinite(st).all() or (sn.dtype.kind == "i" and (sn < 0).any()):
             raise TraceFileError(f"{path}: step_t and step_tokens must be of one length, finite times and counts >= 0")
         out.update(step_t=st, step_tokens=sn.astype(np.int64))
+        if "step_seqs" in cols:
+            sq = cols["step_seqs"]
+            if len(sq) != len(st) or (sq.dtype.kind == "i" and (sq < 0).any()):
+                raise TraceFileError(f"{path}: step_seqs must hold one count >= 0 per step")
+            out["step_seqs"] = sq.astype(np.int64)
     if "meta" in cols:
         import json
 
@@ -248,7 +253,8 @@ class AccessTrace:
     block_size: int | None = None  # the block size the trace's blocks were cut at
     tok_arrival: np.ndarray | None = None  # per recorded sequence: its arrival (engine clock)
     step_t: np.ndarray | None = None  # per engine step while recording: its start (engine clock),
-    step_tokens: np.ndarray | None = None  # and the tokens it computed (prompt chunks and decodes)
+    step_tokens: np.ndarray | None = None  # the tokens it computed (prompt chunks and decodes),
+    step_seqs: np.ndarray | None = None  # and the sequences it ran
     meta: dict | None = None  # the engine's knobs and options when recorded ("config", "options", "capacity")
 
     def __len__(self) -> int:
@@ -263,7 +269,8 @@ class AccessTrace:
 
     def save(self, path: str) -> None:
         cols = {c: getattr(self, c) for c in COLUMNS}
-        for c in ("pos", "group", "tok_seq", "tok_len", "tokens", "tok_prompt", "tok_arrival", "step_t", "step_tokens"):
+        for c in ("pos", "group", "tok_seq", "tok_len", "tokens", "tok_prompt", "tok_arrival", "step_t", "step_tokens",
+                  "step_seqs"):
             if getattr(self, c) is not None:
                 cols[c] = getattr(self, c)
         if self.meta is not None:
@@ -320,12 +327,12 @@ class TraceRecorder:
         self._seqs: dict = {}
         self.block_size = block_size
         self.group = group
-        self._steps: list[tuple[float, int]] = []
+        self._steps: list[tuple[float, int, int]] = []
         self.meta: dict | None = None  # set by the engine: its knobs and options (engine/lab/kv_replay.py)
 
-    def step(self, t: float, tokens: int) -> None:
-        """An engine step starting at `t` computes `tokens` tokens (prompt chunks and decodes)."""
-        self._steps.append((t, int(tokens)))
+    def step(self, t: float, tokens: int, seqs: int) -> None:
+        """An engine step starting at `t` computes `tokens` tokens (prompt chunks and decodes) of `seqs` sequences."""
+        self._steps.append((t, int(tokens), int(seqs)))
 
     @property
     def steps(self) -> int:
@@ -334,7 +341,11 @@ class TraceRecorder:
 
     def step_tokens(self, since: int) -> int:
         """Tokens computed by the steps recorded from index `since` on."""
-        return sum(n for _, n in self._steps[since:])
+        return sum(s[1] for s in self._steps[since:])
+
+    def step_seqs(self, since: int) -> int:
+        """Sequences run by the steps recorded from index `since` on."""
+        return sum(s[2] for s in self._steps[since:])
 
     def add(self, t: float, seq: int, blocks: np.ndarray, tiers: np.ndarray, hits: np.ndarray,
             group: int | None = None, first: int = 0) -> None:
@@ -371,6 +382,7 @@ class TraceRecorder:
         if self._steps:
             extra["step_t"] = np.array([s[0] for s in self._steps], dtype=np.float64)
             extra["step_tokens"] = np.array([s[1] for s in self._steps], dtype=np.int64)
+            extra["step_seqs"] = np.array([s[2] for s in self._steps], dtype=np.int64)
         if self.meta is not None:
             extra["meta"] = self.meta
         return AccessTrace(

@@ -11,9 +11,10 @@ unchanged) on the recorded requests, with:
   set so the device tier holds exactly C blocks and the host tier as many as it held when recorded), and every
   generated token forced to the one the run produced (SamplingParams.forced), so each request reads and writes
   the blocks it did;
-- a virtual clock: each request arrives when it arrived (AccessTrace.tok_arrival), and each step takes what a step
-  of that many tokens took in the recorded run (`StepCost`: a least-squares fit of step time against tokens
-  computed, over the recorded steps), so heat decay and idle demotion see the run's seconds;
+- a virtual clock: each request arrives when it arrived (AccessTrace.tok_arrival; a driver that adds requests between
+  steps says how long each had waited, Engine.add_request's waited_s), and each step takes what a step of that many
+  tokens and sequences took in the recorded run (`StepCost`: a least-squares fit over the recorded steps), so heat
+  decay and idle demotion see the run's seconds;
 - the knobs and scheduling options recorded with the trace (AccessTrace.meta), or given.
 
 The hit rate of a rerun is measured on its own trace by the function a real rerun is measured with
@@ -55,13 +56,15 @@ class Request:
 
 @dataclass(frozen=True)
 class StepCost:
-    """A step's duration as the recorded run's steps took: fixed_s + per_token_s x tokens computed."""
+    """A step's duration as the recorded run's steps took: fixed_s + per_token_s x tokens computed + per_seq_s x
+    sequences run."""
     fixed_s: float
     per_token_s: float
     steps: int  # recorded steps the fit is over (0: no step records, a default)
+    per_seq_s: float = 0.0
 
-    def __call__(self, tokens: int) -> float:
-        return self.fixed_s + self.per_token_s * tokens
+    def __call__(self, tokens: int, seqs: int = 0) -> float:
+        return self.fixed_s + self.per_token_s * tokens + self.per_seq_s * seqs
 
 
 @dataclass
@@ -133,31 +136,47 @@ def requests_of(trace: AccessTrace) -> list[Request]:
 
 
 def step_cost(trace: AccessTrace) -> StepCost:
-    """Fit a step's duration against the tokens it computed, over the recorded steps (a step's duration: the next
-    step's start minus its own). A gap that held idle time (nothing to run until the next arrival, a paused engine)
-    is longer than its step: the fit starts from the gaps up to 3x the median and then keeps those up to twice
-    its prediction, four times over. Without step records: 10 ms a step (SECONDS_PER_ACCESS's clock)."""
+    """Fit a step's duration against the tokens it computed and the sequences it ran, over the recorded steps (a
+    step's duration: the next step's start minus its own), by least squares with no coefficient below zero. A gap
+    that held idle time (nothing to run until the next arrival, a paused engine) is longer than its step: the fit
+    starts from the gaps up to 3x the median, then keeps those up to twice its prediction, four times over.
+    Without step records: 10 ms a step (SECONDS_PER_ACCESS's clock)."""
     if trace.step_t is None or len(trace.step_t) < 3:
         return StepCost(0.01, 0.0, 0)
     dt = np.diff(trace.step_t)
     n = trace.step_tokens[:-1].astype(np.float64)
+    q = (trace.step_seqs[:-1] if trace.step_seqs is not None else np.zeros(len(n))).astype(np.float64)
     ok = dt > 0
-    dt, n = dt[ok], n[ok]
+    dt, n, q = dt[ok], n[ok], q[ok]
     if len(dt) < 2:
         return StepCost(0.01, 0.0, 0)
     keep = dt <= 3.0 * np.median(dt)
-    a, b = float(np.median(dt)), 0.0
+    coef = np.array([float(np.median(dt)), 0.0, 0.0])
     for _ in range(4):
-        if keep.sum() < 2:
+        if keep.sum() < 3:
             break
-        if len(np.unique(n[keep])) > 1:
-            b, a = (float(x) for x in np.polyfit(n[keep], dt[keep], 1))
-            if b < 0 or a < 0:  # a slope or intercept below zero is noise: a constant instead
-                a, b = float(np.median(dt[keep])), 0.0
-        else:
-            a, b = float(np.median(dt[keep])), 0.0
-        keep = dt <= 2.0 * np.maximum(a + b * n, 1e-9)
-    return StepCost(a, b, int(keep.sum()))
+        coef = _nonnegative_fit(np.stack([np.ones(int(keep.sum())), n[keep], q[keep]], axis=1), dt[keep])
+        keep = dt <= 2.0 * np.maximum(coef[0] + coef[1] * n + coef[2] * q, 1e-9)
+    return StepCost(float(coef[0]), float(coef[1]), int(keep.sum()), float(coef[2]))
+
+
+def _nonnegative_fit(a: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares of y on the columns of a with every coefficient >= 0: the best over the subsets of columns
+    whose own fit has none below zero (three columns: eight subsets)."""
+    best, best_err = np.zeros(a.shape[1]), float(np.sum(y * y))
+    for mask in range(1, 1 << a.shape[1]):
+        cols = [j for j in range(a.shape[1]) if mask >> j & 1]
+        sub = a[:, cols]
+        if np.linalg.matrix_rank(sub) < len(cols):
+            continue
+        c, *_ = np.linalg.lstsq(sub, y, rcond=None)
+        if (c < 0).any():
+            continue
+        err = float(np.sum((sub @ c - y) ** 2))
+        if err < best_err:
+            best, best_err = np.zeros(a.shape[1]), err
+            best[cols] = c
+    return best
 
 
 class _Clock:
@@ -282,7 +301,7 @@ class KVReplay:
                 r = pending[i]
                 sp = SamplingParams(max_new_tokens=len(r.output), ignore_eos=True, forced=r.output)
                 try:
-                    engine.add_request(list(r.prompt), sp)
+                    engine.add_request(list(r.prompt), sp, waited_s=clock.now - r.arrival)
                 except RequestError:
                     pass  # a request this capacity cannot hold: refused here as the engine would refuse it
                 i += 1
@@ -293,7 +312,7 @@ class KVReplay:
             before = rec.steps
             engine.step()
             steps += 1
-            clock.now += self.cost(rec.step_tokens(before))
+            clock.now += self.cost(rec.step_tokens(before), rec.step_seqs(before))
             if steps > REPLAY_MAX_STEPS:
                 raise KVReplayError(f"the rerun at {capacity} blocks made no progress in {REPLAY_MAX_STEPS:,} steps")
         trace = engine.stop_trace()

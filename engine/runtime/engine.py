@@ -19,6 +19,7 @@ for a whole step, so whatever takes it runs between two steps.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -133,11 +134,17 @@ class Engine:
         return self.scheduler.running
 
     # -- requests -----------------------------------------------------------------------------
-    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, label: str = "") -> int:
+    def add_request(self, prompt_ids: list[int], sampling: SamplingParams | None = None, label: str = "",
+                    waited_s: float = 0.0) -> int:
+        """A new sequence; `waited_s`: how long before now the request arrived (a driver that adds requests between
+        steps says so), which its arrival time, TTFT and a trace's rerun count from."""
         sampling = sampling or SamplingParams()
+        if not isinstance(waited_s, (int, float)) or isinstance(waited_s, bool) or not 0.0 <= waited_s < math.inf:
+            raise RequestError(f"waited_s: {waited_s!r} must be a finite number of seconds >= 0")
         with self.lock:
             prompt_ids = self.check_request(prompt_ids, sampling)
             seq = self.ops.new_seq(prompt_ids, sampling, label)
+            seq.arrival -= waited_s
             self.scheduler.add(seq)
             self.telemetry.emit("request", seq=seq.id, prompt_tokens=len(prompt_ids))
             return seq.id
@@ -318,7 +325,7 @@ class Engine:
                 self._drain_pool_events()
                 return []
             if self.kv.trace is not None:  # the step's clock and work, for a rerun of the trace (engine/lab/kv_replay.py)
-                self.kv.trace.step(now, sum(n for _, n in sched))
+                self.kv.trace.step(now, sum(n for _, n in sched), len(sched))
             run, writes = (self.runner.prepare_grouped(self.kv, sched) if self.grouped
                            else self.runner.prepare(self.pool, sched))
             t1 = time.perf_counter()

@@ -50,14 +50,15 @@ def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptio
     i = 0
     while i < len(reqs) or e.has_work():
         while i < len(reqs) and reqs[i][0] <= clock.now:
-            e.add_request(reqs[i][1], SamplingParams(max_new_tokens=reqs[i][2], ignore_eos=True))
+            e.add_request(reqs[i][1], SamplingParams(max_new_tokens=reqs[i][2], ignore_eos=True),
+                          waited_s=clock.now - reqs[i][0])
             i += 1
         if not e.has_work():
             clock.now = reqs[i][0]
             continue
         before = e.kv.trace.steps
         e.step()
-        clock.now += cost(e.kv.trace.step_tokens(before))
+        clock.now += cost(e.kv.trace.step_tokens(before), e.kv.trace.step_seqs(before))
     return e.stop_trace(), e
 
 
@@ -83,27 +84,26 @@ def test_forced_tokens_are_what_the_engine_emits(llama_model):
 
 def test_a_trace_carries_what_a_rerun_needs(llama_model, tmp_path):
     reqs = _prompts(12, 1)
-    cost = StepCost(0.004, 0.0005, 0)
+    cost = StepCost(0.004, 0.0005, 0, 0.001)
     trace, e = _run(llama_model, _config(llama_model, 40), reqs, cost)
     assert trace.meta["capacity"]["device"] == e.pool.sizes.dev_cap == 40
     assert trace.meta["config"]["policy"] == "heat" and trace.meta["options"]["max_batch"] == 6
     assert len(trace.step_t) == len(trace.step_tokens) == e.counters.steps
     # each step starts where the driver's clock was: the cost of the step before it, or later (an idle wait)
-    gaps = np.diff(trace.step_t) - [cost(n) for n in trace.step_tokens[:-1]]
+    gaps = np.diff(trace.step_t) - [cost(n, q) for n, q in zip(trace.step_tokens[:-1], trace.step_seqs[:-1])]
     assert (gaps >= -1e-9).all() and (np.abs(gaps) < 1e-9).sum() > len(gaps) // 2
     # with every request there from the start (no wait between steps) the fit finds the cost again exactly; with
     # waits (a step then looks longer) it can only come out longer, never shorter
     at_once, _ = _run(llama_model, _config(llama_model, 40), [(0.0, p, n) for _, p, n in reqs], cost)
     fitted = step_cost(at_once)
-    assert fitted.fixed_s == pytest.approx(cost.fixed_s, rel=1e-6) and fitted.per_token_s == pytest.approx(
-        cost.per_token_s, rel=1e-6)
+    assert (fitted.fixed_s, fitted.per_token_s, fitted.per_seq_s) == pytest.approx(
+        (cost.fixed_s, cost.per_token_s, cost.per_seq_s), rel=1e-6)
     waited = step_cost(trace)
-    assert all(waited(n) >= cost(n) - 1e-9 for n in (1, 6, 40))
+    assert all(waited(n, q) >= cost(n, q) - 1e-9 for n in (1, 6, 40) for q in (1, 6))
     rs = requests_of(trace)
     assert len(rs) == len(reqs) and [list(r.prompt) for r in rs] == [p for _, p, _ in reqs]
-    # arrivals as the engine saw them: added at the first step boundary at or after the request's time
-    late = np.array([r.arrival for r in rs]) - [a for a, _, _ in reqs]
-    assert (late >= -1e-9).all() and (late <= cost(int(trace.step_tokens.max())) + 1e-9).all()
+    # arrivals as they were, not when the driver could add them (it said how long each had waited)
+    assert [r.arrival for r in rs] == pytest.approx([a for a, _, _ in reqs], abs=1e-9)
     path = str(tmp_path / "t.npz")
     trace.save(path)
     back = AccessTrace.load(path)
@@ -122,12 +122,10 @@ def test_the_rerun_is_the_engine_read_for_read(llama_model, policy):
     """With the clock the same on both sides, the replay of a recorded run at another capacity is what the
     engine does at that capacity: the same hit rate and the same prefix hits, under each policy, with the default
     knobs otherwise (heat decay, batch eviction, prefetch, demotion after 0.5 s so that it happens here, a host
-    tier). Fails if the replay's knobs, clock, arrivals or forced tokens differ from the run's. Every request is
-    there from the start (max_batch 6 of them run at once): a request arriving between steps is added at the next
-    step's start, which differs between capacities, and the trace knows only when it was added (the wall-clock
-    check, test_prediction_holds_on_a_help_desk, covers that)."""
-    reqs = [(0.0, p, n) for _, p, n in _prompts(30, 2)]
-    cost = StepCost(0.05, 0.002, 0)
+    tier). Fails if the replay's knobs, clock, arrivals or forced tokens differ from the run's. The wall clock's
+    jitter is what this leaves out: test_prediction_holds_on_a_help_desk."""
+    reqs = _prompts(30, 2)
+    cost = StepCost(0.05, 0.002, 0, 0.01)
     knobs = dict(policy=policy, demote_after_s=0.5)
     trace, e = _run(llama_model, _config(llama_model, 30, **knobs), reqs, cost)
     assert step_cost(trace)(1) >= cost(1) - 1e-9  # the fit: waits only lengthen it (the test above)
@@ -158,3 +156,31 @@ def test_a_trace_without_tokens_or_capacity_is_refused_by_name():
     bare = AccessTrace(z, z.astype(np.int32), np.arange(3), z.astype(np.int8), z.astype(bool))
     with pytest.raises(KVReplayError, match="no recorded tokens"):
         KVReplay(bare)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy,knobs", [("heat", {}), ("lru", {}), ("s3fifo", {}), ("heat", {"host_budget_mb": 0.0}),
+                                          ("heat", {"demote_after_s": 0.3})])
+def test_prediction_holds_on_a_help_desk(llama_model, policy, knobs):
+    """Issue 38's check on the real engine with the wall clock: a help desk's requests (engine/workloads/requests.py
+    reference_desk, used by no other test) arriving at their times, many in flight, the default knobs (heat 0.9,
+    demote after 5 s, prefetch 2, evict batch 8, a host tier) but the policy; the prediction made from the base
+    run's trace (calibrated at its measured point) against real reruns at 0.5x, 2x and 4x the device budget, for
+    the counted first reads and for the prefix hit rate by prompt tokens: within 2 points each, and the "at 2x"
+    delta within 2 points of the rerun's. The tiny model runs a request in ~0.1 s, so the desk's requests come 40 a
+    second to keep several in flight; idle demotion after 5 s then has nothing to act on, and a case demoting after
+    0.3 s covers it; another has no host tier (a demoted or evicted block is then lost)."""
+    from app.whatif_check import budget_for_blocks, check_as_configured, configured_summary, format_configured
+    from engine.workloads.requests import reference_desk
+
+    reqs = reference_desk(64, 0, rate_per_s=40.0, max_new_tokens=24)
+    base = CacheConfig(block_size=16, host_budget_mb=8.0, policy=policy).replace(**knobs)
+    config = base.replace(device_budget_mb=budget_for_blocks(llama_model, base, 48))
+    rows = check_as_configured(llama_model, EngineOptions(attention="cpu"), config, "desk", reqs, cap=16)
+    print(format_configured(rows))
+    s = configured_summary(rows)
+    assert rows[0].real > 0.1 and rows[-1].real > rows[1].real, rows  # reuse that the budget decides
+    assert min(r.in_flight for r in rows) >= 4  # many requests at once, not two at a time
+    for r in rows:
+        assert abs(r.diff_points) <= 2.0 and abs(100 * (r.predicted_prefix - r.real_prefix)) <= 2.0, format_configured(rows)
+    assert s["max_abs_delta_diff_points"] <= 2.0
