@@ -39,14 +39,16 @@ class CheckRow:
         return 100 * (self.predicted - self.real)
 
 
-def run_traced(loaded, config, options, requests, cap: int | None, window: int | None = 2, time_scale: float = 0.0):
+def run_traced(loaded, config, options, requests, cap: int | None, window: int | None = 2, time_scale: float = 0.0,
+               clock: ReplayClock | None = None):
     """Run `requests` on a fresh engine with `config`, at most `window` of them in the engine at a time; all
     arrived at once (time_scale 0: the order of reads is the same at every budget) or at their arrival times
-    divided by `time_scale`; (trace, device capacity, result)."""
+    divided by `time_scale`; (trace, device capacity, result). `clock`: the engine's clock (default: the wall
+    clock's ReplayClock)."""
     from engine.runtime.engine import Engine
 
     gc.collect()
-    clock = ReplayClock()
+    clock = clock or ReplayClock()
     engine = Engine(loaded, config, options, clock=clock)
     engine.start_trace()
     result = Replay(engine, requests, time_scale, cap, clock, window=window).run(
@@ -97,16 +99,17 @@ class ConfiguredRow:
 
 
 def check_as_configured(loaded, options, config, name: str, requests: list, factors=FACTORS, cap: int | None = 16,
-                        window: int | None = None, time_scale: float = 1.0) -> list[ConfiguredRow]:
+                        window: int | None = None, time_scale: float = 1.0, clock=ReplayClock) -> list[ConfiguredRow]:
     """The engine as `config` sets it (every knob as given), the requests arriving at their times with as many in
     flight as arrive: a base run with a trace, the prediction of the engine rerun at each factor's capacity
-    (KVReplay, calibrated at the base run's measured point), and a real rerun at each factor's budget."""
+    (KVReplay, calibrated at the base run's measured point), and a real rerun at each factor's budget. `clock`
+    makes each run's engine clock (default ReplayClock: the wall clock, idle gaps skipped)."""
     from engine.lab.kv_replay import KVReplay
 
     # A throwaway run first: the first steps of a process compile or load the attention kernels, seconds that a
     # wall-clock run spends with requests piling up, which neither the reruns (warm) nor a live engine see.
-    run_traced(loaded, config, options, requests[:8], cap, window, 0.0)
-    trace, cap0, res0 = run_traced(loaded, config, options, requests, cap, window, time_scale)
+    run_traced(loaded, config, options, requests[:8], cap, window, 0.0, clock())
+    trace, cap0, res0 = run_traced(loaded, config, options, requests, cap, window, time_scale, clock())
     measured, n0 = real_hit_rate(trace)
     prefix0 = _prefix_rate(res0)
     per_block = config.device_budget_mb / (cap0 + _reserved())
@@ -114,16 +117,25 @@ def check_as_configured(loaded, options, config, name: str, requests: list, fact
     for f in factors:
         c = max(1, int(round(cap0 * f)))
         t, got, res = run_traced(loaded, config.replace(device_budget_mb=(c + _reserved()) * per_block), options,
-                                 requests, cap, window, time_scale)
+                                 requests, cap, window, time_scale, clock())
         reruns.append((f, got, t, res))
-    pred = KVReplay(trace).calibrated([got for _, got, _, _ in reruns], measured, prefix0)
-    rows = [ConfiguredRow(name, config.policy, 1.0, cap0, float(pred.at(cap0)), measured,
-                          _at(pred, cap0, prefix=True), prefix0, n0, in_flight(trace))]
+    pred = KVReplay(trace).calibrated([got for _, got, _, _ in reruns])
+    assert pred.measured["hit_rate"] == measured and np.isclose(pred.measured["prefix_rate"], prefix0, equal_nan=True)
+    rows = [ConfiguredRow(name, config.policy, 1.0, cap0, pred.at(cap0), measured, pred.at(cap0, "prefix_rate"),
+                          prefix0, n0, in_flight(trace))]
     for f, got, t, res in reruns:
         real, n = real_hit_rate(t)
-        rows.append(ConfiguredRow(name, config.policy, f, got, float(pred.at(got)), real, _at(pred, got, prefix=True),
+        rows.append(ConfiguredRow(name, config.policy, f, got, pred.at(got), real, pred.at(got, "prefix_rate"),
                                   _prefix_rate(res), n, in_flight(t)))
     return rows
+
+
+def running_set(trace) -> int:
+    """The most blocks one step read (rows at one time): below about that many device-tier blocks the tier
+    thrashes on the running sequences' own tables, and a rerun's hit rate there turns on the exact timing."""
+    if not len(trace):
+        return 0
+    return int(np.unique(trace.t, return_counts=True)[1].max())
 
 
 def in_flight(trace) -> int:
@@ -143,13 +155,6 @@ def _reserved() -> int:
 def _prefix_rate(result) -> float:
     c = result.counters
     return c["prompt_reused"] / c["prompt_tokens"] if c.get("prompt_tokens") else float("nan")
-
-
-def _at(pred, capacity: int, prefix: bool = False) -> float:
-    c = pred.capacities()
-    o = np.argsort(c)
-    y = pred.predicted_prefix() if prefix else pred.predicted()
-    return float(np.interp(capacity, c[o], y[o]))
 
 
 def format_configured(rows: list[ConfiguredRow]) -> str:

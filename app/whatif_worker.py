@@ -18,7 +18,7 @@ import numpy as np
 from engine.lab.mrc import curve_capacities, what_if_short
 from engine.lab.whatif import (BLOCK_SIZES, block_size_curves, block_stream, groups_of, policy_curves, stream_of,
                                threshold_curve)
-from ui.panels.what_if_data import SavedResult
+from ui.panels.what_if_data import ConfiguredPrediction, SavedResult
 
 TARGET = 0.75
 THRESHOLDS_S = np.array([0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0])
@@ -69,10 +69,43 @@ def what_if_result(source, current_blocks: int, block_mib: float | None, demote_
         per_token = block_mib / trace.block_size
         sizes = [(b, mib, c.hit_rate) for b, mib, c in block_size_curves(trace, per_token, BLOCK_SIZES, group=group)]
     th = (THRESHOLDS_S, threshold_curve(stream, current_blocks, THRESHOLDS_S)) if trace is not None else None
+    configured, note = (configured_prediction(trace, current_blocks) if trace is not None and group == 0
+                        else (None, None))
+    if configured is not None:
+        lines = configured_lines_of(configured, current_blocks, block_mib) + lines
+    elif note:
+        lines = [note] + lines
     return WhatIfResult(name, int(len(stream.keys)), int(stream.counted.sum()), stream.distinct, current_blocks,
                         block_mib, demote_after_s,
                         [(c.policy, c.capacities, c.hit_rate, c.exact) for c in curves], sizes, th, lines,
-                        time.perf_counter() - t0, group, group_title)
+                        time.perf_counter() - t0, group, group_title, configured=configured)
+
+
+def configured_prediction(trace, current_blocks: int) -> tuple[ConfiguredPrediction | None, str | None]:
+    """The engine as recorded, rerun on `trace` (engine/lab/kv_replay.py); (None, why) for a trace it cannot be
+    rerun on (no tokens or knobs recorded, KV-cache groups)."""
+    from engine.lab.kv_replay import KVReplay, KVReplayError, default_capacities, knobs_text
+
+    try:
+        replay = KVReplay(trace)
+        if replay.recorded_capacity is None:
+            raise KVReplayError("the trace does not say the device tier's capacity (recorded by an older version)")
+        cal = replay.calibrated(default_capacities(int(replay.recorded_capacity), current_blocks))
+    except KVReplayError as e:
+        return None, f"engine as configured: not predicted ({e})"
+    return ConfiguredPrediction(replay.config.policy, knobs_text(replay.config), cal.recorded_capacity,
+                                cal.capacities(), cal.predicted("hit_rate"), cal.predicted("prefix_rate"),
+                                cal.predicted("device_rate"), dict(cal.measured)), None
+
+
+def configured_lines_of(p: ConfiguredPrediction, current: int, block_mib: float | None) -> list[str]:
+    """The prediction's sentences (engine/lab/kv_replay.configured_lines) from the tab's plain arrays."""
+    from engine.lab.kv_replay import Calibrated, Rerun, configured_lines
+
+    runs = [Rerun(int(c), float(h), 0, float(q), float(d), 0, 0.0)
+            for c, h, q, d in zip(p.capacities, p.hit_rate, p.prefix_rate, p.device_rate)]
+    cal = Calibrated(p.recorded_capacity, p.measured, {k: 0.0 for k in Calibrated.RATES}, runs)
+    return configured_lines(cal, p.knobs, current, block_mib)
 
 
 def what_if_results(source, groups: list[tuple[int, float | None, str]], demote_after_s: float | None = None,

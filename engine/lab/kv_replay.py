@@ -74,6 +74,7 @@ class Rerun:
     hit_rate: float  # real_hit_rate of the rerun's trace: counted first reads found on the device tier
     counted: int  # the first reads that rate is over
     prefix_rate: float  # prompt tokens served from the prefix cache / prompt tokens (the health strip's number)
+    device_rate: float  # keys attention read straight from the device tier / keys read (the hit-rate chart's blue)
     steps: int
     seconds: float  # the rerun's virtual time
     preempted: int = 0
@@ -82,29 +83,44 @@ class Rerun:
 
 @dataclass
 class Calibrated:
-    """Reruns at several capacities, shifted so the recorded capacity's equals the recorded run's own rate."""
+    """Reruns at several capacities, each rate shifted so the recorded capacity's equals the recorded run's own:
+    the counted first reads on the device tier (real_hit_rate), the prefix hit rate by prompt tokens, and the device
+    hit rate by keys read (the last two where the trace says what the run counted, AccessTrace.meta "counts")."""
     recorded_capacity: int
-    measured: float  # the recorded run's real_hit_rate
-    measured_prefix: float | None  # its prefix hit rate by prompt tokens, where the trace tells (else None)
-    offset: float  # measured - the rerun's rate at the recorded capacity (added to every prediction)
-    prefix_offset: float
+    measured: dict  # rate name -> the recorded run's value (nan: not known)
+    offset: dict  # rate name -> measured - the rerun's value at the recorded capacity (0 where not known)
     runs: list[Rerun] = field(default_factory=list)
+
+    RATES = ("hit_rate", "prefix_rate", "device_rate")
 
     def capacities(self) -> np.ndarray:
         return np.array([r.capacity for r in self.runs], dtype=np.int64)
 
-    def predicted(self) -> np.ndarray:
-        """The hit rate predicted at each capacity (clipped to [0, 1])."""
-        return np.clip(np.array([r.hit_rate for r in self.runs]) + self.offset, 0.0, 1.0)
+    def predicted(self, rate: str = "hit_rate") -> np.ndarray:
+        """A rate predicted at each capacity (clipped to [0, 1]; nan where the rerun had nothing to count)."""
+        return np.clip(np.array([getattr(r, rate) for r in self.runs]) + self.offset[rate], 0.0, 1.0)
 
-    def predicted_prefix(self) -> np.ndarray:
-        return np.clip(np.array([r.prefix_rate for r in self.runs]) + self.prefix_offset, 0.0, 1.0)
-
-    def at(self, capacity: int) -> float:
-        """The prediction at `capacity`, interpolated linearly between the reruns (the nearest end outside them)."""
+    def at(self, capacity: int, rate: str = "hit_rate") -> float:
+        """The prediction at `capacity`, linear between the reruns (the nearest end's outside them)."""
         c = self.capacities()
         order = np.argsort(c)
-        return float(np.interp(capacity, c[order], self.predicted()[order]))
+        return float(np.interp(capacity, c[order], self.predicted(rate)[order]))
+
+
+def measured_rates(trace: AccessTrace) -> dict:
+    """The recorded run's own rates: real_hit_rate of its trace, and from AccessTrace.meta's counts the prefix hit
+    rate by prompt tokens and the device hit rate by keys read (nan where the trace does not say)."""
+    counts = (trace.meta or {}).get("counts", {})
+
+    def share(num: str, den: str, complement: bool = False) -> float:
+        d = counts.get(den)
+        if not isinstance(d, (int, float)) or d <= 0 or not isinstance(counts.get(num), (int, float)):
+            return float("nan")
+        v = counts[num] / d
+        return 1.0 - v if complement else v
+
+    return {"hit_rate": real_hit_rate(trace)[0], "prefix_rate": share("prompt_reused", "prompt_tokens"),
+            "device_rate": share("read_tokens_missed", "read_tokens", complement=True)}
 
 
 def requests_of(trace: AccessTrace) -> list[Request]:
@@ -318,12 +334,12 @@ class KVReplay:
         trace = engine.stop_trace()
         rate, counted = real_hit_rate(trace)
         c = engine.counters
-        return Rerun(int(capacity), rate, counted, c.prefix_hit_rate, steps, clock.now, c.preemptions,
-                     trace if keep_trace else None)
+        return Rerun(int(capacity), rate, counted, c.prefix_hit_rate, c.device_hit_rate, steps, clock.now,
+                     c.preemptions, trace if keep_trace else None)
 
-    def calibrated(self, capacities, measured: float | None = None, measured_prefix: float | None = None) -> Calibrated:
-        """Reruns at `capacities` (the recorded capacity added), shifted by the recorded point's residual:
-        `measured` (default: real_hit_rate of the recorded trace) minus the rerun's rate there."""
+    def calibrated(self, capacities, measured: dict | None = None) -> Calibrated:
+        """Reruns at `capacities` (the recorded capacity added), each rate shifted by the recorded point's
+        residual: `measured` (default: measured_rates of the recorded trace) minus the rerun's rate there."""
         if self.recorded_capacity is None:
             raise KVReplayError("the trace does not say the device tier's capacity when recorded (record it again "
                                 "with this version)")
@@ -331,9 +347,54 @@ class KVReplay:
         caps = sorted({int(c) for c in capacities if int(c) >= 1} | {c0})
         runs = [self.run(c) for c in caps]
         base = next(r for r in runs if r.capacity == c0)
-        if measured is None:
-            measured = real_hit_rate(self.trace)[0]
-        off = measured - base.hit_rate if math.isfinite(measured) and math.isfinite(base.hit_rate) else 0.0
-        poff = (measured_prefix - base.prefix_rate if measured_prefix is not None and math.isfinite(measured_prefix)
-                and math.isfinite(base.prefix_rate) else 0.0)
-        return Calibrated(c0, measured, measured_prefix, off, poff, runs)
+        have = measured_rates(self.trace)
+        have.update(measured or {})
+        offset = {k: (have[k] - getattr(base, k) if math.isfinite(have.get(k, math.nan))
+                      and math.isfinite(getattr(base, k)) else 0.0) for k in Calibrated.RATES}
+        return Calibrated(c0, have, offset, runs)
+
+
+def default_capacities(recorded: int, current: int | None = None) -> list[int]:
+    """Where the window and `policy-lab --curve` rerun the engine: 1/4 to 8x the recorded capacity, and 1/2, 2x
+    and 4x the current one where the live budget has moved since."""
+    caps = {max(1, round(recorded * f)) for f in (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 8.0)}
+    if current and current != recorded:
+        caps |= {max(1, round(current * f)) for f in (0.5, 1.0, 2.0, 4.0)}
+    return sorted(caps)
+
+
+def knobs_text(config) -> str:
+    """The knobs a rerun used, without the budgets (they are what varies)."""
+    host = "no host tier" if config.host_budget_mb <= 0 else "a host tier"
+    return (f"{config.policy}" + (f" (decay {config.decay:g}/s)" if config.policy == "heat" else "")
+            + f", evict batch {config.evict_batch}, prefetch {config.prefetch_depth}, demote after "
+              f"{config.demote_after_s:g} s, {host} (host reads: {config.host_reads}), block {config.block_size}")
+
+
+def configured_lines(cal: Calibrated, knobs: str, current: int, block_mib: float | None = None,
+                     factor: float = 2.0) -> list[str]:
+    """What the calibrated reruns say at `current` blocks and at `factor` times it, each rate named by what it
+    counts."""
+    unit = (lambda c: f"{c:,} blocks ({c * block_mib:,.2f} MiB)") if block_mib else (lambda c: f"{c:,} blocks")
+    then = max(1, round(current * factor))
+
+    def pct(rate: str, c: int) -> str:
+        v = cal.at(c, rate)
+        return "no data" if not math.isfinite(v) else f"{100 * v:.1f} %"
+
+    def delta(rate: str) -> str:
+        a, b = cal.at(current, rate), cal.at(then, rate)
+        return "" if not (math.isfinite(a) and math.isfinite(b)) else f" ({100 * (b - a):+.1f} points)"
+
+    m = cal.measured
+    seen = ", ".join(f"{name} {100 * m[k]:.1f} %" for k, name in (("hit_rate", "first reads"),
+                                                                   ("prefix_rate", "prefix"),
+                                                                   ("device_rate", "keys read"))
+                     if math.isfinite(m.get(k, math.nan)))
+    return [f"engine as configured ({knobs}), rerun on the trace at {len(cal.runs)} capacities and calibrated at the "
+            f"recorded {unit(cal.recorded_capacity)} (measured there: {seen or 'no data'})",
+            f"  at {unit(current)}: first reads on the device tier {pct('hit_rate', current)}, prompt tokens from the "
+            f"prefix cache {pct('prefix_rate', current)}, keys read from the device tier {pct('device_rate', current)}",
+            f"  at {factor:g}x, {unit(then)}: first reads {pct('hit_rate', then)}{delta('hit_rate')}, prefix "
+            f"{pct('prefix_rate', then)}{delta('prefix_rate')}, keys read {pct('device_rate', then)}"
+            f"{delta('device_rate')}"]

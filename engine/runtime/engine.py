@@ -420,6 +420,7 @@ class Engine:
         with self.lock:
             # the sequences' tokens ride along, so the what-if curves can re-cut them (engine/lab/mrc.py)
             self.kv.trace = TraceRecorder(self.scheduler.seqs.get, self.config.block_size)
+            self._trace_counts0 = self._rate_counts()
             self.telemetry.emit("trace", recording=True)
 
     def stop_trace(self, path: str | None = None):
@@ -444,7 +445,14 @@ class Engine:
                 "options": {"max_batch": o.max_batch, "max_batched_tokens": o.max_batched_tokens,
                             "context_limit": self.context_limit, "n_keep": o.n_keep, "n_discard": o.n_discard},
                 "capacity": {"device": int(sizes.dev_cap), "host": int(sizes.host_cap)},
-                "grouped": bool(self.grouped)}
+                "grouped": bool(self.grouped),
+                # what the rates the window charts count, over the recording (engine/telemetry/counters.py)
+                "counts": {k: v - getattr(self, "_trace_counts0", {}).get(k, 0) for k, v in self._rate_counts().items()}}
+
+    def _rate_counts(self) -> dict:
+        c = self.counters
+        return {"prompt_tokens": c.prompt_tokens, "prompt_reused": c.prompt_reused, "read_tokens": c.read_tokens,
+                "read_tokens_missed": c.read_tokens_missed}
 
     def reset_prefix_cache(self) -> int:
         with self.lock:

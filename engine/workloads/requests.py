@@ -215,19 +215,22 @@ def mixed(seed: int, duration_s: float) -> list[Request]:
     return _sorted([r for part in parts for r in part if r.arrival_s < duration_s])
 
 
-def reference_desk(n_requests: int, seed: int, rate_per_s: float = 4.0, max_new_tokens: int = 16) -> list[Request]:
+def reference_desk(n_requests: int, seed: int, rate_per_s: float = 4.0, max_new_tokens: int = 16,
+                   n_docs: int = 3) -> list[Request]:
     """A help desk's mix, many requests in flight at once (Poisson arrivals at `rate_per_s`): a third open with one
-    of two shared system prompts, a third ask about one of a few documents that come back (the same text, another
+    of two shared system prompts, a third ask about one of `n_docs` documents that come back (the same text, another
     question after it), a third are unique one-shot questions. Reuse at three distances: the system prompts' blocks
     are read by every third request, a document's by its next question some seconds later, the unique ones never."""
     if n_requests < 1:
         raise ValueError("n_requests must be >= 1")
     if not rate_per_s > 0:
         raise ValueError(f"rate_per_s must be > 0, got {rate_per_s}")
+    if n_docs < 1:
+        raise ValueError(f"n_docs must be >= 1, got {n_docs}")
     rng = random.Random(f"reference_desk:{seed}")
     systems = (DEFAULT_SYSTEM_PROMPT, "You are the reference librarian. Quote the catalogue when you can, and say "
                "which shelf a book is on. " + " ".join(rng.sample(SENTENCES, 2)))
-    docs = [_passage(rng, 60 + 20 * i) for i in range(3)]
+    docs = [_passage(rng, 60 + 20 * (i % 3)) for i in range(n_docs)]
     out: list[Request] = []
     t = 0.0
     for i in range(n_requests):

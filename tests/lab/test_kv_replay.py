@@ -142,13 +142,22 @@ def test_the_rerun_is_the_engine_read_for_read(llama_model, policy):
 
 def test_calibrated_curve_passes_through_the_measured_point(llama_model):
     reqs = _prompts(20, 3)
-    trace, e = _run(llama_model, _config(llama_model, 30), reqs, StepCost(0.01, 0.0005, 0))
-    cal = KVReplay(trace).calibrated([15, 60], measured=0.5, measured_prefix=0.4)
-    assert cal.recorded_capacity == 30 and list(cal.capacities()) == [15, 30, 60]
-    assert cal.at(30) == pytest.approx(0.5)
+    cost = StepCost(0.01, 0.0005, 0, 0.002)
+    trace, e = _run(llama_model, _config(llama_model, 30), reqs, cost)
+
+    own = KVReplay(trace, cost=cost).calibrated([15, 60])
+    assert own.recorded_capacity == 30 and list(own.capacities()) == [15, 30, 60]
+    # the recorded run's own rates, each counted as the engine counts it over the recording
+    c = e.counters
+    assert own.measured == pytest.approx({"hit_rate": real_hit_rate(trace)[0], "prefix_rate": c.prefix_hit_rate,
+                                          "device_rate": c.device_hit_rate})
+    for rate in own.RATES:  # the clock was the same: the rerun at the recorded capacity is the run, no offset
+        assert own.offset[rate] == pytest.approx(0.0, abs=1e-12) and own.at(30, rate) == pytest.approx(own.measured[rate])
+    cal = KVReplay(trace, cost=cost).calibrated([15, 60], measured={"hit_rate": 0.5, "prefix_rate": 0.4})
     base = next(r for r in cal.runs if r.capacity == 30)
-    assert cal.offset == pytest.approx(0.5 - base.hit_rate)
-    assert cal.predicted_prefix()[1] == pytest.approx(0.4)
+    assert cal.at(30) == pytest.approx(0.5) and cal.offset["hit_rate"] == pytest.approx(0.5 - base.hit_rate)
+    assert cal.predicted("prefix_rate")[1] == pytest.approx(0.4)
+    assert cal.at(45) == pytest.approx((cal.at(30) + cal.at(60)) / 2)  # linear between the reruns
 
 
 def test_a_trace_without_tokens_or_capacity_is_refused_by_name():
@@ -158,29 +167,88 @@ def test_a_trace_without_tokens_or_capacity_is_refused_by_name():
         KVReplay(bare)
 
 
+class JitterClock(StepClock):
+    """A StepClock whose steps take their cost times a lognormal factor (sigma 0.3, seeded): timing noise like a
+    real machine's, the same on every machine."""
+
+    def __init__(self, cost: StepCost, seed: int):
+        super().__init__(cost)
+        self.rng = np.random.default_rng(seed)
+
+    def advance(self, tokens: int, seqs: int) -> None:
+        self.now += self.cost(tokens, seqs) * float(self.rng.lognormal(0.0, 0.3))
+
+
+def _run_jittered(loaded, config: CacheConfig, reqs, cost: StepCost, seed: int):
+    """_run with a JitterClock: the engine itself, arrivals as they come, each step's time noisy."""
+    from engine.runtime.engine import Engine
+
+    clock = JitterClock(cost, seed)
+    e = Engine(loaded, config, EngineOptions(attention="cpu"), clock=clock)
+    e.start_trace()
+    i = 0
+    while i < len(reqs) or e.has_work():
+        while i < len(reqs) and reqs[i][0] <= clock.now:
+            e.add_request(reqs[i][1], SamplingParams(max_new_tokens=reqs[i][2], ignore_eos=True),
+                          waited_s=clock.now - reqs[i][0])
+            i += 1
+        if not e.has_work():
+            clock.now = reqs[i][0]
+            continue
+        before = e.kv.trace.steps
+        e.step()
+        clock.advance(e.kv.trace.step_tokens(before), e.kv.trace.step_seqs(before))
+    return e.stop_trace(), e
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy,knobs", [("heat", {}), ("lru", {}), ("s3fifo", {}), ("heat", {"host_budget_mb": 0.0}),
                                           ("heat", {"demote_after_s": 0.3})])
 def test_prediction_holds_on_a_help_desk(llama_model, policy, knobs):
-    """Issue 38's check on the real engine with the wall clock: a help desk's requests (engine/workloads/requests.py
-    reference_desk, used by no other test) arriving at their times, many in flight, the default knobs (heat 0.9,
-    demote after 5 s, prefetch 2, evict batch 8, a host tier) but the policy; the prediction made from the base
-    run's trace (calibrated at its measured point) against real reruns at 0.5x, 2x and 4x the device budget, for
-    the counted first reads and for the prefix hit rate by prompt tokens: within 2 points each, and the "at 2x"
-    delta within 2 points of the rerun's. The tiny model runs a request in ~0.1 s, so the desk's requests come 40 a
-    second to keep several in flight; idle demotion after 5 s then has nothing to act on, and a case demoting after
-    0.3 s covers it; another has no host tier (a demoted or evicted block is then lost)."""
-    from app.whatif_check import budget_for_blocks, check_as_configured, configured_summary, format_configured
+    """Issue 38's check: a help desk's requests (engine/workloads/requests.py reference_desk, used by no other test)
+    arriving at their times, 6-12 in flight, the default knobs (heat 0.9, demote after 5 s, prefetch 2, evict batch
+    8, a host tier) but the policy, or no host tier, or demotion after 0.3 s; the prediction made from the base
+    run's trace (KVReplay, its step cost fitted to the noisy steps, calibrated at the run's measured point) against
+    real reruns of the engine at 0.5x, 2x and 4x the device budget: the counted first reads and the prefix hit rate
+    by prompt tokens each within 2 points, and the "at 2x" delta within 2 points of the rerun's.
+
+    Each run's clock is a JitterClock (a step of n tokens and s sequences takes 2.5 ms + 30 us n + 0.4 ms s, what
+    this machine's tiny-model steps took, times a lognormal factor of sigma 0.3), each run with its own noise. Not
+    the wall clock: the suite shares this machine's two CPUs with a parallel run, and under such load wall-clock
+    reruns moved by 6.5 points and more requests piled up (`kvscope policy-lab --validate` is the wall-clock check,
+    for a quiet machine). The base budget is 2.5x the blocks the running sequences read at once, so 0.5x is still
+    above them (below, the tier thrashes on the running tables and reruns spread over 3+ points with the timing)."""
+    from app.whatif_check import budget_for_blocks, configured_summary, format_configured, running_set, ConfiguredRow, \
+        in_flight
     from engine.workloads.requests import reference_desk
 
-    reqs = reference_desk(64, 0, rate_per_s=40.0, max_new_tokens=24)
+    tok = llama_model.tokenizer
+    reqs = [(r.arrival_s, tok.encode(r.prompt), 16) for r in reference_desk(160, 0, rate_per_s=40.0, n_docs=48)]
+    cost = StepCost(0.0025, 3e-5, 0, 4e-4)
     base = CacheConfig(block_size=16, host_budget_mb=8.0, policy=policy).replace(**knobs)
-    config = base.replace(device_budget_mb=budget_for_blocks(llama_model, base, 48))
-    rows = check_as_configured(llama_model, EngineOptions(attention="cpu"), config, "desk", reqs, cap=16)
+
+    def config(blocks: int) -> CacheConfig:
+        return base.replace(device_budget_mb=budget_for_blocks(llama_model, base, blocks))
+
+    sizing, _ = _run_jittered(llama_model, config(4096), reqs, cost, 99)
+    cap0 = int(2.5 * running_set(sizing))
+    trace, e = _run_jittered(llama_model, config(cap0), reqs, cost, 0)
+    replay = KVReplay(trace)
+    assert replay.cost.steps > 0 and replay.cost(1, 1) == pytest.approx(cost(1, 1), rel=0.25)  # fitted, not given
+    caps = {f: int(round(cap0 * f)) for f in (0.5, 2.0, 4.0)}
+    cal = replay.calibrated(list(caps.values()))
+    rows = [ConfiguredRow("desk", policy, 1.0, cap0, cal.at(cap0), *(real_hit_rate(trace)[0],),
+                          cal.at(cap0, "prefix_rate"), e.counters.prefix_hit_rate, real_hit_rate(trace)[1],
+                          in_flight(trace))]
+    for seed, (f, c) in enumerate(caps.items(), start=1):
+        t, r = _run_jittered(llama_model, config(c), reqs, cost, seed)
+        rows.append(ConfiguredRow("desk", policy, f, c, cal.at(c), real_hit_rate(t)[0], cal.at(c, "prefix_rate"),
+                                  r.counters.prefix_hit_rate, real_hit_rate(t)[1], in_flight(t)))
     print(format_configured(rows))
-    s = configured_summary(rows)
-    assert rows[0].real > 0.1 and rows[-1].real > rows[1].real, rows  # reuse that the budget decides
     assert min(r.in_flight for r in rows) >= 4  # many requests at once, not two at a time
+    assert rows[0].real > 0.1, rows
+    if base.demote_after_s >= 1.0:  # the budget decides reuse (demoting after 0.3 s, idleness does: flat, rightly)
+        assert max(r.real for r in rows) > rows[1].real + 0.02, format_configured(rows)
     for r in rows:
         assert abs(r.diff_points) <= 2.0 and abs(100 * (r.predicted_prefix - r.real_prefix)) <= 2.0, format_configured(rows)
-    assert s["max_abs_delta_diff_points"] <= 2.0
+    assert configured_summary(rows)["max_abs_delta_diff_points"] <= 2.0

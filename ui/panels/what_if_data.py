@@ -10,6 +10,32 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class ConfiguredPrediction:
+    """The engine as configured, rerun on the trace at several device-tier capacities (engine/lab/kv_replay.py),
+    calibrated so the recorded capacity gives the run's own rates. Per capacity (blocks, ascending): `hit_rate`, the
+    share of counted first reads (each sequence's first read of a block) found on the device tier, what the curves
+    count; `prefix_rate`, prompt tokens served from the prefix cache (the health strip's number and its 75 %
+    target; a block found on the host tier counts); `device_rate`, keys attention read straight from the device
+    tier (the hit-rate chart's blue line). `measured`: the recorded run's three rates (nan: not known)."""
+    policy: str
+    knobs: str  # the knobs it was rerun with (CacheConfig.summary without the budgets)
+    recorded_capacity: int
+    capacities: np.ndarray
+    hit_rate: np.ndarray
+    prefix_rate: np.ndarray
+    device_rate: np.ndarray
+    measured: dict = field(default_factory=dict)
+
+    def at(self, capacity: int, rate: str = "prefix_rate") -> float:
+        """`rate` predicted at `capacity` blocks: linear between the reruns, the nearest end's outside them."""
+        y = np.asarray(getattr(self, rate), dtype=np.float64)
+        ok = np.isfinite(y)
+        if not ok.any():
+            return float("nan")
+        return float(np.interp(capacity, np.asarray(self.capacities)[ok], y[ok]))
+
+
+@dataclass(frozen=True)
 class SavedResult:
     """One KV-cache group's curves as a snapshot carries them (Snapshot.what_if): what the tab draws, without the
     block-size and threshold views when read from a file (saved_only). app/whatif_worker.py's WhatIfResult is this
@@ -29,6 +55,7 @@ class SavedResult:
     group: int = 0
     group_title: str = ""
     saved_only: bool = True
+    configured: ConfiguredPrediction | None = None  # the engine rerun as configured (a live trace of one group)
 
     def saved(self) -> dict:
         """The curves as a snapshot carries them (Snapshot.what_if's per-group entry; engine/telemetry/
