@@ -115,6 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
                          ("--max-new-tokens-cap", args.max_new_tokens_cap, 1 << 20)):
         if not 1 <= v <= top:
             raise ValueError(f"{flag} must be from 1 to {top:,}, got {v}")
+    if not 0.0 < args.rate <= 1000.0:  # also refuses nan
+        raise ValueError(f"--rate must be a number of requests a second in (0, 1000], got {args.rate}")
     if args.plot:
         folder = os.path.dirname(os.path.abspath(args.plot))
         if not os.path.isdir(folder):

@@ -23,10 +23,22 @@ THRESHOLDS = (0.0, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 def add_flags(ap: argparse.ArgumentParser) -> None:
     g = ap.add_argument_group("what-if curves (hit rate against capacity; README: Tuning your cache)")
     g.add_argument("--curve", action="store_true",
-                   help="hit rate against capacity at >= 32 capacities: LRU exact (Mattson stack distances), heat "
-                        "and S3-FIFO by SHARDS-sampled simulation")
+                   help="hit rate against capacity. First the engine as configured: for a trace recorded by this "
+                        "version (its tokens, knobs and capacity are in it), the engine's own scheduler and KV layer "
+                        "rerun on its requests at 1/4 to 8x the recorded device capacity (heat decay on the run's "
+                        "seconds, eviction batches, prefetch, idle demotion, the host tier), calibrated so the "
+                        "recorded capacity gives the run's own rates; three rates each: FIRST READS (each sequence's "
+                        "first read of a block found on the device tier: what the curves count), PREFIX (prompt "
+                        "tokens served from the prefix cache, a block on the host tier included: the health strip's "
+                        "number and its 75%% target) and KEYS READ (keys attention read straight from the device "
+                        "tier: the window's blue hit-rate line). Then each policy alone as a demand-paged cache "
+                        "(first reads): LRU exact (Mattson stack distances), heat and S3-FIFO by SHARDS-sampled "
+                        "simulation, with no batches, prefetch, demotion or host tier")
+    g.add_argument("--no-rerun", action="store_true",
+                   help="--curve without the engine-as-configured reruns (the policy curves only)")
     g.add_argument("--current", type=int, metavar="BLOCKS",
-                   help="the device tier's capacity in blocks to read the curves at (default: where LRU is nearest 50%%)")
+                   help="the device tier's capacity in blocks to read the curves at (default: --capacity's first "
+                        "value, else the capacity the trace was recorded at, else where LRU is nearest 50%%)")
     g.add_argument("--block-mib", type=float, metavar="MIB", help="MiB per block, to say capacities in MiB")
     g.add_argument("--recency", choices=("every", "first"), default="every",
                    help="what moves a block in LRU's order: every read (as the engine's LRU) or only the counted "
@@ -40,8 +52,12 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
     g.add_argument("--thresholds", action="store_true",
                    help="LRU hit rate at --current blocks against the demotion threshold (demote_after_s)")
     g.add_argument("--validate", action="store_true",
-                   help="run 3 built-in workloads on the real engine and compare the curve's prediction at 0.5x, 2x "
-                        "and 4x the device budget with a rerun at that budget (needs no TRACE)")
+                   help="check the engine-as-configured prediction on the real engine (needs no TRACE): a help desk's "
+                        "requests arriving at their times (many in flight), the default knobs with each policy, a "
+                        "base run traced at a budget 2.5x the blocks the running sequences read at once, the "
+                        "prediction from its trace against real reruns at 0.5x, 2x and 4x that budget, on the wall "
+                        "clock (run it on a quiet machine); then the LRU curve against plain-LRU reruns of 3 more "
+                        "workloads")
     g.add_argument("--time", type=int, nargs="?", const=1_000_000, metavar="ACCESSES",
                    help="instead: time the curves (LRU, heat, S3-FIFO) of a synthetic Zipf trace of ACCESSES reads "
                         "(default 1,000,000) and print seconds per policy beside the load average (needs no TRACE)")
@@ -50,6 +66,9 @@ def add_flags(ap: argparse.ArgumentParser) -> None:
                         "Python (the fallback)")
     g.add_argument("--model", help="--validate: the model (default: SmolLM2-135M-Instruct)")
     g.add_argument("--requests", type=int, default=24, help="--validate: requests per workload (default 24)")
+    g.add_argument("--rate", type=float, default=2.0,
+                   help="--validate: the help desk's requests a second (default 2: several in flight on the default "
+                        "model)")
     g.add_argument("--window", type=int, default=2, help="--validate: requests in the engine at once (default 2)")
     g.add_argument("--max-new-tokens-cap", type=int, default=16, help="--validate: cap on generated tokens")
 
@@ -82,6 +101,36 @@ def load_stream(args: argparse.Namespace, group: int = 0):
                          f"{', '.join(map(str, groups_of(trace)))})")
     named = "by contents" if s.content else "by serial (no tokens recorded)"
     return s, f"{args.trace} ({len(trace):,} reads; blocks named {named})", trace, None
+
+
+def _configured(args: argparse.Namespace, trace, current: int, group: int) -> tuple[list[str], dict | None]:
+    """The engine-as-configured lines and JSON (engine/lab/kv_replay.py), or a line saying why there are none."""
+    if trace is None or args.no_rerun or group != 0:
+        return [], None
+    from engine.lab.kv_replay import KVReplay, KVReplayError, configured_lines, default_capacities, knobs_text
+
+    try:
+        replay = KVReplay(trace)
+        if replay.recorded_capacity is None:
+            raise KVReplayError("the trace does not say the device tier's capacity (recorded by an older version)")
+        t0 = time.perf_counter()
+        caps = default_capacities(int(replay.recorded_capacity), current)
+        if getattr(args, "capacity", None):
+            caps = sorted(set(caps) | set(args.capacity))
+        cal = replay.calibrated(caps)
+    except KVReplayError as e:
+        return [f"engine as configured: not predicted ({e})"], None
+    took = time.perf_counter() - t0
+    lines = configured_lines(cal, knobs_text(replay.config), current, args.block_mib)
+    lines.append(f"  ({len(cal.runs)} reruns in {took:.1f} s; a step's time fitted to the recorded steps: "
+                 f"{1e3 * replay.cost.fixed_s:.2f} ms + {1e6 * replay.cost.per_token_s:.1f} us a token + "
+                 f"{1e6 * replay.cost.per_seq_s:.1f} us a sequence)")
+    doc = {"policy": replay.config.policy, "knobs": replay.config.as_dict(), "recorded_capacity": cal.recorded_capacity,
+           "capacities": cal.capacities().tolist(), "measured": cal.measured, "offset": cal.offset,
+           "step_cost": {"fixed_s": replay.cost.fixed_s, "per_token_s": replay.cost.per_token_s,
+                         "per_seq_s": replay.cost.per_seq_s}, "seconds": took,
+           **{rate: cal.predicted(rate).tolist() for rate in cal.RATES}}
+    return lines, _finite(doc)
 
 
 def _curve_table(curves: list[Curve], mib: float | None) -> str:
@@ -180,7 +229,9 @@ def _one_group(args: argparse.Namespace, group: int, several: bool) -> tuple[dic
     curves = policy_curves(stream, caps, policies=policies, decay=decay, seed=args.seed)
     took = time.perf_counter() - t0
     lru = next((c for c in curves if c.policy == "lru"), curves[0])
-    current = args.current or _nearest_half(lru)
+    recorded = ((trace.meta or {}).get("capacity", {}).get("device") if trace is not None else None)
+    current = args.current or (args.capacity[0] if getattr(args, "capacity", None) else None) or recorded or \
+        _nearest_half(lru)
     out: dict = {"trace": source, "group": group, "accesses": int(len(stream.keys)), "counted": int(stream.counted.sum()),
                  "distinct_blocks": stream.distinct, "current": current, "seconds": took,
                  "curves": [{"policy": c.policy, "exact": c.exact, "capacities": c.capacities.tolist(),
@@ -189,7 +240,13 @@ def _one_group(args: argparse.Namespace, group: int, several: bool) -> tuple[dic
     text += [f"{source}: {len(stream.keys):,} accesses, {int(stream.counted.sum()):,} counted (each sequence's first "
             f"read of a block), {stream.distinct:,} distinct blocks; curves in {took:.2f} s",
             _curve_table(curves, args.block_mib)]
-    text += [what_if_line(c, current, args.block_mib, TARGET) for c in curves]
+    conf_lines, conf = _configured(args, trace, current, group)
+    if conf is not None:
+        out["configured"] = conf
+    text += conf_lines
+    text.append("each policy alone (a demand-paged cache of the first reads: no eviction batches, prefetch, idle "
+                "demotion or host tier):")
+    text += ["  " + what_if_line(c, current, args.block_mib, TARGET) for c in curves]
     if args.block_sizes:
         rows = _block_size_rows(args, trace, reqs, group)
         out["block_sizes"] = rows
@@ -255,16 +312,31 @@ def _block_size_rows(args, trace, reqs, group: int = 0) -> list[dict]:
 
 
 def validate(args: argparse.Namespace) -> int:
-    """The predicted-vs-real table for 3 workloads (app/whatif_check.py)."""
-    from app.whatif_check import budget_for_blocks, check_workload, default_workloads, format_rows, run_traced, summary, PLAIN_LRU
+    """The engine-as-configured check (app/whatif_check.py check_as_configured: a help desk, each policy with the
+    default knobs, on the wall clock), then the LRU curve against plain-LRU reruns of 3 workloads."""
+    from app.whatif_check import (budget_for_blocks, check_as_configured, check_workload, configured_summary,
+                                  default_workloads, format_configured, format_rows, run_traced, running_set, summary,
+                                  PLAIN_LRU)
     from engine.config import CacheConfig, EngineOptions
     from engine.model.loader import load_model
+    from engine.workloads.requests import reference_desk
 
     loaded = load_model(args.model)
     options = EngineOptions(attention="auto")
-    base = CacheConfig(block_size=16, host_budget_mb=256.0)
-    rows = []
     t0 = time.perf_counter()
+    desk = reference_desk(args.requests, args.seed, rate_per_s=args.rate, n_docs=max(3, args.requests // 4))
+    configured = []
+    for policy in ("heat", "lru", "s3fifo"):
+        base = CacheConfig(block_size=16, policy=policy)  # every other knob at its default
+        run_traced(loaded, base, options, desk[:4], args.max_new_tokens_cap, None, 0.0)  # kernels loaded
+        sizing, _, _ = run_traced(loaded, base.replace(device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
+                                  options, desk, args.max_new_tokens_cap, None, 1.0)
+        blocks = args.current or int(2.5 * running_set(sizing))
+        cfg = base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
+        configured += check_as_configured(loaded, options, cfg, "desk", desk, cap=args.max_new_tokens_cap)
+        print(f"[validate] desk, {policy}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    rows = []
+    base = CacheConfig(block_size=16, host_budget_mb=256.0)
     for name, reqs in default_workloads(args.seed, args.requests):
         # Base capacity: a quarter of the distinct blocks (the curve's knee is below it on these workloads), but
         # at 0.5x still more than the blocks the running sequences hold at once (below that the tier thrashes on
@@ -272,13 +344,27 @@ def validate(args: argparse.Namespace) -> int:
         trace, _, _ = run_traced(loaded, base.replace(**PLAIN_LRU, device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
                                  options, reqs, args.max_new_tokens_cap, args.window)
         s = stream_of(trace)
-        _, live = np.unique(trace.t, return_counts=True)
-        blocks = args.current or max(int(2.5 * live.max()), s.distinct // 4)
+        blocks = args.current or max(int(2.5 * running_set(trace)), s.distinct // 4)
         cfg = base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
         rows += check_workload(loaded, options, cfg, name, reqs, cap=args.max_new_tokens_cap, window=args.window)
         print(f"[validate] {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(summary(rows)))
+        print(json.dumps(_finite({"configured": configured_summary(configured), **summary(rows)})))
     else:
+        print("the engine as configured (default knobs but the policy), a help desk's requests at their times:")
+        print(format_configured(configured))
+        print()
+        print("the LRU curve against plain-LRU reruns (policy lru, no demotion, no prefetch, two requests at a time):")
         print(format_rows(rows))
     return 0
+
+
+def _finite(x):
+    """x with every float that is not finite as None (JSON has no NaN)."""
+    if isinstance(x, float):
+        return x if np.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x

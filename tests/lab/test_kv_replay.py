@@ -252,3 +252,31 @@ def test_prediction_holds_on_a_help_desk(llama_model, policy, knobs):
     for r in rows:
         assert abs(r.diff_points) <= 2.0 and abs(100 * (r.predicted_prefix - r.real_prefix)) <= 2.0, format_configured(rows)
     assert configured_summary(rows)["max_abs_delta_diff_points"] <= 2.0
+
+
+def test_policy_lab_curve_leads_with_the_engine_as_configured(llama_model, tmp_path, capsys):
+    """`kvscope policy-lab --curve TRACE`: the engine-as-configured reruns first, read at the recorded capacity
+    (or --capacity's first value), each rate named by what it counts; --no-rerun leaves them out."""
+    import json
+
+    from app.policy_lab import main
+
+    trace, e = _run(llama_model, _config(llama_model, 30, policy="s3fifo"), _prompts(20, 4), StepCost(0.01, 0.0005, 0))
+    p = str(tmp_path / "t.npz")
+    trace.save(p)
+    assert main([p, "--curve", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    conf = doc["configured"]
+    assert doc["current"] == 30 == conf["recorded_capacity"] and conf["policy"] == "s3fifo"
+    assert set(conf["capacities"]) >= {8, 15, 30, 60, 120, 240}  # 1/4 .. 8x the recorded capacity
+    at = conf["capacities"].index(30)
+    assert conf["hit_rate"][at] == pytest.approx(real_hit_rate(trace)[0])  # calibrated through the measured point
+    assert conf["prefix_rate"][at] == pytest.approx(e.counters.prefix_hit_rate)
+    assert conf["device_rate"][at] == pytest.approx(e.counters.device_hit_rate)
+    assert main([p, "--curve", "--capacity", "45"]) == 0
+    out = capsys.readouterr().out
+    assert "engine as configured (s3fifo, evict batch 8, prefetch 2, demote after 5 s" in out
+    assert "at 45 blocks: first reads on the device tier" in out and "prompt tokens from the prefix cache" in out
+    assert "at 2x, 90 blocks:" in out and out.index("engine as configured") < out.index("each policy alone")
+    assert main([p, "--curve", "--no-rerun", "--json"]) == 0
+    assert "configured" not in json.loads(capsys.readouterr().out)
