@@ -324,12 +324,13 @@ def validate(args: argparse.Namespace) -> int:
     loaded = load_model(args.model)
     options = EngineOptions(attention="auto")
     t0 = time.perf_counter()
+    roomy = _roomy_blocks(loaded)  # the sizing runs' device tier: everything fits, a quarter of the memory at most
     desk = reference_desk(args.requests, args.seed, rate_per_s=args.rate, n_docs=max(3, args.requests // 4))
     configured = []
     for policy in ("heat", "lru", "s3fifo"):
         base = CacheConfig(block_size=16, policy=policy)  # every other knob at its default
         run_traced(loaded, base, options, desk[:4], args.max_new_tokens_cap, None, 0.0)  # kernels loaded
-        sizing, _, _ = run_traced(loaded, base.replace(device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
+        sizing, _, _ = run_traced(loaded, base.replace(device_budget_mb=budget_for_blocks(loaded, base, roomy)),
                                   options, desk, args.max_new_tokens_cap, None, 1.0)
         blocks = args.current or int(2.5 * running_set(sizing))
         cfg = base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
@@ -341,7 +342,7 @@ def validate(args: argparse.Namespace) -> int:
         # Base capacity: a quarter of the distinct blocks (the curve's knee is below it on these workloads), but
         # at 0.5x still more than the blocks the running sequences hold at once (below that the tier thrashes on
         # its running set, which no cache curve models).
-        trace, _, _ = run_traced(loaded, base.replace(**PLAIN_LRU, device_budget_mb=budget_for_blocks(loaded, base, 1 << 16)),
+        trace, _, _ = run_traced(loaded, base.replace(**PLAIN_LRU, device_budget_mb=budget_for_blocks(loaded, base, roomy)),
                                  options, reqs, args.max_new_tokens_cap, args.window)
         s = stream_of(trace)
         blocks = args.current or max(int(2.5 * running_set(trace)), s.distinct // 4)
@@ -357,6 +358,18 @@ def validate(args: argparse.Namespace) -> int:
         print("the LRU curve against plain-LRU reruns (policy lru, no demotion, no prefetch, two requests at a time):")
         print(format_rows(rows))
     return 0
+
+
+def _roomy_blocks(loaded, block_size: int = 16) -> int:
+    """Device-tier blocks for a run where nothing is evicted: 65,536, or as many as a quarter of the memory holds."""
+    import psutil
+
+    from engine.config import CacheConfig
+    from engine.kv.block_pool import BlockPool
+
+    s = loaded.spec
+    per = BlockPool.bytes_per_block(CacheConfig(block_size=block_size), s.num_layers, s.num_kv_heads, s.head_dim)
+    return max(64, min(1 << 16, psutil.virtual_memory().total // 4 // per))
 
 
 def _finite(x):
