@@ -280,3 +280,23 @@ def test_policy_lab_curve_leads_with_the_engine_as_configured(llama_model, tmp_p
     assert "at 2x, 90 blocks:" in out and out.index("engine as configured") < out.index("each policy alone")
     assert main([p, "--curve", "--no-rerun", "--json"]) == 0
     assert "configured" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_what_if_worker_leads_with_the_engine_as_configured(llama_model):
+    """The window's worker (app/whatif_worker.py): a live trace gets the engine-as-configured prediction, calibrated
+    at the recorded capacity, and its sentences first; a trace it cannot rerun says why instead."""
+    from app.whatif_worker import what_if_result
+
+    trace, e = _run(llama_model, _config(llama_model, 30), _prompts(16, 5), StepCost(0.01, 0.0005, 0))
+    r = what_if_result(trace, 40, 0.25)
+    p = r.configured
+    assert p is not None and p.recorded_capacity == 30 and p.policy == "heat"
+    assert set(p.capacities.tolist()) >= {8, 15, 30, 60, 240, 20, 40, 80, 160}  # recorded's and current's points
+    assert p.at(30, "prefix_rate") == pytest.approx(e.counters.prefix_hit_rate)
+    assert p.at(30, "hit_rate") == pytest.approx(real_hit_rate(trace)[0])
+    assert r.lines[0].startswith("engine as configured (heat (decay 0.9/s)")
+    assert r.lines[1].startswith("  at 40 blocks (10.00 MiB): first reads on the device tier")
+    bare = AccessTrace(trace.t, trace.seq, trace.block, trace.tier, trace.hit)
+    old = what_if_result(bare, 40, 0.25)
+    assert old.configured is None and old.lines[0].startswith("engine as configured: not predicted (this trace has "
+                                                              "no recorded tokens")
