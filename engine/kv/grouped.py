@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
 
 from engine.config import CacheConfig
+from engine.kv.shape import KVShape
 from engine.kv.block_pool import BlockPool, PoolEvent, Tier, blocks_for
 from engine.kv.tiers import chain_hash
 from engine.kv.groups import KVGroupSpec, SeqView, split_config
@@ -34,8 +35,6 @@ from engine.kv.misses import group_summary
 from engine.kv.residency import EventSink, KVCounters, Residency
 from engine.sequence import GroupTable, Sequence
 
-if TYPE_CHECKING:
-    from engine.model.spec import ModelSpec
 
 TAG = 40  # written(seq) tags each lid with its group: lid + (group << TAG)
 NO_BLOCK = -1  # a Match's entry where no group holds every block (a model without full-attention layers)
@@ -120,7 +119,7 @@ class GroupResidency(Residency):
 class GroupedKV:
     """KVManager's interface over one KVManager per group (see the module docstring)."""
 
-    def __init__(self, spec: "ModelSpec", device: torch.device, config: CacheConfig, events: EventSink,
+    def __init__(self, spec: KVShape, device: torch.device, config: CacheConfig, events: EventSink,
                  counters: KVCounters, groups: tuple[KVGroupSpec, ...], context: int, chunk: int):
         assert any(g.window for g in groups) and all(g.window for g in groups[1:])
         self.spec, self.device, self.events, self.counters = spec, device, events, counters

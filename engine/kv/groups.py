@@ -16,16 +16,14 @@ questions over all groups are engine/kv/grouped.py.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from engine.config import CacheConfig
+from engine.kv.shape import KVShape
 from engine.kv.block_pool import BlockPool, blocks_for
 from engine.sequence import GroupTable, Sequence, cached_table
 
-if TYPE_CHECKING:
-    from engine.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ class KVGroupSpec:
         return min(blocks_for(context, block_size), blocks_for(self.live_tokens(context, chunk), block_size) + 1)
 
 
-def kv_groups(spec: "ModelSpec", mode: str = "auto") -> tuple[KVGroupSpec, ...]:
+def kv_groups(spec: KVShape, mode: str = "auto") -> tuple[KVGroupSpec, ...]:
     """The groups of a model: full-attention layers first, then one group per window size (ascending); a model whose
     every layer has one window (Mistral, Phi-3) is one window group. mode "off", or a model whose layers all attend
     without a window: one group of every layer, full attention (a window then only a mask)."""

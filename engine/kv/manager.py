@@ -9,7 +9,6 @@ engine/kv/residency.py.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,11 +16,10 @@ import torch
 from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, PoolEvent, Tier, blocks_for
 from engine.kv.tiers import chain_hash, tier_sizes
 from engine.config import CacheConfig, ConfigError, KVDtype
+from engine.kv.shape import KVShape
 from engine.kv.residency import DEVICE, HOST, EventSink, KVCounters, Residency
 from engine.sequence import Sequence
 
-if TYPE_CHECKING:  # the spec's shape numbers are all the KV layer reads of the model
-    from engine.model.spec import ModelSpec
 
 __all__ = ["KVManager", "CacheFull", "DEVICE", "HOST"]
 
@@ -30,7 +28,7 @@ class KVManager:
     """The pool and what is done to it by sequence: pools, prefix matching, hashing, sharing, re-laying a tail,
     release; `residency` (engine/kv/residency.py) decides where blocks are when a step runs."""
 
-    def __init__(self, spec: "ModelSpec", device: torch.device, config: CacheConfig, events: EventSink,
+    def __init__(self, spec: KVShape, device: torch.device, config: CacheConfig, events: EventSink,
                  counters: KVCounters, layers: tuple[int, ...] | None = None):
         """`layers`: the model layers this pool holds (a KV-cache group's, engine/kv/groups.py); None: all of them."""
         self.spec = spec

@@ -32,6 +32,7 @@ from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, chan
 from engine.errors import RequestError
 from engine.kv.grouped import GroupedKV
 from engine.kv.groups import kv_groups
+from engine.kv.shape import KVShape
 from engine.kv.manager import KVManager
 from engine.model.loader import LoadedModel
 from engine.model.llama_family import LlamaFamily
@@ -94,14 +95,15 @@ class Engine:
         self.telemetry.health.set_bandwidth(weight_bytes(self.model), *peak_bandwidth(self.device, self.model))
         self.seqs: dict[int, Sequence] = {}  # every sequence by id, finished ones until forgotten
         # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
-        self.kv_groups = kv_groups(self.spec, self.options.kv_groups)
+        shape = KVShape.of(self.spec)  # all the KV layer knows of the model
+        self.kv_groups = kv_groups(shape, self.options.kv_groups)
         self.grouped = any(g.window for g in self.kv_groups)  # some group drops what left its window
         self.telemetry.health.titles = [g.title for g in self.kv_groups] if self.grouped else []
         if self.grouped:
-            self.kv = GroupedKV(self.spec, self.device, config, self.telemetry, self.counters, self.kv_groups,
+            self.kv = GroupedKV(shape, self.device, config, self.telemetry, self.counters, self.kv_groups,
                                 self.context_limit, self.options.max_batched_tokens)
         else:  # one pool for every layer, every key kept
-            self.kv = KVManager(self.spec, self.device, config, self.telemetry, self.counters)
+            self.kv = KVManager(shape, self.device, config, self.telemetry, self.counters)
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit)
         # The table's operations: llama.cpp's seq_* calls, the context shift, the lifecycle (engine/runtime/seq_ops.py)
