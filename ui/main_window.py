@@ -28,6 +28,7 @@ from ui.panels.health import HealthStrip
 from ui.panels.charts import HeatPanel, HitRatePanel, MemoryPanel, ResidencyPanel
 from ui.panels.prompt import PromptPanel
 from ui.panels.what_if import WhatIfPanel
+from ui.charts.prediction import PREDICTED_KNOBS, Prediction
 from ui.charts.rates import RateHistory
 
 REFRESH_MS = 66  # ~15 Hz: the engine steps at 10-50 Hz on a CPU, plots need no more
@@ -49,6 +50,12 @@ class MainWindow(QtWidgets.QMainWindow):
         self._fps_n = 0
         self.snapshot: Snapshot | None = None
         self._last_evictions = None
+        # The What if tab's prediction for the device-budget change applied last (ui/charts/prediction.py), kept
+        # until a newer change; _change_n: the number of the last change seen (Snapshot.last_change["n"]);
+        # _stale: the tab's prediction once another knob changed (it reran the trace with the knobs recorded).
+        self.prediction: Prediction | None = None
+        self._change_n: int | None = None
+        self._stale = None
 
         central = QtWidgets.QWidget()
         cl = QtWidgets.QVBoxLayout(central)
@@ -238,6 +245,7 @@ class MainWindow(QtWidgets.QMainWindow):
                 self.events.add_evictions(ev - self._last_evictions)
             self._last_evictions = ev
             self.prompt.stream(self.controller.take_tokens())
+            self._follow_prediction(snap)  # after the engine's events: its config line comes first in the log
         self.frames += 1
         self._fps_n += 1
         now = time.perf_counter()
@@ -245,6 +253,45 @@ class MainWindow(QtWidgets.QMainWindow):
             self.fps = self._fps_n / (now - self._fps_t)
             self._fps_t, self._fps_n = now, 0
         self._status(snap)
+
+    # -- the What if tab's prediction, against what the applied change gave -------------------------------
+    def configured_prediction(self):
+        """The What if tab's prediction of the engine as configured (ConfiguredPrediction), or None."""
+        return next((r.configured for r in self.what_if.results if getattr(r, "configured", None) is not None),
+                    None)
+
+    def _follow_prediction(self, snap: Snapshot) -> None:
+        """A change applied since the last snapshot (Snapshot.last_change, whichever way it was made: a control, a
+        preset, Reset): a device-budget change alone, with the What if tab holding a prediction, gets it read at the
+        new device-tier capacity and marked on the hit-rate chart; any other change ends the mark shown. Each
+        snapshot measures the mark's rates since the change."""
+        last = snap.last_change or {}
+        n = int(last.get("n", 0) or 0)
+        if self._change_n is None or n == self._change_n:  # (the first snapshot: a change from before the window)
+            self._change_n = n
+            if self.prediction is not None and self.prediction.measure(snap.counters):
+                self.hit.show_prediction(snap.t)
+            return
+        self._change_n = n
+        old = self.prediction
+        if old is not None:  # ended by this change: measured up to it, from the counters the engine kept then
+            old.measure(last.get("counters", snap.counters))
+            self.events.add_local("config_whatif", old.outcome_line())
+        self.prediction = None
+        configured = self.configured_prediction()
+        changes = set(last.get("changes", {}))
+        budget_only = bool(changes) and changes <= PREDICTED_KNOBS
+        capacity = next((int(t.capacity) for t in snap.tiers if t.name == "device"), None)
+        if configured is not None and not budget_only:
+            self._stale = configured  # rerun with knobs the engine no longer has
+        elif configured is not None and (configured is self._stale or capacity is None):
+            self.events.add_local("config_whatif", f"no What-if prediction for #{n}: a knob other than the device "
+                                  "budget changed since the What if tab's trace was recorded (record it again)")
+        elif configured is not None:
+            self.prediction = Prediction.of(configured, last, capacity)
+            self.prediction.measure(snap.counters)
+            self.events.add_local("config_whatif", self.prediction.log_line())
+        self.hit.set_prediction(self.prediction, snap.t)
 
     def front_tabs(self) -> list[str]:
         """The tabbed docks whose tab is in front (a screenshot's JSON reopens with the same ones)."""

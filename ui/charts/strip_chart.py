@@ -7,8 +7,10 @@ just the polylines over it. The x axis is "seconds ago" over a span that changes
 (30, 60, 120 s); the y range snaps to round values with hysteresis, so it moves rarely.
 
 Marks (config changes, workload switches: labelled dashed lines; context shifts, preemptions: ticks at the
-bottom) put causes next to their effects. Hovering shows a cursor line, every series' value at that time and
-the marks under the cursor.
+bottom) put causes next to their effects. A prediction (set_prediction: what the What-if tab predicted for an
+applied change) is a line at the change, short dashed levels from it on and a label at the bottom of the plot, so
+the eye compares the predicted levels with the measured lines. Hovering shows a cursor line, every series' value at
+that time and the marks under the cursor.
 """
 
 from __future__ import annotations
@@ -32,6 +34,18 @@ CURSOR = QtGui.QColor(200, 204, 212, 140)
 # or the workload made) or a short tick at the bottom (something the engine did).
 MARK_STYLE = {"config": ("#4fc3f7", True), "workload": ("#aab0b8", True), "context_shift": ("#ffd54f", False),
               "preempt": ("#ff8a65", False), "throughput_drop": ("#ef5350", True)}
+
+
+@dataclass
+class _Prediction:
+    ago: float  # seconds before now of the change it is for
+    levels: list  # (value, colour): the predicted levels
+    parts: list  # (text, colour) runs of the label
+    short: list  # the same, shorter, where the label does not fit
+    tip: str
+
+
+PREDICTION_LINE = QtGui.QColor(224, 224, 224, 170)
 
 
 @dataclass
@@ -77,6 +91,7 @@ class StripChart(QtWidgets.QWidget):
             pen = QtGui.QPen(QtGui.QColor(colour), 1, QtCore.Qt.DashLine if full else QtCore.Qt.SolidLine)
             pen.setCosmetic(True)
             self._mark_pens[kind] = pen
+        self.prediction: _Prediction | None = None
         self._frame: QtGui.QPixmap | None = None
         self._frame_key = None
         self._rect = QtCore.QRectF()
@@ -119,6 +134,15 @@ class StripChart(QtWidgets.QWidget):
         marks = [m for m in marks if m[1] in MARK_STYLE]
         if marks != self.marks:
             self.marks = marks
+            self.update()
+
+    def set_prediction(self, ago: float | None, levels=(), parts=(), short=(), tip: str = "") -> None:
+        """A prediction made for a change `ago` seconds before now (None: no prediction): a line there, each
+        (value, colour) of `levels` as a short dashed line from it to now, and a label of (text, colour) `parts`
+        (`short` where those do not fit) whose tooltip is `tip`."""
+        new = None if ago is None else _Prediction(float(ago), list(levels), list(parts), list(short or parts), tip)
+        if new != self.prediction:
+            self.prediction = new
             self.update()
 
     def heading(self) -> tuple[str, str]:
@@ -324,6 +348,7 @@ class StripChart(QtWidgets.QWidget):
                     if b - a >= 2:
                         self._polyline(p, px[a:b], py[a:b])
         self._paint_marks(p, r)
+        self._paint_prediction(p, r)
         if self._hover_x is not None and r.left() <= self._hover_x <= r.right():
             self._paint_hover(p, r)
         p.end()
@@ -352,6 +377,67 @@ class StripChart(QtWidgets.QWidget):
             p.fillRect(rect, box)
             p.setPen(QtGui.QColor(MARK_STYLE[kind][0]))
             p.drawText(QtCore.QPointF(rect.left() + 2, rect.top() + fm.ascent()), text)
+
+    def _paint_prediction(self, p: QtGui.QPainter, r: QtCore.QRectF) -> None:
+        pred = self.prediction
+        if pred is None:
+            return
+        x = max(self._mark_x(r, pred.ago), r.left())  # a change older than the span: its levels fill the plot
+        if pred.ago >= -self.span:
+            pen = QtGui.QPen(PREDICTION_LINE, 1)
+            pen.setCosmetic(True)
+            p.setPen(pen)
+            p.drawLine(QtCore.QPointF(x, r.top()), QtCore.QPointF(x, r.bottom()))
+        for value, colour in pred.levels:
+            # A wide, translucent dash: apart from the thin dashed cumulative lines of the same colour, which a
+            # steady workload puts at the same level, and from the measured lines it is read against.
+            c = QtGui.QColor(colour)
+            c.setAlpha(150)
+            pen = QtGui.QPen(c, 4)
+            pen.setCosmetic(True)
+            pen.setCapStyle(QtCore.Qt.FlatCap)
+            pen.setDashPattern([2, 1])  # in pen widths: 8 px on, 4 off
+            p.setPen(pen)
+            py = self._y_to_px(r, value)
+            p.drawLine(QtCore.QPointF(x, py), QtCore.QPointF(r.right(), py))
+        got = self.prediction_label(r)
+        if got is None:
+            return
+        box, parts = got
+        fill = QtGui.QColor(BG)
+        fill.setAlpha(235)
+        p.fillRect(box, fill)
+        p.setFont(self._font)
+        fm = QtGui.QFontMetrics(self._font)
+        tx = box.left() + 2
+        for text, colour in parts:
+            p.setPen(QtGui.QColor(colour))
+            p.drawText(QtCore.QPointF(tx, box.top() + fm.ascent()), text)
+            tx += fm.horizontalAdvance(text)
+
+    def prediction_label(self, r: QtCore.QRectF | None = None) -> tuple[QtCore.QRectF, list] | None:
+        """(box, (text, colour) runs) of the prediction's label: in the plot's bottom row above the engine's ticks,
+        right of the change's line, else left of it, else at the plot's right edge; the short form where the long
+        one does not fit the plot. None without a prediction or where neither fits."""
+        pred = self.prediction
+        if pred is None:
+            return None
+        r = self._rect if r is None else r
+        fm = QtGui.QFontMetrics(self._font)
+        x = max(self._mark_x(r, pred.ago), r.left())
+        top = r.bottom() - 9 - self._line_h  # above the 7-pixel ticks of context shifts and preemptions
+        for parts in (pred.parts, pred.short):
+            w = sum(fm.horizontalAdvance(t) for t, _ in parts) + 4
+            if w > r.width():
+                continue
+            left = x + 2 if x + 2 + w <= r.right() else (x - 2 - w if x - 2 - w >= r.left() else r.right() - w)
+            return QtCore.QRectF(left, top, w, self._line_h), parts
+        return None
+
+    def prediction_text(self) -> str:
+        """The prediction's label as drawn ("" where there is none or it does not fit)."""
+        got = self.prediction_label()
+        return "" if got is None else "".join(t for t, _ in got[1])
 
     def mark_labels(self, r: QtCore.QRectF | None = None) -> list[tuple[QtCore.QRectF, str, str]]:
         """(box, text, kind) of each label drawn for the labelled marks (ui/charts/mark_labels.py)."""
@@ -385,6 +471,8 @@ class StripChart(QtWidgets.QWidget):
             text = tick_label(v, 0.001 if abs(v) < 10 else 1) if self.value_format is None else self.value_format(v)
             lines.append(f"{s.label}: " + ("no data" if math.isnan(v) else text))
         lines += [f"▲ {label}" for label in self.marks_near(hx)]
+        if self.prediction is not None and ago >= self.prediction.ago:
+            lines.append("◆ " + "".join(t for t, _ in self.prediction.parts))
         p.setClipping(False)
         p.setFont(self._font)
         fm = QtGui.QFontMetrics(self._font)
@@ -410,7 +498,14 @@ class StripChart(QtWidgets.QWidget):
         return super().event(event)
 
     def legend_tip(self, pos: QtCore.QPointF) -> str:
-        """The tooltip of the legend entry under pos (widget coordinates), or ""."""
+        """The tooltip of the legend entry under pos (widget coordinates), or the prediction's under its label or
+        near its line, or ""."""
+        if self.prediction is not None and self.prediction.tip:
+            got = self.prediction_label()
+            near = abs(pos.x() - max(self._mark_x(self._rect, self.prediction.ago), self._rect.left())) <= 3 and \
+                self._rect.top() <= pos.y() <= self._rect.bottom()
+            if near or (got is not None and got[0].contains(pos)):
+                return self.prediction.tip
         for s, rect in zip(self.series.values(), self.legend_rects()):
             if rect.contains(pos):
                 return f"{s.label}: {s.tip}" if s.tip else ""

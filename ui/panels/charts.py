@@ -16,6 +16,7 @@ from PySide6 import QtCore, QtWidgets
 from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import SERIES_LEN, SERIES_PERIOD_S, WINDOW_S
 from ui.panels import kv_cost
+from ui.charts.prediction import Prediction
 from ui.charts.rates import MEANING, RateHistory
 from ui.charts.strip_chart import StripChart
 
@@ -62,12 +63,14 @@ class HitRatePanel(QtWidgets.QWidget):
     """Device and prefix hit rate (windowed and cumulative), and evictions/migrations per second beneath.
 
     The values come from a RateHistory (ui/charts/rates.py) the window feeds from every snapshot: "no data" is a
-    gap in a line, never a 0."""
+    gap in a line, never a 0. `prediction` (ui/charts/prediction.py, set by the window): what the What if tab
+    predicted for the device-budget change applied last, marked on the rates chart beside what was measured since."""
 
     def __init__(self, rates: RateHistory | None = None):
         super().__init__()
         self.history = rates if rates is not None else RateHistory()
         self.drawn: dict[str, np.ndarray] = {}
+        self.prediction: Prediction | None = None
         lay = QtWidgets.QVBoxLayout(self)
         lay.setContentsMargins(2, 2, 2, 2)
         self.rates = StripChart("Hit rate", "rate", span_s=SPAN_S, y_range=(0.0, 1.0),
@@ -100,12 +103,27 @@ class HitRatePanel(QtWidgets.QWidget):
                 chart.set_marks(marks)
                 chart.set_data(x, {k: series[k] for k in chart.series if k in series})
         if part in ("all", "rates"):
+            self.show_prediction(snap.t)
             sx, sy = kv_cost.shadow_points(snap, self.shadow)
             flips = snap.series.get("shadow_flip_rate", np.full(len(sx), np.nan))
             self.rates.series["shadow_flip_rate"].x, self.rates.series["shadow_flip_rate"].y = sx, flips
             self.shadow.set_note(kv_cost.note(snap))
             self.shadow.set_marks(marks)
             self.shadow.set_data(sx, sy)
+
+
+    def set_prediction(self, prediction: Prediction | None, snap_t: float | None = None) -> None:
+        """Keep `prediction` (None: none) on the rates chart; drawn now if snap_t (the snapshot's time) is given."""
+        self.prediction = prediction
+        if snap_t is not None or prediction is None:
+            self.show_prediction(snap_t)
+
+    def show_prediction(self, snap_t: float | None) -> None:
+        p = self.prediction
+        if p is None or snap_t is None:
+            self.rates.set_prediction(None)
+            return
+        self.rates.set_prediction(p.t - snap_t, p.levels(), p.parts(), p.short_parts(), p.tip())
 
 
 class MemoryPanel(QtWidgets.QWidget):
