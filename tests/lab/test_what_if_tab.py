@@ -43,6 +43,13 @@ def test_record_compute_and_draw(qtbot, llama_model):
     assert np.nanmax(lru[2]) > 0  # the later requests reuse the shared prefix
     assert r.current_blocks == runner.engine.pool.sizes.dev_cap
     assert "2× budget:" in panel.text.text()
+    # the engine as configured leads: drawn as its own curve through the measured point, its sentences first
+    conf = r.configured
+    assert conf is not None and conf.recorded_capacity == r.current_blocks
+    drawn = [item for item in panel.plot.listDataItems() if item.name() == "engine as configured"]
+    assert len(drawn) == 1 and len(drawn[0].xData) == int(np.isfinite(conf.hit_rate).sum()) >= 8
+    assert panel.text.text().index("engine as configured") < panel.text.text().index("2× budget:")
+    assert "PREFIX, the prompt tokens served from the prefix cache" in panel.plot.toolTip()
     assert r.block_sizes and [b for b, _, _ in r.block_sizes] == [8, 16, 32, 64]
     for i in (1, 2):
         panel.view.setCurrentIndex(i)

@@ -22,7 +22,17 @@ COLOURS = {"lru": "#4e9be6", "s3fifo": "#5cc96b", "heat": "#f0a040"}
 SIZE_COLOURS = ("#c678dd", "#4e9be6", "#5cc96b", "#f0a040", "#e06c75")
 VIEWS = ("vs capacity", "vs block size", "vs demote after")
 
-COUNTED = ("Hit rate here = the share of counted reads that find their block already cached on the device tier. "
+CONFIGURED_COLOUR = "#ffffff"
+CONFIGURED = ("Engine as configured (white, thick; dots: its reruns): the engine's own scheduler and KV layer rerun on "
+              "the trace's requests at each capacity, with the knobs it was recorded with (eviction batches, heat "
+              "decay on the run's seconds, prefetch, idle demotion, the host tier), calibrated so the recorded "
+              "capacity gives the run's own rates. Drawn: FIRST READS, as the policy curves count. Its sentences "
+              "also give PREFIX, the prompt tokens served from the prefix cache (a block found on the host tier "
+              "counts: the health strip's number and its 75 % target, the Hit rate chart's orange line), and KEYS "
+              "READ, the keys attention read straight from the device tier (the Hit rate chart's blue line). Apply "
+              "a device budget and the Hit rate chart keeps the prediction for it beside what is measured.\n\n")
+COUNTED = CONFIGURED + (
+           "Hit rate here = the share of counted reads that find their block already cached on the device tier. "
            "Counted: each sequence's first read of each block (the reads a cache can win or lose: a running "
            "sequence's later reads of its own blocks hit under any policy, the engine pins them). A block is "
            "named by its tokens, so one evicted and recomputed is the same block. LRU is exact at every capacity "
@@ -218,10 +228,19 @@ class WhatIfPanel(QtWidgets.QWidget):
                 colour = COLOURS.get(label.split("(")[0], "#c8ccd4")
                 p.plot(caps * scale, 100 * np.asarray(hit), pen=pg.mkPen(colour, width=2 if exact else 1.5),
                        name=label)
+            conf = getattr(r, "configured", None)
+            if conf is not None:
+                ok = np.isfinite(np.asarray(conf.hit_rate, dtype=float))
+                p.plot(np.asarray(conf.capacities)[ok] * scale, 100 * np.asarray(conf.hit_rate)[ok],
+                       pen=pg.mkPen(CONFIGURED_COLOUR, width=3), symbol="o", symbolSize=5,
+                       symbolBrush=CONFIGURED_COLOUR, name="engine as configured")
             p.addItem(pg.InfiniteLine(pos=_log(r.current_blocks * scale), angle=90,
                                       pen=pg.mkPen("#e0e0e0", width=1, style=QtCore.Qt.DotLine)))
             key = " ".join(f"<span style='color:{COLOURS.get(lab.split('(')[0], '#c8ccd4')}'>&#9632;</span> "
                            f"{html.escape(lab)}{'' if ex else ' ~'}" for lab, _, _, ex in r.curves)
+            if conf is not None:
+                key = (f"<span style='color:{CONFIGURED_COLOUR}'>&#9632;</span> engine as configured "
+                       f"({html.escape(conf.policy)}; first reads) &nbsp; " + key + " (each policy alone, first reads)")
             lines = "<br>".join(html.escape(x) for x in r.lines)
             self._say(f"{key} &nbsp; dotted: now ({r.current_blocks:,} blocks)<br>{lines}<br>"
                       f"<small>{head}</small>")
