@@ -121,6 +121,21 @@ def llama_model(tiny_llama):
     return load_model(tiny_llama)
 
 
+@pytest.fixture
+def runner(llama_model):
+    """A started EngineRunner on the tiny Llama, for the window tests: small pools (block size 4, 0.3 MiB device,
+    1 MiB host) so that a test's few prompts fill, evict and migrate; stopped after the test."""
+    from app.runner import EngineRunner
+    from engine.config import CacheConfig, EngineOptions
+    from engine.runtime.engine import Engine
+
+    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.3, host_budget_mb=1),
+                 EngineOptions(context_limit=256))
+    r = EngineRunner(eng).start()
+    yield r
+    r.stop()
+
+
 class Reference:
     """transformers' greedy `generate` on the same directory: the ground truth for fp32 KV."""
 

@@ -25,6 +25,9 @@ class StepClock:
     def __call__(self) -> float:
         return self.now
 
+    def advance(self, tokens: int, seqs: int) -> None:
+        self.now += self.cost(tokens, seqs)
+
 
 def _prompts(n: int, seed: int) -> list[tuple[float, list[int], int]]:
     """(arrival s, prompt ids, new tokens): three shared prefixes of 40 tokens, each prompt its own tail; every fourth
@@ -40,11 +43,12 @@ def _prompts(n: int, seed: int) -> list[tuple[float, list[int], int]]:
     return out
 
 
-def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptions | None = None):
-    """The engine itself on `reqs`, arrivals by a StepClock: (trace, engine)."""
+def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptions | None = None,
+         clock: StepClock | None = None):
+    """The engine itself on `reqs`, arrivals by a StepClock (or `clock`): (trace, engine)."""
     from engine.runtime.engine import Engine
 
-    clock = StepClock(cost)
+    clock = clock or StepClock(cost)
     e = Engine(loaded, config, options or EngineOptions(attention="cpu", max_batch=6), clock=clock)
     e.start_trace()
     i = 0
@@ -58,7 +62,7 @@ def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptio
             continue
         before = e.kv.trace.steps
         e.step()
-        clock.now += cost(e.kv.trace.step_tokens(before), e.kv.trace.step_seqs(before))
+        clock.advance(e.kv.trace.step_tokens(before), e.kv.trace.step_seqs(before))
     return e.stop_trace(), e
 
 
@@ -180,25 +184,8 @@ class JitterClock(StepClock):
 
 
 def _run_jittered(loaded, config: CacheConfig, reqs, cost: StepCost, seed: int):
-    """_run with a JitterClock: the engine itself, arrivals as they come, each step's time noisy."""
-    from engine.runtime.engine import Engine
-
-    clock = JitterClock(cost, seed)
-    e = Engine(loaded, config, EngineOptions(attention="cpu"), clock=clock)
-    e.start_trace()
-    i = 0
-    while i < len(reqs) or e.has_work():
-        while i < len(reqs) and reqs[i][0] <= clock.now:
-            e.add_request(reqs[i][1], SamplingParams(max_new_tokens=reqs[i][2], ignore_eos=True),
-                          waited_s=clock.now - reqs[i][0])
-            i += 1
-        if not e.has_work():
-            clock.now = reqs[i][0]
-            continue
-        before = e.kv.trace.steps
-        e.step()
-        clock.advance(e.kv.trace.step_tokens(before), e.kv.trace.step_seqs(before))
-    return e.stop_trace(), e
+    """_run with a JitterClock: each step's time noisy; max_batch 16 (the default)."""
+    return _run(loaded, config, reqs, cost, EngineOptions(attention="cpu"), JitterClock(cost, seed))
 
 
 @pytest.mark.slow

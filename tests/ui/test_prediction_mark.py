@@ -22,15 +22,6 @@ from ui.panels.what_if_data import ConfiguredPrediction, SavedResult  # noqa: E4
 
 
 @pytest.fixture
-def runner(llama_model):
-    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.3, host_budget_mb=1),
-                 EngineOptions(context_limit=256))
-    r = EngineRunner(eng).start()
-    yield r
-    r.stop()
-
-
-@pytest.fixture
 def window(qtbot, runner):
     from ui.main_window import MainWindow
 

@@ -19,15 +19,6 @@ pytest.importorskip("PySide6")
 
 
 @pytest.fixture
-def runner(llama_model):
-    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.3, host_budget_mb=1),
-                 EngineOptions(context_limit=256))
-    r = EngineRunner(eng).start()
-    yield r
-    r.stop()
-
-
-@pytest.fixture
 def window(qtbot, runner):
     from ui.main_window import MainWindow
 
