@@ -158,6 +158,9 @@ class Engine:
         check_token_ids(prompt_ids, self.spec.vocab_size)
         if not isinstance(sampling, SamplingParams):
             raise RequestError("sampling must be SamplingParams")
+        bad = next((t for t in sampling.forced if t >= self.spec.vocab_size), None)
+        if bad is not None:  # a forced token is fed back as the next input: it must embed
+            raise RequestError(f"forced token {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
         self.ops.check_fits(len(prompt_ids), sampling.max_new_tokens)
         return [int(t) for t in prompt_ids]
 

@@ -84,6 +84,11 @@ def test_forced_tokens_are_what_the_engine_emits(llama_model):
     assert tuple(free[0]) != forced  # the model's own greedy tokens differ: the forcing is what made them
     with pytest.raises(Exception, match="forced"):
         SamplingParams(forced=(1, -2))
+    from engine.errors import RequestError
+
+    with pytest.raises(RequestError, match="forced token 49152 is outside the vocabulary"):
+        e.add_request([3, 4], SamplingParams(max_new_tokens=2, forced=(7, 49152)))
+    assert not e.has_work()  # refused before anything was queued
 
 
 def test_a_trace_carries_what_a_rerun_needs(llama_model, tmp_path):
