@@ -127,15 +127,6 @@ def window_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def announce_machine(args) -> None:
-    """Every figure names its machine: `kvscope bench` prints the machine's line before its figures (stderr with
-    --json) and keeps it in args.machine for the JSON (engine/runtime/machine.py)."""
-    from engine.runtime import machine
-
-    args.machine = machine.describe(getattr(args, "device", None) or "cpu")
-    print(machine.line(args.machine), file=sys.stderr if getattr(args, "json", False) else sys.stdout, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "attach":  # before the engine imports below: attach needs no torch
@@ -172,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
                   "FILE.jsonl", file=sys.stderr)
             return 2
     if args.cmd == "bench" and not (args.workload or args.trace):  # (a replay says it after reading its input)
+        from app.bench.machine_line import announce_machine
+
         announce_machine(args)
     try:
         if args.cmd == "generate":

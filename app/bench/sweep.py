@@ -241,7 +241,7 @@ def run_sweep(args: argparse.Namespace) -> int:
     except (ConfigError, RequestError, OSError) as e:
         print(f"kvscope: error: {e}", file=sys.stderr)
         return 2
-    from app.cli import announce_machine
+    from app.bench.machine_line import announce_machine
 
     announce_machine(args)  # the input read and checked: now the figures' machine
     from app.commands import open_engine
