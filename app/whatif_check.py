@@ -166,10 +166,10 @@ def format_configured(rows: list[ConfiguredRow]) -> str:
         lines.append(f"{r.workload:<16}{r.policy:>8}{r.factor:>7g}×{r.capacity:>8,}{100 * r.predicted:>13.1f}"
                      f"{100 * r.real:>9.1f}{r.diff_points:>+7.1f}{100 * r.predicted_prefix:>15.1f}"
                      f"{100 * r.real_prefix:>15.1f}{r.counted:>7,}{r.in_flight:>10}")
-    for key, d in configured_summary(rows)["deltas"].items():
+    s = configured_summary(rows)
+    for key, d in s["deltas"].items():
         lines.append(f"{key}: at 2x predicted {d['predicted']:+.1f} points, rerun {d['real']:+.1f} "
                      f"(off by {d['diff']:+.1f})")
-    s = configured_summary(rows)
     lines.append(f"largest |predicted - real| at the other budgets: {s['max_abs_diff_points']:.1f} points; "
                  f"largest |2x delta predicted - rerun|: {s['max_abs_delta_diff_points']:.1f} points")
     return "\n".join(lines)

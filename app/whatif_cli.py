@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from engine.lab.mrc import Curve, curve_capacities, what_if_line
+from engine.telemetry.health import json_safe
 from engine.lab.whatif import BLOCK_SIZES, Stream, block_size_curves, groups_of, policy_curves, stream_of, threshold_curve
 
 TARGET = 0.75  # the seeds' monitoring target: device hit rate >= 75 %
@@ -130,7 +131,7 @@ def _configured(args: argparse.Namespace, trace, current: int, group: int) -> tu
            "step_cost": {"fixed_s": replay.cost.fixed_s, "per_token_s": replay.cost.per_token_s,
                          "per_seq_s": replay.cost.per_seq_s}, "seconds": took,
            **{rate: cal.predicted(rate).tolist() for rate in cal.RATES}}
-    return lines, _finite(doc)
+    return lines, json_safe(doc)
 
 
 def _curve_table(curves: list[Curve], mib: float | None) -> str:
@@ -350,7 +351,7 @@ def validate(args: argparse.Namespace) -> int:
         rows += check_workload(loaded, options, cfg, name, reqs, cap=args.max_new_tokens_cap, window=args.window)
         print(f"[validate] {name}: done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     if args.json:
-        print(json.dumps(_finite({"configured": configured_summary(configured), **summary(rows)})))
+        print(json.dumps(json_safe({"configured": configured_summary(configured), **summary(rows)})))
     else:
         print("the engine as configured (default knobs but the policy), a help desk's requests at their times:")
         print(format_configured(configured))
@@ -371,13 +372,3 @@ def _roomy_blocks(loaded, block_size: int = 16) -> int:
     per = BlockPool.bytes_per_block(CacheConfig(block_size=block_size), s.num_layers, s.num_kv_heads, s.head_dim)
     return max(64, min(1 << 16, psutil.virtual_memory().total // 4 // per))
 
-
-def _finite(x):
-    """x with every float that is not finite as None (JSON has no NaN)."""
-    if isinstance(x, float):
-        return x if np.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
