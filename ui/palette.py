@@ -82,6 +82,7 @@ REF_NAMES = ("ref 1", "ref 2", "ref 3", "ref 4+")
 # -- continuous maps (pyqtgraph ships the matplotlib maps) ---------------------------------------
 COLORMAPS = {"heat": ("inferno", 0.12, 1.0), "age": ("viridis", 1.0, 0.0), "fill": ("plasma", 0.0, 0.95),
              "kv error": ("cividis", 0.0, 1.0)}
+ERROR_RANGE = (1e-4, 1.0)  # the "kv error" mode's colour bar: 0.01 % to 100 % relative RMS error
 
 
 @functools.lru_cache(maxsize=64)

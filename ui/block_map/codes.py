@@ -27,9 +27,6 @@ def _nice_ceil(v: float) -> float:
     return 10 * e
 
 
-ERROR_RANGE = (1e-4, 1.0)  # the "kv error" mode's colour bar: 0.01 % to 100 % relative RMS error
-
-
 class BlockCodes:
     """The code image (rows × cols uint8) of one grid layout, redrawn from a snapshot for a mode and a selection.
 
@@ -139,7 +136,7 @@ class BlockCodes:
         self._free_override(t, dst)
 
     def _draw_kv_error(self, t: TierSnapshot, dst: np.ndarray) -> None:
-        """The larger of the block's K and V error on a fixed log scale (ERROR_RANGE, so formats compare);
+        """The larger of the block's K and V error on a fixed log scale (palette.ERROR_RANGE, so formats compare);
         NO_DATA_CODE where a used block was not measured."""
         n = dst.size
         x, m = self._f32[:n], self._m[:n]
@@ -147,7 +144,7 @@ class BlockCodes:
             x.fill(np.nan)
         else:
             np.fmax(t.kerr, t.verr, out=x)  # NaN only where both are
-        lo, hi = ERROR_RANGE
+        lo, hi = pal.ERROR_RANGE
         np.isnan(x, out=m)
         np.fmax(x, np.float32(lo), out=x)  # NaN (no data) to lo: drawn over below
         self._draw_log(x, lo, hi, dst)

@@ -14,7 +14,6 @@ import numpy as np
 
 from engine.telemetry.snapshot import Snapshot, TierSnapshot
 from ui import palette as pal
-from ui.block_map.codes import ERROR_RANGE
 from ui.charts.strip_chart import StripChart
 
 ERROR_MEANING = ("relative RMS error ‖x − x̂‖ / ‖x‖ of a token's stored K (or V) against what the model computed, "
@@ -48,7 +47,7 @@ def error_lines(t: TierSnapshot, slot: int, kv_dtype: str) -> list[str]:
 
 def error_legend(kv_dtype: str) -> list[tuple]:
     """The "kv error" mode's legend items (block_legend._Legend)."""
-    lo, hi = ERROR_RANGE
+    lo, hi = pal.ERROR_RANGE
     ticks = [(0.0, f"{100 * lo:g} %"), (0.5, f"{100 * (lo * hi) ** 0.5:g} %"), (1.0, f"{100 * hi:g} %")]
     items = [("ramp", pal.ramp("kv error"), ticks, "K/V error")]
     if kv_dtype == "fp32":
