@@ -8,7 +8,7 @@ from PySide6.QtCore import Qt
 
 from engine.telemetry.snapshot import SeqTable, Snapshot, TierSnapshot
 from ui import palette as pal
-from ui.block_map.grid import grid_layout
+from ui.block_map.grid import GridLayout, grid_layout
 from ui.block_map.widget import MODES, BlockMap
 from ui.block_map.bench import bench_block_map, fake_snapshot
 
@@ -208,6 +208,18 @@ def test_capacity_change_relays_the_grid(bm):
     assert bm.block_at(0.5, lay.tops[1] + 0.5) == (1, 0)
     assert bm.block_at(5.5, lay.tops[1] + 0.5) is None  # beyond the host tier's 5 slots
     assert bm.block_at(0.5, lay.tops[1] - 0.5) is None  # the gap
+
+
+def test_grid_at_is_the_tier_and_slot_under_a_point():
+    """GridLayout.at, which both block maps hit-test with: a tier's slots row-major, nothing in the gap, past a tier's
+    last slot or outside the columns."""
+    lay = GridLayout(cols=4, capacities=(6, 3), tops=(0, 3), rows=(2, 1), gap=1, height=4)
+    assert lay.at(0.0, 0.0) == (0, 0) and lay.at(3.9, 0.5) == (0, 3) and lay.at(1.5, 1.2) == (0, 5)
+    assert lay.at(2.5, 1.5) is None  # row 1 holds slots 4 and 5 only
+    assert lay.at(0.5, 2.5) is None  # the gap
+    assert lay.at(2.5, 3.5) == (1, 2) and lay.at(3.5, 3.5) is None
+    assert lay.at(-0.1, 0.5) is None and lay.at(4.0, 0.5) is None and lay.at(0.5, -0.5) is None
+    assert lay.at(0.5, 4.0) is None  # below the last tier
 
 
 def test_grid_layout_follows_aspect():

@@ -219,14 +219,7 @@ class AttachMap(QWidget):
     def cell_at(self, x: float, y: float) -> tuple[int, int] | None:
         """(group index, cell) at view coordinates, or None."""
         lay = self._cells.layout
-        if lay is None or self._snap is None or not (0 <= x < lay.cols):
-            return None
-        col, row = int(x), math.floor(y)
-        for i, (top, n) in enumerate(zip(lay.tops, lay.rows)):
-            if top <= row < top + n:
-                cell = (row - top) * lay.cols + col
-                return (i, cell) if cell < lay.capacities[i] else None
-        return None
+        return None if lay is None or self._snap is None else lay.at(x, y)
 
     def tooltip_for(self, group: int, cell: int) -> str:
         g = self._snap.groups[group]

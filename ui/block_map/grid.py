@@ -28,6 +28,18 @@ class GridLayout:
         """Flat index of each tier's slot 0."""
         return tuple(t * self.cols for t in self.tops)
 
+    def at(self, x: float, y: float) -> tuple[int, int] | None:
+        """(tier, slot) of the cell at image coordinates (x: column, y: row), or None outside every tier's slots
+        (left or right of the grid, in a gap, past a tier's last slot)."""
+        if not 0 <= x < self.cols:
+            return None
+        col, row = int(x), math.floor(y)
+        for i, (top, n) in enumerate(zip(self.tops, self.rows)):
+            if top <= row < top + n:
+                slot = (row - top) * self.cols + col
+                return (i, slot) if slot < self.capacities[i] else None
+        return None
+
 
 def grid_layout(capacities: tuple[int, ...], aspect: float, label_share: float = 0.0) -> GridLayout:
     """Columns chosen so the whole map (gaps and label band included) is about `aspect` wide per unit tall.

@@ -12,7 +12,6 @@ ui/block_map/bench.py.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
@@ -193,15 +192,7 @@ class BlockMap(QWidget):
 
     def block_at(self, x: float, y: float) -> tuple[int, int] | None:
         """(tier, slot) of the cell at view coordinates (x: column, y: row), or None."""
-        lay = self._layout
-        if lay is None or not (0 <= x < lay.cols):
-            return None
-        col, row = int(x), math.floor(y)
-        for i, (top, n) in enumerate(zip(lay.tops, lay.rows)):
-            if top <= row < top + n:
-                slot = (row - top) * lay.cols + col
-                return (i, slot) if slot < lay.capacities[i] else None
-        return None
+        return None if self._layout is None else self._layout.at(x, y)
 
     def cell_rect(self, tier: int, slot: int) -> QRectF:
         lay = self._layout
