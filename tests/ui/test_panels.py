@@ -33,7 +33,7 @@ def app_style(qapp):
 
 def _knob(qtbot, name: str, value, width: int = 230):
     """A knob control as wide as in the Controls dock (its label takes the rest), showing `value`."""
-    from ui.panels.controls import KnobControl
+    from ui.panels.knob import KnobControl
 
     c = KnobControl(KNOBS[name])
     qtbot.addWidget(c)
@@ -106,7 +106,7 @@ def test_arrow_keys_step_one_stop_and_a_typed_value_is_kept(qtbot, app_style):
     c.show_value(5)
     assert c.stops[c.slider.value()] == 4 and c.spin.value() == 5
     # Every stop is inside the knob's range, for every slider.
-    from ui.panels.controls import slider_stops
+    from ui.panels.knob import slider_stops
 
     for knob in KNOBS.values():
         if not knob.choices:
@@ -280,7 +280,7 @@ def test_a_budget_says_what_it_counts_mib_whether_the_knob_says_mb_or_mib(qtbot,
     so (engine.config's unit for it goes from "MB" to "MiB"; either is shown as MiB, on the same log scale)."""
     import dataclasses
 
-    from ui.panels.controls import KnobControl, slider_stops
+    from ui.panels.knob import KnobControl, slider_stops
 
     knob = dataclasses.replace(KNOBS["device_budget_mb"], unit=unit)
     c = KnobControl(knob)

@@ -7,7 +7,7 @@ import html
 import numpy as np
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from ui.panels.controls import SPIN_ARROWS
+from ui.panels.knob import SPIN_ARROWS
 
 
 class PromptPanel(QtWidgets.QWidget):
