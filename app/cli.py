@@ -110,10 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay a recorded block-access trace through eviction policies, against Belady's OPT")
     sub.add_parser("attach", add_help=False,
                    help="draw the KV caches of running vLLM / SGLang servers live (KV events + /metrics), read-only")
+    sub.add_parser("help", add_help=False, help="print a reference topic of the manual (kvscope help lists them)")
     return ap
 
 
-SUBCOMMANDS = ("generate", "info", "bench", "policy-lab", "attach")
+SUBCOMMANDS = ("generate", "info", "bench", "policy-lab", "attach", "help")
 
 
 def window_parser() -> argparse.ArgumentParser:
@@ -133,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         from app.attach import main as attach_main
 
         return attach_main(argv[1:])
+    if argv and argv[0] == "help":  # reads assets/help/ only: no engine import
+        from app.help import main as help_main
+
+        return help_main(argv[1:])
     from engine.config import ConfigError
     from engine.errors import RequestError
     from engine.model.loader import ModelLoadError
