@@ -16,9 +16,10 @@ from typing import Any
 from engine.config import KNOBS, CacheConfig, ConfigError
 from engine.errors import RequestError
 from engine.runtime.threads import follow_torch
+from ui.controller import Controller
 
 
-class EngineRunner:
+class EngineRunner(Controller):
     def __init__(self, engine, workload=None):
         self.engine = engine
         self.workload = workload

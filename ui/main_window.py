@@ -19,6 +19,7 @@ from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import SERIES_LEN
 from ui import dock_layout
 from ui.block_map.groups import GroupMaps
+from ui.controller import Controller, SnapshotController
 from ui.panels.controls import ControlsPanel
 from ui.panels.lists import EventsPanel, SequencesPanel
 from ui.panels.cost import CostPanel
@@ -37,7 +38,7 @@ STATE_VERSION = 5  # dock layouts saved by older versions (another arrangement) 
 
 
 class MainWindow(QtWidgets.QMainWindow):
-    def __init__(self, controller, settings: QtCore.QSettings | None = None, confirm_lossy=None):
+    def __init__(self, controller: Controller, settings: QtCore.QSettings | None = None, confirm_lossy=None):
         super().__init__()
         self.controller = controller
         self.settings = settings
@@ -503,81 +504,6 @@ class EngineClockRates:
         own = t >= self.history.first_t  # (before it: the engine's own samples, on its clock already)
         t[own] = np.interp(t[own], np.asarray(self._wall), np.asarray(self._engine))
         return out | {"t": t}
-
-
-class SavedRates:
-    """The rates' lines a saved window drew (a screenshot's extra["rates"]), handed back as they were, so a reopened
-    snapshot draws the same lines; rebuilt from the engine's own series they would differ (the window samples
-    the counters at every refresh, the engine only when it steps)."""
-
-    def __init__(self, series: dict):
-        self._series = {k: np.asarray(v, dtype=np.float64) for k, v in series.items()}
-
-    def series(self, engine_series: dict | None = None) -> dict[str, np.ndarray]:
-        return dict(self._series)
-
-    def latest(self) -> dict[str, float]:
-        return {k: float(v[-1]) if len(v) else math.nan for k, v in self._series.items() if k != "t"}
-
-    def observe(self, t: float, counters: dict) -> bool:
-        return False
-
-
-class SnapshotController:
-    """A saved snapshot behind the same interface as the live engine runner (read-only)."""
-
-    read_only = True
-    engine_paused = True
-
-    def __init__(self, snap: Snapshot, extra: dict):
-        self.snap, self.extra = snap, extra
-        # Files from before the window saved its rates have none: the charts rebuild them from the engine's series.
-        self.rates = SavedRates(extra["rates"]) if extra.get("rates") else None
-
-    def snapshot(self, tables="auto", wait: bool = True) -> Snapshot:
-        return self.snap
-
-    def take_events(self):
-        return []
-
-    def take_tokens(self):
-        return []
-
-    def config(self):
-        from engine.config import CacheConfig
-
-        return CacheConfig(**{k: v for k, v in self.snap.config.items()})
-
-    def is_lossy(self, dtype: str) -> bool:
-        return False
-
-    def reconfigure(self, **changes):
-        raise ConfigError("a saved snapshot is read-only")
-
-    def submit_prompt(self, *a):
-        raise RequestError("a saved snapshot is read-only")
-
-    def pause_engine(self, paused: bool) -> None: ...
-
-    def step_once(self) -> None: ...
-
-    def start_trace(self) -> None: ...
-
-    def stop_trace(self, path: str) -> int:
-        return 0
-
-    def set_workload_paused(self, paused: bool) -> None: ...
-
-    def workload_name(self) -> str:
-        saved = self.extra.get("workload")
-        return f"{saved} (saved)" if saved else "not saved"
-
-    def replay_trace(self, path: str) -> str:
-        raise RequestError("a saved snapshot is read-only")
-
-    def use_demo_workload(self) -> None: ...
-
-    def set_intensity(self, x: float) -> None: ...
 
 
 def snapshot_path(path: str) -> str:

@@ -451,7 +451,7 @@ def _extra(x: Any) -> dict:
     if "tabs" in e:  # the window's tabbed docks in front, by name
         for i, name in enumerate(_list(e["tabs"], "extra.tabs", max_n=16)):
             _str(name, f"extra.tabs[{i}]")
-    if "rates" in e:  # the rates' lines the window drew (ui/main_window.py SavedRates): float64 series, one length
+    if "rates" in e:  # the rates' lines the window drew (ui/charts/rates.py SavedRates): float64 series, one length
         r = e["rates"]
         if not isinstance(r, dict) or not isinstance(r.get("t"), np.ndarray):
             raise _Bad("extra.rates", "expected an object of time series (arrays), t among them")

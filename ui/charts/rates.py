@@ -123,3 +123,21 @@ def mask_engine_series(series: dict) -> dict[str, np.ndarray]:
             if k in out:
                 out[k][after_gap] = math.nan
     return out
+
+
+class SavedRates:
+    """The rates' lines a saved window drew (a screenshot's extra["rates"]), handed back as they were, so a reopened
+    snapshot draws the same lines; rebuilt from the engine's own series they would differ (the window samples
+    the counters at every refresh, the engine only when it steps)."""
+
+    def __init__(self, series: dict):
+        self._series = {k: np.asarray(v, dtype=np.float64) for k, v in series.items()}
+
+    def series(self, engine_series: dict | None = None) -> dict[str, np.ndarray]:
+        return dict(self._series)
+
+    def latest(self) -> dict[str, float]:
+        return {k: float(v[-1]) if len(v) else math.nan for k, v in self._series.items() if k != "t"}
+
+    def observe(self, t: float, counters: dict) -> bool:
+        return False

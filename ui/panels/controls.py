@@ -2,7 +2,7 @@
 workload's buttons; each change applies to the running engine.
 
 The knobs and their ranges come from engine.config.KNOBS (torch-free); each knob's control is ui/panels/knob.py, a
-preset file ui/presets.py. A change is sent to the controller; a refusal shows the engine's message
+preset file ui/presets.py. A change is sent to the controller (ui/controller.py); a refusal shows the engine's message
 and the control returns to the live value. Moving the KV dtype down in precision asks first, since it is lossy.
 """
 
@@ -16,6 +16,7 @@ from PySide6 import QtCore, QtGui, QtWidgets
 from engine.config import KNOBS, CacheConfig, ConfigError
 from engine.errors import RequestError
 from engine.telemetry.health import HealthTargets
+from ui.controller import Controller
 from ui.panels.knob import SPIN_ARROWS, KnobControl, value_label
 from ui.presets import PresetError, read_preset, write_preset
 
@@ -39,7 +40,7 @@ class ControlsPanel(QtWidgets.QWidget):
     targetsChanged = QtCore.Signal(object)  # HealthTargets: the health strip's thresholds (ui/panels/health.py)
     _work_done = QtCore.Signal()  # a reconfigure's worker thread has finished (see _off_ui_thread)
 
-    def __init__(self, controller, confirm_lossy=None):
+    def __init__(self, controller: Controller, confirm_lossy=None):
         super().__init__()
         self.controller = controller
         self.confirm_lossy = confirm_lossy or self._ask_lossy
