@@ -229,18 +229,6 @@ def test_shifting_every_position_keeps_the_fresh_runs_tokens(smollm3):
         assert [eng.seqs[i].output for i in ids] == [ref.greedy(p, N) for p in ps]
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_context_shift_tokens_equal_transformers(smollm3, block_size):
-    """context_limit 32, n_keep 4, 60 new tokens: several shifts per sequence."""
-    model, ref = smollm3
-    ps = prompts(33, [20, 9])
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    want = [shifted_greedy(ref.model, hf_layer_inv_freq(ref.model, model.spec.nope_layers), p, 60, 32, 4)
-            for p in ps]
-    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
-    assert all(s.shifts >= 2 for s in eng.seqs.values())
-
-
 # -- Gemma 2 / Gemma 3 ----------------------------------------------------------------------------------------
 
 
@@ -349,6 +337,7 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
     keep_idx = torch.tensor(list(range(4)) + list(range(14, 40)))
     delta = torch.tensor([0] * 4 + [-10] * 26)
     layer_inv = hf_layer_inv_freq(ref.model)
+    assert not torch.equal(layer_inv[0], layer_inv[2])
 
     def rotated(k, inv):
         freqs = delta.float()[:, None] * inv[None, :]
@@ -362,42 +351,6 @@ def test_gemma3_kshift_rotates_each_layer_with_its_own_base(gemma3):
         assert (k_engine[li] - rotated(k_before[li][keep_idx], other)).norm() / want.norm() > 1e-2, li
     fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D], layer 0: no context
     assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_gemma3_context_shift_tokens_equal_transformers(gemma3, block_size):
-    """context_limit 32, n_keep 4, 60 new tokens: several shifts, each layer's keys re-rotated with its own base,
-    replayed on transformers' cache. One pool for every layer (kv_groups off): every key is kept, so the kept
-    first tokens come back into the sliding layers' window after a shift."""
-    model, ref = gemma3
-    ps = prompts(33, [20, 9])
-    layer_inv = hf_layer_inv_freq(ref.model)
-    assert not torch.equal(layer_inv[0], layer_inv[2])
-    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
-    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
-    assert all(s.shifts >= 2 for s in eng.seqs.values())
-
-
-@pytest.mark.parametrize("block_size", [1, 5, 16])
-def test_gemma3_grouped_context_shift_equals_the_window_cache_replay(gemma3, block_size):
-    """With KV-cache groups the sliding layers' pool drops keys as they leave the window and never brings them back:
-    after a shift the kept first tokens stay out of the sliding layers' sight, as transformers' sliding-window cache
-    and llama.cpp's iSWA cache have it (replayed with masks per layer type: shifted_greedy's windows). The same
-    tokens at every block size; different from the every-key replay (the first tokens do come back there)."""
-    model, ref = gemma3
-    ps = prompts(33, [20, 9])
-    layer_inv = hf_layer_inv_freq(ref.model)
-    windows = list(model.spec.sliding_window)
-    # The replay with masks equals transformers' own generate where no shift happens.
-    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows=windows) == ref.greedy(ps[0], N)
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    assert eng.grouped
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows=windows) for p in ps]
-    assert want != [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]  # the two semantics differ
-    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
-    assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
 # -- GPT-OSS ---------------------------------------------------------------------------------------------------
@@ -559,36 +512,6 @@ def test_gpt_oss_kshift_is_a_pure_rotation_with_yarns_frequencies(gpt_oss):
         assert (k_engine[li] - rotated(k_before[li][keep_idx], scaling)).norm() / want.norm() > 1e-1, li
     fresh = ref.keys(seq.tokens[: seq.num_cached])[0].transpose(0, 1)  # [n', Hkv, D]
     assert (k_engine[0][-fresh.shape[0]:] - fresh).norm() / fresh.norm() <= 1e-4
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_gpt_oss_context_shift_tokens_equal_transformers(gpt_oss, block_size):
-    """context_limit 32, n_keep 4, 60 new tokens: several shifts (YaRN keys re-rotated, sinks and window on),
-    replayed on transformers' cache."""
-    model, ref = gpt_oss
-    ps = prompts(33, [20, 9])
-    layer_inv = hf_layer_inv_freq(ref.model)
-    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4) == ref.greedy(ps[0], N)  # the replay itself
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4) for p in ps]
-    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
-    assert all(s.shifts >= 2 for s in eng.seqs.values())
-
-
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_gpt_oss_grouped_context_shift_equals_the_window_cache_replay(gpt_oss, block_size):
-    """KV-cache groups on (the default): the sliding layers' dropped keys stay dropped across shifts, as
-    shifted_greedy(windows=...) replays it on transformers (masks per layer type); sinks, YaRN and MoE on."""
-    model, ref = gpt_oss
-    ps = prompts(33, [20, 9])
-    layer_inv = hf_layer_inv_freq(ref.model)
-    windows = list(model.spec.sliding_window)
-    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, windows=windows) == ref.greedy(ps[0], N)
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    assert eng.grouped
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, windows=windows) for p in ps]
-    assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
-    assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
 def test_gpt_oss_config_defaults_are_transformers(tmp_path, tiny_gpt_oss):
@@ -819,46 +742,60 @@ def test_kshift_keys_equal_a_fresh_prefills(request, name):
         assert torch.equal(k_engine[li][:, :, rotary_dim:], old[:, :, rotary_dim:])  # Phi-4-mini: passed through
 
 
-@pytest.mark.parametrize("name", ["cohere2", "phi3"])
+# -- context shifts, replayed on transformers' cache (every family with something to re-rotate) -------------------
+
+
+def reference_inv_freq(model, ref, first: list[int]) -> list:
+    """transformers' inv_freq per layer (None: a NoPE layer) once it has seen `first`: tiny_phi3's prompts pass its
+    original length, so LongRoPE's long factors."""
+    with torch.inference_mode():
+        ref.model(torch.tensor([first]))
+    return [None if inv is None else inv.clone() for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
+
+
+@pytest.mark.parametrize("name", ["smollm3", "gemma3", "gpt_oss", "phi3", "phi4", "cohere", "cohere2"])
 @pytest.mark.parametrize("block_size", [1, 16])
-def test_grouped_context_shift_equals_the_window_cache_replay(request, name, block_size):
-    """KV-cache groups on: Cohere 2's sliding layers (interleaved RoPE) drop keys for good, its NoPE full layer
-    keeps every key; Phi-3's layers all slide (one window group, the sequence's own table starting at its window,
-    LongRoPE's factors); replayed with masks per layer type."""
+def test_context_shift_tokens_equal_transformers(request, name, block_size):
+    """context_limit 32, n_keep 4, 60 new tokens: several shifts per sequence, replayed on transformers' cache with
+    each layer's own inv_freq: SmolLM3's and Cohere 2's NoPE layers not rotated, Gemma 3's layers each with the base
+    of its type, GPT-OSS's YaRN keys (sinks and window on), Phi-3's LongRoPE (tiny_phi3: the long factors, original
+    length 4 < 32; tiny_phi4: the short ones, 32 <= 128) on the rotated dims only (Phi-4-mini), Cohere's by pairs.
+    One pool for every layer (kv_groups off): every key is kept, so the kept first tokens come back into the sliding
+    layers' window after a shift."""
     model, ref = request.getfixturevalue(name)
     ps = prompts(33, [20, 9])
-    with torch.inference_mode():
-        ref.model(torch.tensor([ps[0]]))  # tiny_phi3's prompts pass its original length: the long factors
-    layer_inv = [None if inv is None else inv.clone()
-                 for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
-    windows = list(model.spec.sliding_window)
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
-    assert eng.grouped and eng.kv.full == (name == "cohere2")
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, model.spec.rope_interleaved, windows) for p in ps]
-    every = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, model.spec.rope_interleaved) for p in ps]
-    assert want != every  # the kept first tokens stay dropped: not what one pool keeping every key gives
+    layer_inv = reference_inv_freq(model, ref, ps[0])
+    interleaved = model.spec.rope_interleaved
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, interleaved) == ref.greedy(ps[0], N)  # the replay
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
+    assert torch.equal(eng.model.ropes[eng.model.layer_rope[0]][0], layer_inv[0])  # layer 0: the same frequencies
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, interleaved) for p in ps]
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
 
-@pytest.mark.parametrize("name", ["phi3", "phi4", "cohere", "cohere2"])
-@pytest.mark.parametrize("block_size", [1, 16])
-def test_phi_and_cohere_context_shift_tokens_equal_transformers(request, name, block_size):
-    """context_limit 32, n_keep 4, 60 new tokens: several shifts, replayed on transformers' cache with its own
-    inv_freq (tiny_phi3: the long factors, original length 4 < 32; tiny_phi4: the short ones, 32 <= 128), on the
-    rotated dims only (Phi-4-mini), by pairs (Cohere), the NoPE layer not at all (Cohere 2)."""
+@pytest.mark.parametrize("name, block_size", [("gemma3", 1), ("gemma3", 5), ("gemma3", 16), ("gpt_oss", 1),
+                                              ("gpt_oss", 16), ("cohere2", 1), ("cohere2", 16), ("phi3", 1),
+                                              ("phi3", 16)])
+def test_grouped_context_shift_equals_the_window_cache_replay(request, name, block_size):
+    """With KV-cache groups (the default) the sliding layers' pool drops keys as they leave the window and never
+    brings them back: after a shift the kept first tokens stay out of the sliding layers' sight, as transformers'
+    sliding-window cache and llama.cpp's iSWA cache have it (replayed with masks per layer type: shifted_greedy's
+    windows); a full group, where a layer does not slide, keeps every key. Gemma 3 (a RoPE base per layer type),
+    GPT-OSS (sinks, YaRN and MoE on), Cohere 2 (interleaved RoPE on its sliding layers, a NoPE full layer), Phi-3
+    (every layer slides: one window group, the sequence's own table starting at its window, LongRoPE's factors).
+    The same tokens at every block size; different from the every-key replay."""
     model, ref = request.getfixturevalue(name)
     ps = prompts(33, [20, 9])
-    with torch.inference_mode():
-        ref.model(torch.tensor([ps[0]]))  # tiny_phi3's prompts pass its original length: the long factors
-    layer_inv = [None if inv is None else inv.clone()
-                 for inv in hf_layer_inv_freq(ref.model, model.spec.nope_layers)]
-    interleaved = model.spec.rope_interleaved
-    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, interleaved) == ref.greedy(ps[0], N)
-    # Every key kept (one pool): Cohere 2's kept first tokens come back into its sliding layers' window.
-    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4, kv_groups="off"))
-    assert torch.equal(eng.model.ropes[0][0], layer_inv[0])
-    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, interleaved) for p in ps]
+    layer_inv = reference_inv_freq(model, ref, ps[0])
+    interleaved, windows = model.spec.rope_interleaved, list(model.spec.sliding_window)
+    # The replay with masks equals transformers' own generate where no shift happens.
+    assert shifted_greedy(ref.model, layer_inv, ps[0], N, 10**6, 4, interleaved, windows) == ref.greedy(ps[0], N)
+    eng = Engine(model, CacheConfig(block_size=block_size), EngineOptions(context_limit=32, n_keep=4))
+    assert eng.grouped and eng.kv.full == (None in windows)
+    want = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, interleaved, windows) for p in ps]
+    every = [shifted_greedy(ref.model, layer_inv, p, 60, 32, 4, interleaved) for p in ps]
+    assert want != every  # the kept first tokens stay dropped: not what one pool keeping every key gives
     assert run(eng, ps, SamplingParams(max_new_tokens=60, ignore_eos=True)) == want
     assert all(s.shifts >= 2 for s in eng.seqs.values())
 
