@@ -329,7 +329,7 @@ def _group_sizing(engine, batch: int, context: int, dsize: float) -> list[dict]:
     a step's prompt chunk per sequence, whatever the context."""
     s = engine.spec
     chunk = engine.options.max_batched_tokens
-    configs = engine.kv.configs(engine.config) if engine.grouped else [engine.config]
+    configs = engine.kv.configs(engine.config)
     out = []
     for g, c in zip(engine.kv_groups, configs):
         tokens = g.live_tokens(context, chunk)

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from app.replay import Replay, ReplayClock, RunResult
 from engine.lab.mrc import lru_curve
 from engine.lab.whatif import real_hit_rate, stream_of
+from engine.workloads.replay import Replay, ReplayClock, RunResult
 
 FACTORS = (0.5, 2.0, 4.0)
 PLAIN_LRU = dict(policy="lru", demote_after_s=3600.0, prefetch_depth=0)
@@ -112,11 +112,10 @@ def check_as_configured(loaded, options, config, name: str, requests: list, fact
     trace, cap0, res0 = run_traced(loaded, config, options, requests, cap, window, time_scale, clock())
     measured, n0 = real_hit_rate(trace)
     prefix0 = _prefix_rate(res0)
-    per_block = config.device_budget_mb / (cap0 + _reserved())
     reruns = []
     for f in factors:
         c = max(1, int(round(cap0 * f)))
-        t, got, res = run_traced(loaded, config.replace(device_budget_mb=(c + _reserved()) * per_block), options,
+        t, got, res = run_traced(loaded, config.replace(device_budget_mb=budget_for_blocks(loaded, config, c)), options,
                                  requests, cap, window, time_scale, clock())
         reruns.append((f, got, t, res))
     pred = KVReplay(trace).calibrated([got for _, got, _, _ in reruns])
@@ -144,12 +143,6 @@ def in_flight(trace) -> int:
         return 0
     pairs = np.unique(np.stack([trace.t, trace.seq.astype(np.float64)]), axis=1)
     return int(np.unique(pairs[0], return_counts=True)[1].max())
-
-
-def _reserved() -> int:
-    from engine.kv.block_pool import RESERVED
-
-    return RESERVED
 
 
 def _prefix_rate(result) -> float:
@@ -212,11 +205,13 @@ def default_workloads(seed: int = 0, requests: int = 24) -> list[tuple[str, list
 
 
 def budget_for_blocks(loaded, config, blocks: int) -> float:
-    """The device budget (MiB) that holds about `blocks` blocks of `config`'s size and dtype."""
-    from engine.kv.block_pool import RESERVED, BlockPool
+    """The device budget (MiB) whose tier holds `blocks` blocks of `config`'s size, dtype and placement."""
+    from engine.kv.block_pool import BlockPool
+    from engine.kv.tiers import budget_for_blocks as kv_budget
 
     s = loaded.spec
-    return (blocks + RESERVED) * BlockPool.bytes_per_block(config, s.num_layers, s.num_kv_heads, s.head_dim) / 2**20
+    return kv_budget(config, s.num_layers, BlockPool.bytes_per_block(config, s.num_layers, s.num_kv_heads, s.head_dim),
+                     blocks)
 
 
 def summary(rows: list[CheckRow]) -> dict:

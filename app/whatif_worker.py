@@ -137,10 +137,8 @@ class WhatIfService:
     def groups(self) -> list[tuple[int, float, str]]:
         """Per KV-cache group of the live engine: (device-tier blocks, MiB a block, title)."""
         eng = self.runner.engine
-        pools = getattr(eng.kv, "pools", None) or [eng.pool]
-        specs = getattr(eng.kv, "groups", None) or [None] * len(pools)
-        return [(int(p.sizes.dev_cap), p.block_bytes / 2**20, spec.title if spec is not None else "")
-                for p, spec in zip(pools, specs)]
+        titles = eng.kv.titles or [""]  # one pool of every layer: no group to name
+        return [(int(p.sizes.dev_cap), p.block_bytes / 2**20, t) for p, t in zip(eng.kv.pools, titles)]
 
     def record(self) -> str | None:
         """Start recording; an error message instead if a trace is being recorded already (from Controls)."""

@@ -121,7 +121,7 @@ class Sequence:
     repositioned: bool = False  # some position differs from its index (after a shift, seq_add or seq_div)
     groups: list[GroupTable] = field(default_factory=list)  # tables in the other KV-cache groups (engine/kv/groups.py)
     why_missed: dict = field(default_factory=dict)  # reason -> tokens (engine/kv/misses.py): prompt and key reads
-    # Where the model has no full-attention layer, `blocks` is a sliding-window group's table (engine/kv/grouped.py)
+    # Where the model has no full-attention layer, `blocks` is a sliding-window group's table (engine/kv/cache.py)
     # and these say where it starts, as GroupTable's do; with a full-attention group they stay 0.
     base: int = 0  # leading blocks dropped from the table
     dropped: int = 0  # leading tokens whose keys left every window

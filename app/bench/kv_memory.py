@@ -57,7 +57,7 @@ def cmd_bench_kv_memory(args: argparse.Namespace) -> int:
     for mode in ("off", "auto"):
         eng = Engine(model, config, EngineOptions(device=args.device, kv_groups=mode,
                                                   weights_dtype=getattr(args, "weights_dtype", None) or "auto"))
-        pools = eng.kv.pools if eng.grouped else [eng.pool]
+        pools = eng.kv.pools
         titles = [g.title for g in eng.kv_groups]
         sid = eng.add_request(prompt, SamplingParams(max_new_tokens=n_new, ignore_eos=True))
         seq = eng.seqs[sid]

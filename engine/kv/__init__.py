@@ -13,8 +13,10 @@ engine.config / engine.errors / engine.sequence / engine.user_file):
   byte for byte (the migration self-check, engine/runtime/self_check.py).
 - `resize` / `resize_undo`: a budget change applied in place, and its undo journal.
 - `residency`: `Residency`, where blocks are when a step runs (room, promotion with prefetch, idle demotion,
-  copy-on-write, swap-out); `manager`: `KVManager`, the door the scheduler and runner use (pools, prefix matching,
-  hashing, sharing, re-laying a tail, release; it holds a `Residency`), and `relayout` for a change of block size or
-  dtype.
+  copy-on-write, swap-out); `manager`: `KVManager`, one KV-cache group's pool and what is done to it by sequence
+  (prefix matching, hashing, sharing, re-laying a tail, release; it holds a `Residency`), and `relayout` for a change
+  of block size or dtype; `groups`: the model's layers grouped by what their attention keeps.
+- `cache`: `KVCache`, the one door the engine, scheduler and model runner use: a KVManager per KV-cache group (one
+  group of every layer is the plain case), the budget rules and config changes (`check_change` / `apply_change`).
 - `access_trace`: every block read, recorded for the policy lab.
 """

@@ -358,7 +358,7 @@ class TraceRecorder:
             self._seqs[seq] = self._seq_of(seq)
 
     def for_group(self, group: int) -> "_GroupRecorder":
-        """A recorder for KV-cache group `group`'s pool (engine/kv/grouped.py): its rows land in this trace,
+        """A recorder for KV-cache group `group`'s pool (engine/kv/cache.py): its rows land in this trace,
         tagged with the group (block serials are per pool, so the curves take one group at a time)."""
         return _GroupRecorder(self, group)
 

@@ -20,7 +20,7 @@ from engine.kv.codecs import Codec, Geometry, codecs_for
 from engine.config import CacheConfig
 from engine.kv.eviction import EvictionPolicy, heat_now, make_policy
 from engine.kv.misses import GONE_NONE, WHY_NONE, WHY_OF_MOVE, WHY_OTHER, WHY_ROOM, HashLedger
-from engine.kv.tiers import NO_HASH, CacheFull, Tier, TierPool, copy_slots, tier_sizes
+from engine.kv.tiers import NO_HASH, RESERVED, CacheFull, Tier, TierPool, copy_slots, tier_sizes
 
 
 class PoolEvent(NamedTuple):
@@ -30,7 +30,6 @@ class PoolEvent(NamedTuple):
     fields: dict
 
 
-RESERVED = 2  # device-tier slots past the blocks: the null block and the sink (see _make_tier)
 
 
 class BlockPool:
@@ -51,7 +50,7 @@ class BlockPool:
         self.block_bytes = self._block_bytes(self.kcodec, self.vcodec, self.geom)
         # The budget holds the device tier's blocks and its two reserved slots (the null and sink blocks); with
         # per-layer placement only their first `device_layers` layers, the rest in host memory (engine/kv/tiers.py).
-        self.sizes = tier_sizes(config, layers, self.block_bytes, RESERVED)
+        self.sizes = tier_sizes(config, layers, self.block_bytes)
         cap_dev, cap_host = self.sizes.dev_cap, self.sizes.host_cap
         self.policy: EvictionPolicy = make_policy(config.policy, config.decay)
         n = cap_dev + cap_host

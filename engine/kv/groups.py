@@ -10,7 +10,7 @@ This module says what the groups are (`kv_groups`), how one budget is split betw
 group gets the same number of sequences' worth of memory, by the bytes a sequence holds in it at the context
 limit), and gives the KV layer a sequence as one group sees it (`SeqView`: a sliding-window group's table starts
 at its first visible block, so its blocks, tokens and positions start there too). The pools and the scheduler's
-questions over all groups are engine/kv/grouped.py.
+questions over all groups are engine/kv/cache.py.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import numpy as np
 from engine.config import CacheConfig
 from engine.kv.shape import KVShape
 from engine.kv.block_pool import BlockPool, blocks_for
+from engine.kv.tiers import device_budget_mb
 from engine.sequence import GroupTable, Sequence, cached_table
 
 
@@ -76,7 +77,6 @@ def split_config(config: CacheConfig, groups: tuple[KVGroupSpec, ...], context: 
     share. One group: `config` itself."""
     if len(groups) == 1:
         return [config]
-    from engine.kv.block_pool import RESERVED
 
     weights = np.asarray([len(g.layers) * g.live_tokens(context, chunk) for g in groups], dtype=np.float64)
     layers = np.asarray([len(g.layers) for g in groups], dtype=np.float64)
@@ -88,8 +88,8 @@ def split_config(config: CacheConfig, groups: tuple[KVGroupSpec, ...], context: 
     for i, g in enumerate(groups):
         if g.window is None:
             continue
-        block_mb = BlockPool.bytes_per_block(config, len(g.layers), kv_heads, head_dim) / 2**20
-        one = (g.live_blocks(context, chunk, config.block_size) + RESERVED) * block_mb
+        block = BlockPool.bytes_per_block(config, len(g.layers), kv_heads, head_dim)
+        one = device_budget_mb(g.live_blocks(context, chunk, config.block_size), block)
         dev[i] = max(dev[i], min(one, config.device_budget_mb * layers[i] / layers.sum()))
     dev[full] = (config.device_budget_mb - sum(d for i, d in enumerate(dev) if i not in full)) * weights[full] / \
         weights[full].sum()
@@ -108,7 +108,7 @@ class SeqView:
     """A sequence as one sliding-window group's pool sees it: its table (`GroupTable`) starts at block `base`, so
     its tokens, positions and cached counts start at token `base * block_size` too. The KV manager and residency
     (engine/kv/manager.py, residency.py) run unchanged over a view; what changes the sequence itself (its cached
-    count, its canonical prefix) is done over all groups by engine/kv/grouped.py, so a view refuses it."""
+    count, its canonical prefix) is done over all groups by engine/kv/cache.py, so a view refuses it."""
 
     __slots__ = ("seq", "t", "off")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, PoolEvent, Tier, blocks_for
+from engine.kv.block_pool import BlockPool, CacheFull, PoolEvent, Tier, blocks_for
 from engine.kv.tiers import chain_hash, tier_sizes
 from engine.config import CacheConfig, ConfigError, KVDtype
 from engine.kv.shape import KVShape
@@ -82,9 +82,8 @@ class KVManager:
         less one layer of each (held beside them while that layer is copied)."""
         import psutil
 
-        sizes = tier_sizes(config, self.num_layers, self.bytes_per_block(config), RESERVED)
-        dev = (sizes.dev_cap + RESERVED) * sizes.dev_block_bytes  # device memory
-        host = sizes.host_cap * sizes.block_bytes + sizes.spilled_bytes  # host memory
+        sizes = tier_sizes(config, self.num_layers, self.bytes_per_block(config))
+        dev, host = sizes.device_bytes, sizes.host_bytes
         vm = psutil.virtual_memory()
         gib = 2**30
         if self.device.type == "cpu":
@@ -289,7 +288,7 @@ class KVManager:
     def count_misses(self, seq: Sequence, reusable: int, reason, cached, detail, group_of=None,
                      split: dict | None = None) -> None:
         """explain_misses' counting, given each block's reason, whether it is cached and its removal's details
-        (KV-cache groups: over every group, engine/kv/grouped.py). One "lookup" event says what the lookup served and
+        (KV-cache groups: over every group, engine/kv/cache.py). One "lookup" event says what the lookup served and
         why its first missed block missed (a debug record per prefix lookup)."""
         from engine.kv.misses import counter_name, explain_prompt
 
@@ -352,7 +351,7 @@ class KVManager:
         self.touch([s.table() for s in seqs], now)
 
     def trim(self, seqs, now: float) -> None:
-        """Nothing to drop: every layer here attends over every key (engine/kv/grouped.py trims window groups)."""
+        """Nothing to drop: every layer here attends over every key (engine/kv/cache.py trims window groups)."""
 
     # -- block contents -----------------------------------------------------------------------
     def tokens_kv(self, seq: Sequence, pool: BlockPool | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.kv.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import BlockPool
 from engine.config import CacheConfig
 from engine.kv.resize_undo import ResizeUndo, resize_storage
 from engine.kv.tiers import HIST_K, NO_HASH, CacheFull, IndexedSet, Tier, TierPool, tier_sizes
@@ -25,7 +25,7 @@ _FILL = {"lid": -1, "owner": -1}  # metadata defaults of an empty slot (the rest
 
 
 def resize(pool: BlockPool, config: CacheConfig, now: float) -> None:
-    sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes, RESERVED)
+    sizes = tier_sizes(config, pool.geom.layers, pool.block_bytes)
     dev_cap, host_cap = sizes.dev_cap, sizes.host_cap
     dev, host = pool.tiers
     owned = sum(int(np.count_nonzero((t.lid >= 0) & (t.ref > 0))) for t in pool.tiers)

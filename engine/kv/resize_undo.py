@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import copy
 
-from engine.kv.block_pool import RESERVED, BlockPool
+from engine.kv.block_pool import BlockPool
+from engine.kv.tiers import RESERVED
 from engine.kv.tiers import Tier, TierPool, copy_slots
 
 _POOL = ("config", "sizes", "tier", "slot", "serial", "free_lids", "n_lids", "by_hash", "moves", "next_serial")

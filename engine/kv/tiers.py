@@ -37,6 +37,9 @@ class CacheFull(RuntimeError):
     """A tier cannot hold what was asked of it even after eviction."""
 
 
+RESERVED = 2  # device-tier slots past the blocks: the null block and the sink (block_pool.BlockPool._make_tier)
+
+
 @dataclass(frozen=True)
 class TierSizes:
     """What a config's budgets hold, in blocks. With per-layer placement (`device_layers` N of L layers), a
@@ -50,9 +53,20 @@ class TierSizes:
     dev_block_bytes: int
     spilled_bytes: int  # host memory holding the device tier's layers [N, L) (its reserved slots included)
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the device tier takes: its blocks and reserved slots, their first `dev_layers` layers."""
+        return (self.dev_cap + RESERVED) * self.dev_block_bytes
 
-def tier_sizes(config, layers: int, block_bytes: int, reserved: int) -> TierSizes:
-    """Capacities of both tiers under `config`'s budgets (`reserved` device slots past the blocks).
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the host tier and the device tier's spilled layers take."""
+        return self.host_cap * self.block_bytes + self.spilled_bytes
+
+
+def tier_sizes(config, layers: int, block_bytes: int) -> TierSizes:
+    """Capacities of both tiers under `config`'s budgets: the one rule of what a budget holds (the device tier keeps
+    RESERVED slots past its blocks).
 
     Raises ConfigError when `device_layers` exceeds the model's layers or the host budget cannot hold the device
     tier's spilled layers."""
@@ -62,8 +76,8 @@ def tier_sizes(config, layers: int, block_bytes: int, reserved: int) -> TierSize
     if n > layers:
         raise ConfigError(f"device_layers {config.device_layers}: this model has {layers} layers")
     dev_block = block_bytes // layers * n
-    dev_cap = max(0, int(config.device_budget_mb * 2**20) // dev_block - reserved)
-    spilled = (block_bytes - dev_block) * (dev_cap + reserved)
+    dev_cap = max(0, int(config.device_budget_mb * 2**20) // dev_block - RESERVED)
+    spilled = (block_bytes - dev_block) * (dev_cap + RESERVED)
     host_bytes = int(config.host_budget_mb * 2**20) - spilled
     if host_bytes < 0:
         raise ConfigError(
@@ -71,6 +85,18 @@ def tier_sizes(config, layers: int, block_bytes: int, reserved: int) -> TierSize
             f"memory but host_budget_mb is {config.host_budget_mb:g}; raise the host budget, lower the device "
             "budget or keep more layers on the device")
     return TierSizes(dev_cap, host_bytes // block_bytes, block_bytes, n, dev_block, spilled)
+
+
+def device_budget_mb(blocks: int, dev_block_bytes: int) -> float:
+    """The device budget (MiB) whose tier holds exactly `blocks` blocks of `dev_block_bytes` each (tier_sizes'
+    inverse: the reserved slots counted)."""
+    return (blocks + RESERVED) * dev_block_bytes / 2**20
+
+
+def budget_for_blocks(config, layers: int, block_bytes: int, blocks: int) -> float:
+    """device_budget_mb for `config`'s placement: a device-tier block keeps its first `device_layers` layers."""
+    n = min(config.device_layers or layers, layers)
+    return device_budget_mb(blocks, block_bytes // layers * n)
 
 
 class IndexedSet:

@@ -276,15 +276,15 @@ class KVReplay:
 
     def _budgets(self, capacity: int, host: int | None) -> dict:
         """device_budget_mb / host_budget_mb that give the stand-in's tiers exactly these many blocks."""
-        from engine.kv.block_pool import RESERVED
         from engine.kv.codecs import Geometry, codecs_for
+        from engine.kv.tiers import device_budget_mb
         from engine.config import KVDtype
 
         kc, vc = codecs_for(KVDtype.FP32)
         geom = Geometry(layers=1, kv_heads=1, block_size=self.config.block_size, head_dim=REPLAY_HEAD_DIM)
         block = sum(kc.block_bytes(geom).values()) + sum(vc.block_bytes(geom).values())
         h = self.config.host_budget_mb if host is None else host * block / 2**20
-        return {"device_budget_mb": (capacity + RESERVED) * block / 2**20, "host_budget_mb": h}
+        return {"device_budget_mb": device_budget_mb(capacity, block), "host_budget_mb": h}
 
     def run(self, capacity: int, host_capacity: int | None = None, keep_trace: bool = False) -> Rerun:
         """The requests rerun with a device tier of `capacity` blocks (and the recorded host tier's blocks, or

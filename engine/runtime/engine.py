@@ -27,13 +27,12 @@ from typing import Callable
 
 import torch
 
-from engine.kv.block_pool import RESERVED, BlockPool, CacheFull, blocks_for
+from engine.kv.block_pool import BlockPool, blocks_for
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy
 from engine.errors import RequestError
-from engine.kv.grouped import GroupedKV
+from engine.kv.cache import KVCache
 from engine.kv.groups import kv_groups
 from engine.kv.shape import KVShape
-from engine.kv.manager import KVManager
 from engine.model.loader import LoadedModel
 from engine.model.llama_family import LlamaFamily
 from engine.runtime.bandwidth import peak_bandwidth, weight_bytes
@@ -47,7 +46,6 @@ from engine.telemetry.counters import Counters
 from engine.telemetry.health import leak_input
 from engine.telemetry.snapshot import Snapshot
 from engine.telemetry.snapshotter import EngineState, Event, StepSample, Telemetry
-from engine.kv.tiers import tier_sizes
 
 __all__ = ["Engine", "TokenOut", "RequestError", "ConfigError"]
 
@@ -97,13 +95,9 @@ class Engine:
         # KV-cache groups (engine/kv/groups.py): with full and sliding-window layers, a pool per attention type.
         shape = KVShape.of(self.spec)  # all the KV layer knows of the model
         self.kv_groups = kv_groups(shape, self.options.kv_groups)
-        self.grouped = any(g.window for g in self.kv_groups)  # some group drops what left its window
-        self.telemetry.health.titles = [g.title for g in self.kv_groups] if self.grouped else []
-        if self.grouped:
-            self.kv = GroupedKV(shape, self.device, config, self.telemetry, self.counters, self.kv_groups,
-                                self.context_limit, self.options.max_batched_tokens)
-        else:  # one pool for every layer, every key kept
-            self.kv = KVManager(shape, self.device, config, self.telemetry, self.counters)
+        self.kv = KVCache(shape, self.device, config, self.telemetry, self.counters, self.kv_groups,
+                          self.context_limit, self.options.max_batched_tokens)
+        self.telemetry.health.titles = self.kv.titles
         self.scheduler = Scheduler(self.kv, self.seqs, self.options, self.telemetry, self.counters,
                                    self.context_limit)
         # The table's operations: llama.cpp's seq_* calls, the context shift, the lifecycle (engine/runtime/seq_ops.py)
@@ -122,6 +116,11 @@ class Engine:
     @property
     def pool(self) -> BlockPool:
         return self.kv.pool
+
+    @property
+    def grouped(self) -> bool:
+        """Whether some KV-cache group drops what left its window (a pool per attention type)."""
+        return self.kv.grouped
 
     @property
     def trace(self):
@@ -250,28 +249,12 @@ class Engine:
     def _reconfigure(self, changes: dict) -> CacheConfig:
         try:
             new = self.config.replace(**changes)
-            self.kv.require_supported(new)
-            self._check_budget(new)
             self._apply_config(new, changes)
         except ConfigError as e:
             self._drain_pool_events()  # an undone change takes its own back; what the undo lost is in the queue
             self.telemetry.emit("config_error", changes={k: _label(v) for k, v in changes.items()}, message=str(e))
             raise
         return new
-
-    def _check_budget(self, new: CacheConfig) -> None:
-        per = self.kv.bytes_per_block(new)
-        sizes = tier_sizes(new, self.spec.num_layers, per, RESERVED)
-        dev, host = sizes.dev_cap, sizes.host_cap
-        need = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context_limit),
-                               new.block_size) for s in self.seqs.values() if not s.done), default=0)
-        if dev + host < need:
-            raise ConfigError(
-                f"budgets give {dev} + {host} blocks of {per} bytes (device + host); a live sequence needs {need}: "
-                "raise a budget or finish that sequence first; nothing was changed")
-        live = sum(blocks_for(s.num_cached, new.block_size) for s in self.seqs.values() if not s.done)
-        if dev + host < live:
-            raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {live}; nothing was changed")
 
     def is_lossy_change(self, changes: "dict | KVDtype | str") -> bool:
         """Whether applying `changes` (knob -> value; a bare dtype means {"kv_dtype": it}) can alter stored K/V."""
@@ -280,31 +263,9 @@ class Engine:
         return change_is_lossy(self.config, self.config.replace(**changes))
 
     def _apply_config(self, new: CacheConfig, changes: dict) -> None:
-        """Under both locks. Raises ConfigError with the engine unchanged if the new layout cannot be built."""
+        """Under both locks. Raises ConfigError with the engine unchanged if the KV layer refuses the change."""
         old = self.config
-        layout = (new.block_size, new.kv_dtype, new.device_layers) != (old.block_size, old.kv_dtype, old.device_layers)
-        budgets = (new.device_budget_mb, new.host_budget_mb) != (old.device_budget_mb, old.host_budget_mb)
-        held: dict = {}
-        if budgets and not layout:  # in place: tiers grow or shrink, blocks (and the prefix cache) stay
-            try:
-                self.kv.resize(new, self.clock())
-            except CacheFull as e:
-                raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
-            except ConfigError:
-                raise
-            except Exception as e:  # undone by engine/kv/resize_undo.py before it got here
-                raise ConfigError(f"resizing the tiers failed ({_why(e)}); the change was undone, nothing was changed") from e
-        elif layout:
-            try:
-                held = self.kv.relayout([s for s in self.seqs.values() if not s.done], new, self.clock())
-            except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
-                raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
-            except ConfigError:
-                raise
-            except Exception as e:  # the plan only builds the new pool; the copy phase undoes itself (relayout.py)
-                raise ConfigError(f"re-laying the cache failed ({_why(e)}); nothing was changed") from e
-        else:
-            self.kv.set_policy(new)
+        held = self.kv.apply_change(new, [s for s in self.seqs.values() if not s.done], self.clock())
         self._drain_pool_events()
         self.telemetry.emit("config", changes={k: _label(v) for k, v in changes.items()}, lossy=change_is_lossy(old, new),
                             summary=new.summary(), **held)
@@ -331,8 +292,7 @@ class Engine:
                 return []
             if self.kv.trace is not None:  # the step's clock and work, for a rerun of the trace (engine/lab/kv_replay.py)
                 self.kv.trace.step(now, sum(n for _, n in sched), len(sched))
-            run, writes = (self.runner.prepare_grouped(self.kv, sched) if self.grouped
-                           else self.runner.prepare(self.pool, sched))
+            run, writes = self.runner.prepare(self.kv, sched)
             t1 = time.perf_counter()
         logits = run()
         shadow = self.shadow.pick(sched, logits, now, self.config.shadow_every_s)
@@ -549,11 +509,6 @@ class Engine:
                 assert len(s.blocks) == want or s.state == SeqState.RUNNING, (
                     f"seq {s.id}: {len(s.blocks)} blocks for {s.num_cached} cached tokens")
                 assert len(s.blocks) == len(s.hashes)
-
-
-def _why(e: BaseException) -> str:
-    first = str(e).splitlines()[0] if str(e) else ""
-    return f"{type(e).__name__}: {first}" if first else type(e).__name__
 
 
 def _label(value) -> str:

@@ -88,17 +88,23 @@ class ModelRunner:
         self._attn_checked = (self.model.backend, cfg)
         return v
 
-    def prepare(self, pool: BlockPool, sched: list[tuple[Sequence, int]]):
-        """(run() -> logits [len(sched), vocab], writes): a decode step through its CUDA graph when it can, else
-        the eager forward pass over `build`'s tensors. Host-side work happens here; `run` does the device work."""
+    def prepare(self, kv, sched: list[tuple[Sequence, int]]):
+        """(run() -> logits [len(sched), vocab], writes: one (lids, fills) per KV-cache group) for the step over
+        `kv` (engine/kv/cache.py). One pool of every layer: a decode step through its CUDA graph when it can, else
+        the eager forward pass over `build`'s tensors; KV-cache groups: `_prepare_groups`. Host-side work happens
+        here; `run` does the device work."""
+        if kv.grouped:
+            return self._prepare_groups(kv, sched)
+        pool = kv.pool
         if self.model.backend is not self._attn_checked[0] or pool.config is not self._attn_checked[1]:
             self.check_attention(pool)
         if self.graphs.eligible(sched):
             got = self.graphs.prepare(pool, sched, self.context_limit)
             if got is not None:
-                return got
+                run, writes = got
+                return run, (writes,)
         batch, store, writes = self.build(pool, sched)
-        return self._eager(batch, [store]), writes
+        return self._eager(batch, [store]), (writes,)
 
     def _eager(self, batch: ForwardBatch, stores: list[StepKV]):
         """run() -> logits of the eager forward pass over `stores` (one, or one per KV-cache group: the first is the
@@ -119,8 +125,8 @@ class ModelRunner:
 
         return run
 
-    def prepare_grouped(self, kv, sched: list[tuple[Sequence, int]]):
-        """prepare() for a model with several KV-cache groups (engine/kv/grouped.py): one part per group, each built
+    def _prepare_groups(self, kv, sched: list[tuple[Sequence, int]]):
+        """prepare() for a model with KV-cache groups (engine/kv/cache.py): one part per group, each built
         from the group's pool and its view of the sequences (its own tables, tiers, stores), the forward pass
         reading each layer's K/V from its group's part; eager (no CUDA graph). writes: one (lids, fills) per group."""
         if self.model.backend is not self._attn_checked[0] or kv.pool.config is not self._attn_checked[1]:
@@ -143,7 +149,7 @@ class ModelRunner:
     def build(self, pool: BlockPool, sched: list[tuple[Sequence, int]], layer_ids: tuple[int, ...] | None = None,
               group: int = 0):
         """The step's flat token batch, where each token's K/V goes, and the attention groups. `layer_ids`, `group`:
-        the model layers of the pool's layers and the KV-cache group they are (prepare_grouped)."""
+        the model layers of the pool's layers and the KV-cache group they are (_prepare_groups)."""
         bs = pool.geom.block_size
         ids, pos, lids, offs = [], [], [], []
         decode_rows, decode = [], []

@@ -27,7 +27,7 @@ from typing import Callable
 
 from engine.kv.block_pool import blocks_for
 from engine.config import EngineOptions
-from engine.kv.manager import KVManager
+from engine.kv.cache import KVCache
 from engine.sequence import Sequence, SeqState
 from engine.telemetry.counters import Counters
 from engine.telemetry.snapshotter import Telemetry
@@ -56,7 +56,7 @@ class Stall:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, seqs: dict[int, Sequence], options: EngineOptions, telemetry: Telemetry,
+    def __init__(self, kv: KVCache, seqs: dict[int, Sequence], options: EngineOptions, telemetry: Telemetry,
                  counters: Counters, context_limit: int):
         self.kv = kv
         self.residency = kv.residency  # the same object for the engine's life (a re-lay swaps its pool)

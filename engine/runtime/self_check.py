@@ -74,7 +74,7 @@ class SelfChecks:
         for ev in pool_events:
             if ev.kind == "self_check":
                 f = dict(ev.fields)
-                group = f.pop("group", None)  # a KV-cache group's pool past the first (engine/kv/grouped.py)
+                group = f.pop("group", None)  # a KV-cache group's pool past the first (engine/kv/cache.py)
                 if group:
                     f["path"] += f" (KV-cache group {group})"
                 self.record(Verdict(**f))

@@ -17,7 +17,7 @@ import torch
 from engine.config import EngineOptions
 from engine.errors import RequestError
 from engine.kv.block_pool import Tier, blocks_for
-from engine.kv.manager import KVManager
+from engine.kv.cache import KVCache
 from engine.model.llama_family import LlamaFamily
 from engine.runtime.clock import PausableClock
 from engine.runtime.scheduler import Scheduler
@@ -26,7 +26,7 @@ from engine.telemetry.snapshotter import Telemetry
 
 
 class SequenceOps:
-    def __init__(self, kv: KVManager, scheduler: Scheduler, model: LlamaFamily, telemetry: Telemetry,
+    def __init__(self, kv: KVCache, scheduler: Scheduler, model: LlamaFamily, telemetry: Telemetry,
                  clock: PausableClock, options: EngineOptions, context_limit: int, device: torch.device):
         self.kv = kv
         self.scheduler = scheduler
@@ -47,7 +47,7 @@ class SequenceOps:
         """RequestError unless a sequence of prompt_len tokens generating max_new can ever be held."""
         bs = self.kv.config.block_size
         peak = min(prompt_len + max_new, max(self.context_limit, prompt_len))
-        need = self.kv.blocks_at_peak(peak)  # per KV-cache group with several (engine/kv/grouped.py)
+        need = self.kv.blocks_at_peak(peak)  # per KV-cache group with several (engine/kv/cache.py)
         dev, host = self.kv.capacity(Tier.DEVICE), self.kv.capacity(Tier.HOST)
         if need > dev + host:  # blocks that do not fit the device tier are read from the host tier
             raise RequestError(

@@ -25,15 +25,15 @@ def _per_block(model, bs: int = 8) -> int:
 def test_the_device_budget_holds_layers_over_n_times_the_blocks(deep_model):
     per = _per_block(deep_model)
     base = CacheConfig(block_size=8, device_budget_mb=20 * per / 2**20, host_budget_mb=100 * per / 2**20)
-    all_layers = tier_sizes(base, 12, per, RESERVED)
+    all_layers = tier_sizes(base, 12, per)
     assert (all_layers.dev_cap, all_layers.host_cap, all_layers.spilled_bytes) == (18, 100, 0)
-    three = tier_sizes(base.replace(device_layers=3), 12, per, RESERVED)
+    three = tier_sizes(base.replace(device_layers=3), 12, per)
     assert three.dev_block_bytes * 4 == per and three.dev_cap == 80 - RESERVED
     # The device tier's other 9 layers (its reserved slots' too) live in host memory, out of the host budget.
     assert three.spilled_bytes == 80 * per * 3 // 4
     assert three.host_cap == 100 - 60
     with pytest.raises(ConfigError, match="device_layers 13: this model has 12 layers"):
-        tier_sizes(base.replace(device_layers=13), 12, per, RESERVED)
+        tier_sizes(base.replace(device_layers=13), 12, per)
 
 
 def test_a_host_budget_too_small_for_the_spilled_layers_is_refused(deep_model):

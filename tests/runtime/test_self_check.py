@@ -193,7 +193,7 @@ def test_a_passing_stream_check_stages_as_before(deep_model, deep_ref):
 
 
 def test_kv_cache_groups_are_checked_per_pool_and_per_stream(tiny_gemma3):
-    """A grouped model (engine/kv/grouped.py: a pool per attention type, eager steps): a copy that flips a byte in the
+    """A grouped model (engine/kv/cache.py: a pool per attention type, eager steps): a copy that flips a byte in the
     sliding group's pool is caught there, and tokens equal transformers'."""
     from conftest import Reference
     from engine.model.loader import load_model

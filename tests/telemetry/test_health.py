@@ -266,7 +266,7 @@ def test_targets_grade_and_refuse_bad_values():
 
 
 def test_kv_cache_groups_count_every_pool(tiny_gemma3):
-    """Gemma 3's sliding-window layers keep a pool of their own (engine/kv/grouped.py): utilization counts both pools'
+    """Gemma 3's sliding-window layers keep a pool of their own (engine/kv/cache.py): utilization counts both pools'
     blocks, and a leak in the window group's pool is found and named with its group."""
     from engine.model.loader import load_model
 

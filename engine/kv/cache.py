@@ -1,13 +1,19 @@
-"""The KV manager of a model with several KV-cache groups (engine/kv/groups.py): one KVManager and pool per group,
-behind the same door the scheduler and the engine use for one pool.
+"""The KV cache: the one door the engine, the scheduler and the model runner use to the KV layer.
 
-Group 0 uses the sequence's own table (Sequence.blocks): it holds the full-attention layers or, in a model whose
-every layer slides (Mistral, Phi-3), the first window size's. Each sliding-window group holds its layers' K/V in
-its own pool, with its own budgets (a share of each tier: groups.split_config), eviction and tiers, and a table per
-sequence (Sequence.groups; group 0's is the sequence's own, its start in Sequence.base) that starts at the first
-block some query can still see: after each step `trim` drops the blocks that left every window (a hashed one stays
-cached in its group for prefix reuse; the rest is freed). Questions the scheduler asks in blocks are answered per group (`Need`: one count per group, a
-fit only when every group fits); orders go to every group, over the group's view of the sequence (SeqView).
+The model's layers fall into KV-cache groups (engine/kv/groups.py) by what their attention keeps; each group has a
+KVManager and pool of its own. A model whose every layer attends over every key is one group, the plain case: its
+answers are the manager's own (counts as ints, its residency, its prefix match). Budget rules and config changes
+are decided here too (`check_change` / `apply_change`): whether a change re-lays the cache, resizes the tiers or
+only swaps the policy, and whether the budgets hold the live sequences.
+
+With sliding-window layers, group 0 uses the sequence's own table (Sequence.blocks): it holds the full-attention
+layers or, in a model whose every layer slides (Mistral, Phi-3), the first window size's. Each sliding-window group
+holds its layers' K/V in its own pool, with its own budgets (a share of each tier: groups.split_config), eviction
+and tiers, and a table per sequence (Sequence.groups; group 0's is the sequence's own, its start in Sequence.base)
+that starts at the first block some query can still see: after each step `trim` drops the blocks that left every
+window (a hashed one stays cached in its group for prefix reuse; the rest is freed). Questions the scheduler asks
+in blocks are answered per group (`Need`: one count per group, a fit only when every group fits); orders go to
+every group, over the group's view of the sequence (SeqView).
 
 Prefix reuse follows vLLM's hybrid manager: a cached prefix of L blocks is taken only when the full group holds all
 L and every window group holds the blocks its layers still read from there (the last window before token L x bs);
@@ -25,10 +31,10 @@ from typing import Callable, Iterable
 import numpy as np
 import torch
 
-from engine.config import CacheConfig
+from engine.config import CacheConfig, ConfigError
 from engine.kv.shape import KVShape
-from engine.kv.block_pool import BlockPool, PoolEvent, Tier, blocks_for
-from engine.kv.tiers import chain_hash
+from engine.kv.block_pool import BlockPool, CacheFull, PoolEvent, Tier, blocks_for
+from engine.kv.tiers import chain_hash, tier_sizes
 from engine.kv.groups import KVGroupSpec, SeqView, split_config
 from engine.kv.manager import KVManager
 from engine.kv.misses import group_summary
@@ -116,25 +122,40 @@ class GroupResidency(Residency):
         self.drop_all(seq.seq if isinstance(seq, SeqView) else seq)
 
 
-class GroupedKV:
-    """KVManager's interface over one KVManager per group (see the module docstring)."""
+class KVCache:
+    """The KV layer's interface: one KVManager per KV-cache group (see the module docstring)."""
 
     def __init__(self, spec: KVShape, device: torch.device, config: CacheConfig, events: EventSink,
                  counters: KVCounters, groups: tuple[KVGroupSpec, ...], context: int, chunk: int):
-        assert any(g.window for g in groups) and all(g.window for g in groups[1:])
+        assert groups and all(g.window for g in groups[1:])
         self.spec, self.device, self.events, self.counters = spec, device, events, counters
         self.groups = groups
         self.full = groups[0].window is None  # group 0 holds every key (else it is a window group too)
+        self.grouped = any(g.window for g in groups)  # some group drops what left its window
         self.context, self.chunk = context, chunk
         self._config = config
         self.mgrs = [KVManager(spec, device, c, events, counters, layers=g.layers)
                      for g, c in zip(groups, self.configs(config))]
-        for m in self.mgrs:
-            m.residency = GroupResidency(m.pool, GroupCounters(counters), events, self.drop_all)
-        self.residency = GroupedResidencies(self)
+        self._windows = [(g, groups[g], self.mgrs[g]) for g in range(0 if not self.full else 1, len(groups))]
+        if self.grouped:
+            for m in self.mgrs:
+                m.residency = GroupResidency(m.pool, GroupCounters(counters), events, self.drop_all)
+            self.residency: "Residency | GroupedResidencies" = GroupedResidencies(self)
+        else:  # one pool for every layer: its residency counts into the engine's counters itself
+            self.residency = self.mgrs[0].residency
         # Per group, the prompt tokens whose miss its missing block caused, by reason (engine/kv/misses.py); its key
         # reads' reasons are in its GroupCounters.
         self.prompt_why: list[Counter] = [Counter() for _ in groups]
+
+    def _need(self, counts) -> "Need | int":
+        """Per-group block counts as the scheduler reads them: a Need with groups, the one count without."""
+        counts = list(counts)
+        return Need(counts) if self.grouped else counts[0]
+
+    @property
+    def titles(self) -> list[str]:
+        """Each group's title where there are groups to tell apart (cache health's per-group rows), else none."""
+        return [g.title for g in self.groups] if self.grouped else []
 
     # -- the groups ---------------------------------------------------------------------------
     @property
@@ -178,7 +199,7 @@ class GroupedKV:
 
     def windows(self):
         """(g, group, manager) of each sliding-window group."""
-        return [(g, self.groups[g], self.mgrs[g]) for g in range(0 if not self.full else 1, len(self.groups))]
+        return self._windows
 
     # -- pools --------------------------------------------------------------------------------
     require_supported = staticmethod(KVManager.require_supported)
@@ -235,28 +256,83 @@ class GroupedKV:
         self._config = new
         return report
 
-    # -- queries ------------------------------------------------------------------------------
-    def capacity(self, tier: Tier) -> Need:
-        return Need(m.capacity(tier) for m in self.mgrs)
+    # -- config changes -------------------------------------------------------------------------
+    def check_change(self, new: CacheConfig, live: list[Sequence]) -> None:
+        """ConfigError, naming why, when `new` cannot hold the live sequences (nothing changed): this torch build
+        cannot store its format, its budgets give fewer blocks than one live sequence needs at its end (prompt and
+        tokens still to come, to the context limit), or than the live sequences hold now."""
+        KVManager.require_supported(new)
+        per = self.bytes_per_block(new)
+        sizes = tier_sizes(new, self.spec.num_layers, per)
+        dev, host = sizes.dev_cap, sizes.host_cap
+        need = max((blocks_for(min(len(s.tokens) + s.sampling.max_new_tokens - len(s.output), self.context),
+                               new.block_size) for s in live), default=0)
+        if dev + host < need:
+            raise ConfigError(
+                f"budgets give {dev} + {host} blocks of {per} bytes (device + host); a live sequence needs {need}: "
+                "raise a budget or finish that sequence first; nothing was changed")
+        held = sum(blocks_for(s.num_cached, new.block_size) for s in live)
+        if dev + host < held:
+            raise ConfigError(f"budgets give {dev + host} blocks but live sequences hold {held}; nothing was changed")
 
-    def blocks_at_peak(self, tokens: int) -> Need:
+    def apply_change(self, new: CacheConfig, live: list[Sequence], now: float) -> dict:
+        """Check `new` (check_change), then apply it: a new block size, format or placement re-lays the cache
+        (engine/kv/relayout.py: what it held, for the config event), new budgets alone resize the tiers in place
+        (blocks and the prefix cache stay), anything else only swaps the policy's knobs. ConfigError with the cache
+        unchanged when it cannot be done."""
+        self.check_change(new, live)
+        old = self._config
+        layout = (new.block_size, new.kv_dtype, new.device_layers) != (old.block_size, old.kv_dtype, old.device_layers)
+        budgets = (new.device_budget_mb, new.host_budget_mb) != (old.device_budget_mb, old.host_budget_mb)
+        if layout:
+            try:
+                return self.relayout(live, new, now)
+            except CacheFull as e:  # the old pool is kept: nothing was touched before the switch
+                raise ConfigError(f"cannot re-lay the live sequences: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # the plan only builds the new pool; the copy phase undoes itself (relayout.py)
+                raise ConfigError(f"re-laying the cache failed ({_why(e)}); nothing was changed") from e
+        if budgets:
+            try:
+                self.resize(new, now)
+            except CacheFull as e:
+                raise ConfigError(f"cannot resize the tiers: {e}; nothing was changed") from None
+            except ConfigError:
+                raise
+            except Exception as e:  # undone by engine/kv/resize_undo.py before it got here
+                raise ConfigError(f"resizing the tiers failed ({_why(e)}); the change was undone, nothing was changed") from e
+            return {}
+        self.set_policy(new)
+        return {}
+
+    # -- queries ------------------------------------------------------------------------------
+    def capacity(self, tier: Tier) -> "Need | int":
+        return self._need(m.capacity(tier) for m in self.mgrs)
+
+    def blocks_at_peak(self, tokens: int) -> "Need | int":
         """Blocks one sequence of `tokens` tokens holds at most in each group."""
         bs = self._config.block_size
-        return Need(g.live_blocks(tokens, self.chunk, bs) for g in self.groups)
+        return self._need(g.live_blocks(tokens, self.chunk, bs) for g in self.groups)
 
     def describe(self) -> str:
+        if not self.grouped:
+            return self.mgrs[0].describe()
         return "; ".join(f"{g.title}: {m.describe()}" for g, m in zip(self.groups, self.mgrs))
 
     def can_allocate(self, need) -> bool:
         counts = need if isinstance(need, tuple) else (need,) * len(self.mgrs)
         return all(m.can_allocate(n) for m, n in zip(self.mgrs, counts))
 
-    def free_blocks(self) -> Need:
-        return Need(m.free_blocks() for m in self.mgrs)
+    def free_blocks(self) -> "Need | int":
+        return self._need(m.free_blocks() for m in self.mgrs)
 
     # -- prefix cache -------------------------------------------------------------------------
-    def find_prefix(self, seq: Sequence, limit: int | None = None) -> tuple[Match, list[int]]:
-        """The longest cached prefix the full group holds whose last window every window group holds too."""
+    def find_prefix(self, seq: Sequence, limit: int | None = None) -> tuple[list[int], list[int]]:
+        """The longest cached prefix the full group holds whose last window every window group holds too (a Match
+        with window groups, else the full group's lids)."""
+        if not self.grouped:
+            return self.mgrs[0].find_prefix(seq, limit)
         bs = self._config.block_size
         if self.full:
             lids, hashes = self.mgrs[0].find_prefix(seq, limit)
@@ -292,9 +368,11 @@ class GroupedKV:
                 return False
         return True
 
-    def still_needs(self, seq: Sequence, tokens: int, match: list[int] | None = None) -> Need:
+    def still_needs(self, seq: Sequence, tokens: int, match: list[int] | None = None) -> "Need | int":
         """KVManager.still_needs per group; a window group's over the tokens from its table's start (or `match`'s),
         at most the blocks its window and a prompt chunk span (live_blocks)."""
+        if not self.grouped:
+            return self.mgrs[0].still_needs(seq, tokens, match)
         out = [self.mgrs[0].still_needs(seq, tokens, None if match is None else list(match))] if self.full else []
         bs = self._config.block_size
         for g, grp, m in self.windows():
@@ -327,6 +405,9 @@ class GroupedKV:
         """KVManager.explain_misses over every group: a block the full group holds missed for the first block of its
         last window some window group lacks (that block's reason, in that group's ledger)."""
         m0 = self.mgrs[0]
+        if not self.grouped:
+            m0.explain_misses(seq)
+            return
         hashes = m0.chain(seq, m0.reusable_blocks(seq))
         bs = self._config.block_size
 
@@ -353,6 +434,10 @@ class GroupedKV:
                         detail, lambda b: self.mgrs.index(first_gap(b)[1]), split := {})
         for g, why in split.items():
             self.prompt_why[g].update(why)
+
+    def chain(self, seq: Sequence, n: int) -> list[int]:
+        """The chain hashes of the sequence's first n blocks (the full group's, or group 0's)."""
+        return self.mgrs[0].chain(seq, n)
 
     def hash_full_blocks(self, seq: Sequence, old: int) -> None:
         if self.full:
@@ -394,6 +479,7 @@ class GroupedKV:
         seq.num_cached = seq.canonical = 0
 
     def commit_step(self, *writes) -> None:
+        """Each group's written blocks and their fills (one (lids, fills) per group, ModelRunner.prepare's)."""
         for m, (written, fills) in zip(self.mgrs, writes):
             m.commit_step(written, fills)
 
@@ -405,6 +491,8 @@ class GroupedKV:
         """Each window group drops the keys that left the window of the sequence's next query (position at or before
         its position minus the window: positions only grow from there), and lets go of its blocks that hold only
         dropped keys (a hashed one stays cached in its group for prefix reuse; the rest is freed)."""
+        if not self._windows:
+            return
         bs = self._config.block_size
         for seq in seqs:
             n = seq.num_cached
@@ -495,6 +583,8 @@ class GroupedKV:
     def tokens_kv(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 K/V of a sequence's cached tokens in every model layer: [L, n, Hkv, D] each; keys a window group
         dropped (or never held: the zeros before its first block's dropped ones) read NaN."""
+        if not self.grouped:
+            return self.mgrs[0].tokens_kv(seq)
         n = seq.num_cached
         k = torch.full((self.spec.num_layers, n, self.spec.num_kv_heads, self.spec.head_dim), float("nan"),
                        device=self.pool.device)
@@ -531,7 +621,9 @@ class GroupedKV:
 
     def snapshot_groups(self) -> tuple:
         """(KVGroupSpec, pool, key reads) per group, for EngineState.groups; key reads are (read, missed, streamed,
-        why) with why the group's reasons (engine/kv/misses.py group_summary)."""
+        why) with why the group's reasons (engine/kv/misses.py group_summary); none for one pool of every layer."""
+        if not self.grouped:
+            return ()
         return tuple((g, m.pool, (*m.residency.counters.reads(), group_summary(why, m.residency.counters)))
                      for g, m, why in zip(self.groups, self.mgrs, self.prompt_why))
 
@@ -583,7 +675,7 @@ class Rebased:
 class GroupedResidencies:
     """Residency's interface over every group's (the scheduler's `residency`)."""
 
-    def __init__(self, kv: GroupedKV):
+    def __init__(self, kv: KVCache):
         self.kv = kv
 
     @property
@@ -645,3 +737,8 @@ class GroupedResidencies:
 
     def drop_kv(self, seq: Sequence) -> None:
         self.kv.drop_all(seq)
+
+
+def _why(e: BaseException) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {first}" if first else type(e).__name__
