@@ -7,7 +7,7 @@ import json
 import sys
 
 # Shared with app.commands and app.bench.sweep, which import app.options rather than this module (no import cycle).
-# The underscored names stay for callers that used them from here.
+# The flag builders under underscored names: the parsers below use them, as does tests/app/test_sweep.py.
 from app.options import T_START, cache_config  # noqa: F401
 from app.options import add_cache_flags as _add_cache_flags
 from app.options import add_model_flags as _add_model_flags
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.cmd == "bench" and not (args.workload or args.trace):
         given = [f"--{name.replace('_', '-')}" for name in _REPLAY_ONLY if getattr(args, name, None)]
-        if given:  # before: silently ignored, and the multi-minute --compare hf run started instead
+        if given:  # refused, not ignored: without a replay they would start the multi-minute --compare hf run
             print(f"kvscope bench: error: {', '.join(given)} replay a workload: give --workload NAME or --trace "
                   "FILE.jsonl", file=sys.stderr)
             return 2

@@ -7,7 +7,7 @@ malformed frame, never a jump of 1.8e19. Sequence numbers say what was missed:
 - right after connecting, where a replay endpoint is known, the batches published before we attached are asked
   for from seq 0 (history), without waiting for a live frame: a warm server may be idle. The request ends at the
   server's end marker, or at the first live frame's seq (the live stream has the rest), within the replay
-  deadlines; where it got nothing, the first frame (seq S > 0) asks for [0, S) as before;
+  deadlines; where it got nothing, the first frame (seq S > 0) asks for [0, S);
 - a frame whose seq jumps past last+1 is a gap: the missing range is asked for (engine/attach/replay.py);
 - seq == last is a duplicate and is skipped; a seq 0 after a higher one, or one more than a few below the
   last, is a publisher restart (its cache is empty again; its history is asked for afresh).

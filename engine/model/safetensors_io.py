@@ -45,7 +45,7 @@ def read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
             )
         raise ModelLoadError(f"no *.safetensors in {directory}")
     entries: dict[str, _Entry] = {}
-    for file in files:  # every header first: fusing plans across shards; a later shard's name wins, as before
+    for file in files:  # every header first: fusing plans across shards; a name in two shards is the later shard's
         path = os.path.join(directory, file)
         entries |= {e.name: e for e in _safetensors_entries(path)}
     packed = {n for n, e in entries.items()

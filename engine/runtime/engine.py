@@ -108,7 +108,7 @@ class Engine:
         self.runner.check_attention(self.pool)  # the attention self-check at start-up (engine/runtime/self_check.py)
         self._drain_pool_events()
 
-    # -- views kept for callers (telemetry, tests, the window) ----------------------------------
+    # -- views for callers (telemetry, tests, the window) --------------------------------------
     @property
     def config(self) -> CacheConfig:
         return self.kv.config

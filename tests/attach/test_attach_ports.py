@@ -76,7 +76,7 @@ def test_help_says_how_to_set_the_server_up_for_data_parallel_ranks():
                                   "tcp://h:5557,replay=٥٥٥٨", "tcp://h;rm:5557", "tcp://h:5557,replay=",
                                   "tcp://h:5557,replay=bogus"])
 def test_hosts_ports_and_counts_are_ascii_names_and_digits(text):
-    with pytest.raises(SourceError) as e:  # before: a host "a b" or "[" was subscribed to, Arabic digits read
+    with pytest.raises(SourceError) as e:  # a host "a b" or "[" or non-ASCII digits: refused, never subscribed to
         parse_source("vllm", text)
     assert text in str(e.value) or text.split(",")[0] in str(e.value)
 
@@ -117,8 +117,8 @@ def test_file_attach_refuses_an_endpoint_twice_as_the_command_line_does():
 def test_the_cli_refuses_in_one_line_with_exit_2_before_starting_anything(argv, capsys):
     from app.attach import main
 
-    assert main(argv) == 2  # before: nan seconds raised out of time.sleep, or ran the bench forever; the soak
-    err = capsys.readouterr().err  # started publishers and died in a KeyError or WorkerError traceback
+    assert main(argv) == 2  # refused before anything starts: no time.sleep(nan), no endless bench, no publishers
+    err = capsys.readouterr().err  # started and then a KeyError or WorkerError traceback
     assert err.startswith("kvscope attach: error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
