@@ -1,7 +1,7 @@
 """`kvscope attach`: the inspector on running vLLM / SGLang servers, read-only (KV events over ZMQ, /metrics
 over HTTP). Needs no torch: this module and everything it imports are Qt + numpy + pyzmq + msgpack +
 prometheus_client. `--soak` is the bench (app/bench/attach_soak.py), `--bench-decode` the decoder's
-(engine/attach/decode_bench.py); `--demo` attaches to fake publishers started here, for trying the window
+(app/bench/attach_decode.py); `--demo` attaches to fake publishers started here, for trying the window
 without a server."""
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _main(args) -> int:
         print(f"kvscope attach: error: {e}", file=sys.stderr)
         return 2
     if args.bench_decode:
-        from engine.attach.decode_bench import run
+        from app.bench.attach_decode import run
 
         res = run(max(args.bench_seconds, 0.1), say=(lambda *a: print(*a, file=sys.stderr)) if args.json else print)
         if args.json:

@@ -206,7 +206,7 @@ def test_a_frame_over_the_size_limit_is_refused_with_its_reason():
 
 
 def _real_shaped(flavor: str, layout: str) -> bytes:
-    from engine.attach.decode_bench import payloads
+    from app.bench.attach_decode import payloads
 
     return payloads(flavor, layout, "int64" if flavor == "sglang" else "bytes", batches=1, per_batch=6)[0][0]
 

@@ -17,7 +17,7 @@ import msgspec
 from engine.attach.events import decode_batch
 from engine.attach.fake.workload import FakeCache
 
-# (label, flavor, layout, hash kind): today's servers first
+# (label, flavor, layout, hash kind): the current servers first
 SHAPES = (("vllm 0.33 (tagged maps, bytes hashes)", "vllm", "tagged", "bytes"),
           ("sglang 0.5 (tagged maps, int64 hashes)", "sglang", "tagged", "int64"),
           ("vllm <= 0.10 (array-like events)", "vllm", "array", "int"),
