@@ -1,4 +1,5 @@
-"""The engine thread, and the controller the window talks to.
+"""The engine thread, the controller the window talks to, and the window's trace workload (its skipped lines
+said on stderr).
 
 The window never touches the engine: it calls this controller, which (a) reads immutable snapshots and
 drains events (both thread-safe in the engine), and (b) queues commands that the engine thread runs
@@ -9,18 +10,42 @@ as an exception with the engine's message while the engine keeps running on its 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.config import KNOBS, CacheConfig, ConfigError
 from engine.errors import RequestError
 from engine.runtime.threads import follow_torch
 from ui.controller import Controller
 
+if TYPE_CHECKING:
+    from engine.workloads.trace_workload import TraceWorkload
+    from engine.workloads.workload import Workload
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def open_trace_workload(engine, path: str, say=_say) -> TraceWorkload:
+    """The window's live replay of the JSONL trace at `path` (engine/workloads/trace_workload.py); the lines it
+    skips are said (on stderr), the first SHOWN by name, then how many. RequestError if no line can run."""
+    from engine.workloads.trace_workload import TraceWorkload
+
+    w = TraceWorkload(engine, path)
+    if w.n_skipped:
+        for line in w.skipped:
+            say(f"kvscope: {line} (skipped)")
+        more = f" ({w.n_skipped - len(w.skipped):,} not shown)" if w.n_skipped > len(w.skipped) else ""
+        say(f"kvscope: {path}: {w.n_skipped:,} of {w.n_skipped + w.n_requests:,} lines skipped{more}; "
+            f"replaying the other {w.n_requests:,}")
+    return w
+
 
 class EngineRunner(Controller):
-    def __init__(self, engine, workload=None):
+    def __init__(self, engine, workload: Workload | None = None):
         self.engine = engine
         self.workload = workload
         self.read_only = False
@@ -176,9 +201,7 @@ class EngineRunner(Controller):
         """Replace the workload with a live, looping replay of a JSONL request trace. The file is read and
         checked now (RequestError names the problem, and the running workload stays); the swap happens
         between two steps, and the old workload's sequences are cancelled."""
-        from app.trace_workload import TraceWorkload
-
-        w = TraceWorkload(self.engine, path)
+        w = open_trace_workload(self.engine, path)
         self._replace_workload(w)
         return w.name
 
@@ -187,7 +210,7 @@ class EngineRunner(Controller):
 
         self._replace_workload(DemoWorkload(self.engine, seed=seed))
 
-    def _replace_workload(self, w) -> None:
+    def _replace_workload(self, w: Workload) -> None:
         old = self.workload
         if old is not None:
             w.paused = old.paused
@@ -224,11 +247,11 @@ class EngineRunner(Controller):
     def submit_prompt(self, text: str, chat: bool, max_new_tokens: int) -> int:
         """Queue a user prompt; its text streams through take_tokens(). Raises RequestError if it cannot fit."""
         from engine.sequence import SamplingParams
+        from engine.workloads.prompts import encode_text
 
         if not text.strip():
             raise RequestError("empty prompt")
-        tok = self.engine.tokenizer
-        ids = tok.apply_chat_template([{"role": "user", "content": text}]) if chat else tok.encode(text)
+        ids = encode_text(self.engine.tokenizer, text, chat)
         return self.engine.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens), label="prompt")
 
     def info(self) -> dict:

@@ -42,7 +42,7 @@ def run_window(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if getattr(args, "replay", None):  # read the trace before the model loads: refused if no line can run
-        from app.trace_workload import check_trace_file
+        from engine.workloads.trace_workload import check_trace_file
         from engine.errors import RequestError
 
         try:
@@ -226,7 +226,7 @@ def start_runner(args: argparse.Namespace, progress=None):
     import torch
 
     from app.commands import open_engine
-    from app.runner import EngineRunner
+    from app.runner import EngineRunner, open_trace_workload
     from engine.workloads.demo import DemoWorkload
 
     # Leave a core to the window: the model's matmuls get the rest.
@@ -244,9 +244,7 @@ def start_runner(args: argparse.Namespace, progress=None):
     engine, load_s = open_engine(args) if progress is None else open_engine(args, progress=progress)
     print(f"[kvscope] model ready in {load_s:.1f} s", file=sys.stderr, flush=True)
     if getattr(args, "replay", None):
-        from app.trace_workload import TraceWorkload
-
-        workload = TraceWorkload(engine, args.replay)
+        workload = open_trace_workload(engine, args.replay)
     else:
         workload = None if args.no_workload else DemoWorkload(engine, seed=args.seed)
     return EngineRunner(engine, workload).start()

@@ -2,7 +2,7 @@
 configs and compare them in a table, JSON, CSV and a figure.
 
 The model loads once; each config gets a fresh Engine on it, so runs share no cache state. This module holds
-the flags, the configs, the workload and the command; one run is app/replay.py, the report app/bench/sweep_report.py.
+the flags, the configs, the workload and the command; one run is engine/workloads/replay.py, the report app/bench/sweep_report.py.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 
 from app.options import cache_config
-from app.replay import LiveChange, RunResult, replay
+from engine.workloads.replay import LiveChange, RunResult, replay
 from app.bench.sweep_report import (format_health, format_live_change, format_table, plot_sweep, report, row_of,
                                      write_csv)
 

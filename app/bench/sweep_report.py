@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from app.replay import RESIDENCY, RunResult
+from engine.workloads.replay import RESIDENCY, RunResult
 from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name, top
 from engine.telemetry.health import one_line
 from engine.telemetry.health import report as report_health

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from engine.model.chat_format import ChatFormat
-from engine.workloads.corpus import STORIES, SYSTEM_SENTENCES, _follow_up, _message, _passage, _question
 from engine.sequence import SamplingParams, SeqState, Sequence
+from engine.workloads.corpus import STORIES, SYSTEM_SENTENCES, _follow_up, _message, _passage, _question
+from engine.workloads.workload import check_intensity
 
 if TYPE_CHECKING:
     from engine.runtime.engine import Engine
@@ -24,15 +25,6 @@ if TYPE_CHECKING:
 # -- the live demo ------------------------------------------------------------------------------
 
 MAX_LIVE = 8  # live sequences (paused ones included) the demo keeps at most
-INTENSITY_RANGE = (0.1, 3.0)
-
-
-def check_intensity(value: object) -> float:
-    """A workload intensity as float, or ValueError naming the range."""
-    lo, hi = INTENSITY_RANGE
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (lo <= value <= hi):
-        raise ValueError(f"intensity: {value!r} is outside [{lo:g}, {hi:g}]")
-    return float(value)
 _RATES = {"chat": 1 / 6, "document": 1 / 30, "nbest": 1 / 20, "long_chat": 1 / 15}  # arrivals per second at 1.0
 # The opening minute is scripted so that every phenomenon shows within ~20 s: (seconds from start, kind).
 _OPENING = ((0.0, "chat"), (0.0, "long_chat"), (0.6, "chat"), (1.2, "nbest"), (1.8, "chat"), (3.0, "document"))
@@ -60,8 +52,8 @@ class _Session:
 
 
 class DemoWorkload:
-    """A live, deterministic mix of requests that keeps the cache busy; call `tick(now)` on the engine thread
-    before each step. `intensity`, `paused` and `stats()` may be used from other threads."""
+    """A live, deterministic mix of requests that keeps the cache busy: a `Workload` (workload.py). `tick(now)`
+    on the engine thread before each step; `intensity`, `paused` and `stats()` from any thread."""
 
     def __init__(self, engine: Engine, seed: int = 0, intensity: float = 1.0) -> None:
         self.engine = engine

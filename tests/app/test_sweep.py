@@ -165,7 +165,7 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
     """The window's trace workload: requests start at their arrival times (scaled by intensity), a later
     turn waits for its session's reply, a fork shares its parent's blocks, every plain request's tokens equal
     transformers' greedy ones, and a finished trace starts its next round."""
-    from app.trace_workload import TraceWorkload
+    from engine.workloads.trace_workload import TraceWorkload
     from conftest import prompts
     from engine.config import CacheConfig, EngineOptions
     from engine.runtime.engine import Engine
@@ -211,7 +211,8 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
 
 
 def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
-    from app.trace_workload import TraceWorkload
+    from app.runner import open_trace_workload
+    from engine.workloads.trace_workload import TraceWorkload
     from engine.config import CacheConfig
     from engine.runtime.engine import Engine
     from engine.errors import RequestError
@@ -224,7 +225,7 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
     # A bad line beside good ones is named and skipped; the rest is replayed (tests/app/test_user_files.py).
     bad.write_text('{"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 3}\n{"arrival_s": 1}\n')
     said: list[str] = []
-    w = TraceWorkload(eng, str(bad), say=said.append)
+    w = open_trace_workload(eng, str(bad), say=said.append)
     assert w.n_requests == 1 and w.skipped == [f"{bad}:2: missing 'session'"]
     assert said[-1] == f"kvscope: {bad}: 1 of 2 lines skipped; replaying the other 1"
     with pytest.raises(RequestError, match="nope.jsonl"):
@@ -236,7 +237,7 @@ def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
 
 
 def test_live_trace_clock_stands_still_while_paused(llama_model, tmp_path):
-    from app.trace_workload import TraceWorkload
+    from engine.workloads.trace_workload import TraceWorkload
     from engine.config import CacheConfig
     from engine.runtime.engine import Engine
 

@@ -53,7 +53,7 @@ def _reader(name: str):
 
         return load_trace, user_file.MAX_JSONL_BYTES
     if name == "--replay":
-        from app.trace_workload import check_trace_file
+        from engine.workloads.trace_workload import check_trace_file
 
         return check_trace_file, user_file.MAX_JSONL_BYTES
     if name == "generate --prompt-file":
@@ -236,7 +236,7 @@ def run_round(w, eng, steps: int = 2000) -> None:
 def test_replay_skips_and_counts_the_lines_that_cannot_run_and_replays_the_rest(engine, tmp_path):
     # Before: the first bad line refused the whole trace; a lone surrogate passed and then looped on the
     # tokenizer's TypeError (11 error events, exit 0); a token id of 10^12 vanished (no error, no sequence).
-    from app.trace_workload import TraceWorkload
+    from app.runner import open_trace_workload
 
     path = jsonl(tmp_path / "mixed.jsonl",
                  GOOD,
@@ -247,7 +247,7 @@ def test_replay_skips_and_counts_the_lines_that_cannot_run_and_replays_the_rest(
                  {**GOOD, "session": "long", "prompt_tokens": [5] * 5000},
                  {**GOOD, "session": "t", "arrival_s": 0.1, "prompt_tokens": None, "prompt": "hello there"})
     said: list[str] = []
-    w = TraceWorkload(engine, path, say=said.append)
+    w = open_trace_workload(engine, path, say=said.append)
     assert w.n_requests == 2 and w.n_skipped == 5
     assert [s.split(": ", 1)[0] for s in w.skipped] == [f"{path}:{n}" for n in (2, 3, 4, 5, 6)]
     assert "outside the vocabulary" in w.skipped[2] and "exceeds the context limit of 512" in w.skipped[4]
@@ -263,8 +263,8 @@ def test_replay_skips_and_counts_the_lines_that_cannot_run_and_replays_the_rest(
 
 
 def test_replay_with_no_line_that_can_run_is_refused_naming_it(engine, tmp_path):
-    from app.trace_workload import TraceWorkload
     from engine.errors import RequestError
+    from engine.workloads.trace_workload import TraceWorkload
 
     path = jsonl(tmp_path / "long.jsonl", {**GOOD, "prompt_tokens": [5] * 5000})
     with pytest.raises(RequestError) as err:
@@ -275,7 +275,7 @@ def test_replay_with_no_line_that_can_run_is_refused_naming_it(engine, tmp_path)
 def test_a_replay_streams_its_file(engine, tmp_path, monkeypatch):
     # Before: the whole trace was read into a list, and every request that had arrived was handed to the
     # engine at once (200,000 lines: 15 s in the first tick before the first step).
-    import app.trace_workload as tw
+    import engine.workloads.trace_workload as tw
     from engine.workloads import requests as workloads
     n = 3000
     path = jsonl(tmp_path / "many.jsonl", *({**GOOD, "session": f"s{i}", "arrival_s": 0,
@@ -308,7 +308,7 @@ def test_a_replay_streams_its_file(engine, tmp_path, monkeypatch):
 
 def test_a_request_refused_when_it_starts_is_an_event(engine, tmp_path):
     # A later turn carries the conversation so far, so it can outgrow the context limit only when it starts.
-    from app.trace_workload import TraceWorkload
+    from engine.workloads.trace_workload import TraceWorkload
 
     path = jsonl(tmp_path / "turns.jsonl", {**GOOD, "prompt_tokens": [5] * 300, "max_new_tokens": 4},
                  {**GOOD, "arrival_s": 0.1, "kind": "turn", "prompt_tokens": [6] * 300})
@@ -321,7 +321,7 @@ def test_a_request_refused_when_it_starts_is_an_event(engine, tmp_path):
 
 def test_a_replay_counts_a_request_the_engine_aborts(engine, tmp_path):
     # Before: an aborted sequence stayed "live" for ever, so the round never ended.
-    from app.trace_workload import TraceWorkload
+    from engine.workloads.trace_workload import TraceWorkload
 
     path = jsonl(tmp_path / "t.jsonl", {**GOOD, "max_new_tokens": 50}, {**GOOD, "session": "b", "max_new_tokens": 3})
     w = TraceWorkload(engine, path)

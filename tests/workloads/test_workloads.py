@@ -225,3 +225,15 @@ def test_demo_workload_knobs(chat_model):
     drive(eng, now, wl, 2)
     assert wl.stats()["requests"] >= 2
     assert all(s.state in (SeqState.WAITING, SeqState.RUNNING) for s in eng.seqs.values())
+
+
+def test_the_demo_and_a_trace_are_workloads(chat_model, tmp_path):
+    from engine.workloads.trace_workload import TraceWorkload
+    from engine.workloads.workload import Workload
+
+    eng, _ = demo_engine(chat_model)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0, "session": "a", "prompt": "hi", "max_new_tokens": 3}) + "\n")
+    for w in (DemoWorkload(eng, seed=0), TraceWorkload(eng, str(trace))):
+        assert isinstance(w, Workload), type(w).__name__
+    assert not isinstance(object(), Workload)

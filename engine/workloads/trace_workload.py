@@ -6,27 +6,24 @@ The file is read twice, lazily, as `generate --prompt-file` reads its own: once 
 to check every line (its shape, and whether this engine would take the request: token ids in the vocabulary,
 a prompt within the context limit and the tiers), and then a round at a time, streamed, with at most WINDOW
 requests in the engine or waiting for their turn; memory does not grow with the file. A line that fails the
-check is named, skipped and counted (stderr, and the Events panel); only a trace with no request left to
-replay is refused. A trace out of arrival order is held in memory, sorted, as `bench --trace` holds it."""
+check is named, skipped and counted (`skipped`, which the window's runner says on stderr, and the Events
+panel); only a trace with no request left to replay is refused. A trace out of arrival order is held in memory,
+sorted, as `bench --trace` holds it."""
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Iterator
 
-from app.replay import Replay, RequestCheck, RunResult
-from engine.workloads.demo import check_intensity
 from engine.errors import RequestError
+from engine.workloads.prompts import RequestCheck
+from engine.workloads.replay import Replay, RunResult
 from engine.workloads.requests import Request, read_trace
+from engine.workloads.workload import check_intensity
 
 MAX_STEP_S = 1.0
 WINDOW = 64  # requests in the engine or waiting for their turn at once (generate --prompt-file's window)
 SHOWN = 10  # skipped lines named one by one on stderr and in the events; the rest are counted
-
-
-def _say(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def check_trace_file(path: str) -> None:
@@ -47,15 +44,15 @@ def check_trace_file(path: str) -> None:
 
 
 class TraceWorkload:
-    """Same interface as engine.workloads.demo.DemoWorkload: `tick(now)` and `observe(outs)` on the engine thread
-    around each step; `paused`, `set_intensity` and `stats()` from any thread; `close()` when replaced.
+    """A `Workload` (workload.py), as the demo is: `tick(now)` and `observe(outs)` on the engine thread around
+    each step; `paused`, `set_intensity` and `stats()` from any thread; `close()` when replaced.
 
     Intensity scales the trace's clock (2.0 replays it twice as fast). A round ends when every request has
     finished or been refused; the next round starts at once with fresh sessions. `skipped` names the lines
     refused when the file was read (the first SHOWN of them; `n_skipped` counts all).
     """
 
-    def __init__(self, engine, path: str, cap: int | None = None, say=_say):
+    def __init__(self, engine, path: str, cap: int | None = None):
         self.engine = engine
         self.path = path
         self.name = os.path.basename(path)
@@ -65,12 +62,6 @@ class TraceWorkload:
         self._bad: set[int] = set()  # line numbers the check refused, skipped in every round
         self._held: list[Request] | None = None  # the requests, sorted, if the file is out of arrival order
         self.n_requests = self._check(RequestCheck(engine, cap))
-        if self.n_skipped:
-            for line in self.skipped:
-                say(f"kvscope: {line} (skipped)")
-            more = f" ({self.n_skipped - len(self.skipped):,} not shown)" if self.n_skipped > len(self.skipped) else ""
-            say(f"kvscope: {path}: {self.n_skipped:,} of {self.n_skipped + self.n_requests:,} lines skipped{more}; "
-                f"replaying the other {self.n_requests:,}")
         self._paused = False
         self._intensity = 1.0
         self.rounds = 0

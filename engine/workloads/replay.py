@@ -11,7 +11,7 @@ its parent once the parent has its first token, or runs as a plain request if th
 
 The requests may be any iterable in arrival order, pulled one at a time as they arrive (a trace streamed from
 its file); with a `window`, at most that many are in the engine or waiting for their turn at once. A request
-the engine refuses (when it arrives, or when the trace is read: `RequestCheck.refusal`) is listed in
+the engine refuses (when it arrives, or when the trace is read: `RequestCheck.refusal`, prompts.py) is listed in
 `RunResult.refused` with its trace line and why; one the engine aborts, likewise.
 """
 
@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import gc
 import time
-import zlib
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import numpy as np
 
-FORK_TEMPERATURE = 0.8  # nbest requests and their forks sample, so the forks diverge
+from engine.workloads.prompts import RequestCheck
+
 RESIDENCY = ("reuse_gap", "age_at_hit", "age_at_eviction", "lifetime")
 
 
@@ -70,85 +70,6 @@ class LiveChange:
 
     at_step: int
     changes: dict
-
-
-class RequestCheck:
-    """How a replay turns a trace request into what the engine is asked (token ids, sampling), and whether the
-    engine would take it: the checks a trace's reader runs on every line, against the engine that will run it."""
-
-    def __init__(self, engine, cap: int | None = None):
-        from engine.model.chat_format import ChatFormat
-
-        self.engine, self.cap = engine, cap
-        self.fmt = ChatFormat(engine.tokenizer)
-        self._overhead: dict[bool, int] = {}
-        self._fits: dict[tuple[int, int], bool] = {}  # (prompt tokens, new tokens) -> taken, under _fits_config
-        self._fits_config = None
-
-    def sampling(self, r):
-        from engine.sequence import SamplingParams
-
-        n = min(r.max_new_tokens, self.cap) if self.cap else r.max_new_tokens
-        if r.kind in ("nbest", "fork"):
-            return SamplingParams(max_new_tokens=n, temperature=FORK_TEMPERATURE, seed=zlib.crc32(r.session.encode()),
-                                  ignore_eos=True)
-        return SamplingParams(max_new_tokens=n, ignore_eos=True)
-
-    def prompt(self, r, history: list[int] | None) -> list[int]:
-        """The token ids of `r` after `history` (a later turn's conversation so far; None for anything else)."""
-        if r.prompt_tokens is not None:
-            return (history or []) + list(r.prompt_tokens)
-        if r.kind == "chat":
-            return self.fmt.first(None, self.fmt.encode(r.prompt))
-        if r.kind == "turn":
-            body = self.fmt.encode(r.prompt)
-            if not history:
-                return self.fmt.first(None, body)
-            ended = history[-1] if history[-1] in self.engine.eos else None
-            return history + self.fmt.next_turn(body, ended)
-        return self.engine.tokenizer.encode(r.prompt)
-
-    def refusal(self, r) -> str | None:
-        """Why the engine would refuse `r` were it to arrive now (as a first turn: a later one also carries its
-        conversation so far, checked when it starts); None if it would take it. A text prompt is encoded only
-        when a bound on its length (a token holds at least one UTF-8 byte, plus two for a tokenizer's leading
-        space and the chat template's own tokens) does not already show that it fits."""
-        from engine.errors import RequestError
-
-        e, sp = self.engine, self.sampling(r)
-        try:
-            if r.prompt_tokens is not None:
-                e.check_request(r.prompt_tokens, sp)
-                return None
-            bound = len(r.prompt.encode("utf-8")) + 2 + self._template_tokens(r.kind in ("chat", "turn"))
-            if bound <= e.context_limit and self._would_fit(bound, sp):
-                return None
-            e.check_request(self.prompt(r, None), sp)
-        except RequestError as ex:
-            return str(ex)
-        except (TypeError, ValueError) as ex:  # a tokenizer that cannot take the text
-            return f"the prompt cannot be encoded ({ex})"
-        return None
-
-    def _would_fit(self, n: int, sp) -> bool:
-        """Whether the engine takes a prompt of n tokens with these sampling params (memoized per config)."""
-        from engine.errors import RequestError
-
-        if self._fits_config is not self.engine.config:
-            self._fits, self._fits_config = {}, self.engine.config
-        key = (n, sp.max_new_tokens)
-        if key not in self._fits:
-            try:
-                self.engine.check_request([0] * n, sp)
-                self._fits[key] = True
-            except RequestError:
-                self._fits[key] = False
-        return self._fits[key]
-
-    def _template_tokens(self, chat: bool) -> int:
-        if chat not in self._overhead:
-            self._overhead[chat] = len(self.fmt.first(None, []) if chat else self.engine.tokenizer.encode(""))
-        return self._overhead[chat]
 
 
 def where(r, source: str | None = None) -> str:
