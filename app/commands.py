@@ -49,13 +49,6 @@ def _sampling(args: argparse.Namespace, max_new: int):
                           seed=args.seed, ignore_eos=args.ignore_eos)
 
 
-def _encode(engine, text: str, chat: bool) -> list[int]:
-    tok = engine.tokenizer
-    if chat:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
-    return tok.encode(text)
-
-
 def _stats(engine, seq) -> dict:
     from engine.kv.misses import seq_summary as seq_why_missed
 
@@ -162,8 +155,9 @@ def check_writable(path: str, suffix: str, flag: str) -> str:
 
 def _run_one(engine, args, load_s: float) -> int:
     from engine.model.tokenizer import StreamDecoder
+    from engine.workloads.prompts import encode_text
 
-    ids = _encode(engine, args.prompt, args.chat)
+    ids = encode_text(engine.tokenizer, args.prompt, args.chat)
     sid = engine.add_request(ids, _sampling(args, args.max_new_tokens))
     engine.keep(sid)
     seq = engine.seqs[sid]
@@ -204,6 +198,7 @@ def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]
     from engine.runtime.engine import RequestError
     from engine.sequence import check_token_ids
     from engine.user_file import json_lines
+    from engine.workloads.prompts import encode_text
     from engine.workloads.requests import MAX_NEW_TOKENS
 
     lines = json_lines(path, "a prompt file")
@@ -257,7 +252,8 @@ def _file_requests(engine, args, load_check: bool = False) -> Iterator[tuple[int
     from engine.runtime.engine import RequestError
 
     for n, r in _read_prompt_file(args.prompt_file, args.max_new_tokens):
-        ids = r["prompt"] if isinstance(r["prompt"], list) else _encode(engine, r["prompt"], r["chat"] or args.chat)
+        ids = (r["prompt"] if isinstance(r["prompt"], list)
+               else encode_text(engine.tokenizer, r["prompt"], r["chat"] or args.chat))
         sp = _sampling(args, r["max_new_tokens"])
         try:
             engine.check_request(ids, sp)

@@ -160,8 +160,13 @@ class Engine:
         bad = next((t for t in sampling.forced if t >= self.spec.vocab_size), None)
         if bad is not None:  # a forced token is fed back as the next input: it must embed
             raise RequestError(f"forced token {bad} is outside the vocabulary (0..{self.spec.vocab_size - 1})")
-        self.ops.check_fits(len(prompt_ids), sampling.max_new_tokens)
+        self.check_fits(len(prompt_ids), sampling.max_new_tokens)
         return [int(t) for t in prompt_ids]
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """RequestError naming why a request of this many prompt and new tokens cannot fit this engine (its context
+        limit, its budgets); the one fit rule every caller asks (SequenceOps.check_fits)."""
+        self.ops.check_fits(prompt_len, max_new_tokens)
 
     # -- sequence operations (engine/runtime/seq_ops.py), under the lock, pool events drained after ---------
     def _op(self, fn, *args):

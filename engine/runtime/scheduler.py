@@ -133,7 +133,7 @@ class Scheduler:
         return promised + self.kv.still_needs(seq, self.peak(seq), match) <= self.kv.free_blocks()
 
     def peak(self, seq: Sequence) -> int:
-        """Tokens the sequence holds K/V for at most before it finishes (as Engine._check_fits counts them): its
+        """Tokens the sequence holds K/V for at most before it finishes (as SequenceOps.check_fits counts them): its
         tokens plus those it may still generate, at most the context limit (a shift keeps it under)."""
         left = max(seq.sampling.max_new_tokens - len(seq.output), 0)
         return min(len(seq.tokens) + left, max(self.context_limit, len(seq.tokens)))

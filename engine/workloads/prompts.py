@@ -78,7 +78,7 @@ class RequestCheck:
         """Whether the engine holds a prompt of n tokens generating sp.max_new_tokens (the length rule of
         Engine.check_request, without a prompt's ids)."""
         try:
-            self.engine.ops.check_fits(n, sp.max_new_tokens)
+            self.engine.check_fits(n, sp.max_new_tokens)
         except RequestError:
             return False
         return True
