@@ -198,7 +198,6 @@ def _read_prompt_file(path: str, default_max: int) -> Iterator[tuple[int, dict]]
     from engine.runtime.engine import RequestError
     from engine.sequence import check_token_ids
     from engine.user_file import json_lines
-    from engine.workloads.prompts import encode_text
     from engine.workloads.requests import MAX_NEW_TOKENS
 
     lines = json_lines(path, "a prompt file")
@@ -250,6 +249,7 @@ def _clip(v: object, n: int = 60) -> str:
 def _file_requests(engine, args, load_check: bool = False) -> Iterator[tuple[int, list[int], object]]:
     """(line, token ids, sampling) per request; RequestError names the line of one the engine cannot serve."""
     from engine.runtime.engine import RequestError
+    from engine.workloads.prompts import encode_text
 
     for n, r in _read_prompt_file(args.prompt_file, args.max_new_tokens):
         ids = (r["prompt"] if isinstance(r["prompt"], list)
