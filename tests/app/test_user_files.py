@@ -75,7 +75,7 @@ def fifo(tmp_path):
 @pytest.mark.parametrize("reader", ["bench --trace", "--replay", "generate --prompt-file", "policy-lab"])
 @pytest.mark.parametrize("kind", ["fifo", "device", "directory", "sparse"])
 def test_every_reader_refuses_what_is_not_a_small_regular_file(tmp_path, reader, kind):
-    # Before: a FIFO blocked in open until killed; /dev/zero (and a 10 GB sparse file) were read into memory,
+    # Guards against: a FIFO blocked in open until killed; /dev/zero (and a 10 GB sparse file) were read into memory,
     # 2-8.5 GB before a timeout. Here /dev/null stands for every device (a reader that took it would not
     # fill memory), and the sparse file is one byte over the reader's cap (a hole on disk: only stat can tell).
     fn, cap = _reader(reader)
@@ -156,7 +156,7 @@ def test_a_valid_surrogate_pair_and_a_byte_order_mark_are_fine(tmp_path):
     ({**GOOD, "session": list(range(10**5))}, "session must be a string, got an array of 100,000 items"),
 ])
 def test_bench_trace_refuses_a_line_that_cannot_run_by_its_number(tmp_path, row, problem):
-    # Before: deep JSON was a RecursionError traceback (exit 1); a lone surrogate, n_forks 10^9 or a
+    # Guards against: deep JSON was a RecursionError traceback (exit 1); a lone surrogate, n_forks 10^9 or a
     # 10^12 max_new_tokens passed, to loop, hang or never finish once replayed.
     from engine.workloads.requests import load_trace
 
@@ -183,7 +183,7 @@ def test_bench_trace_with_deep_json_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_generate_prompt_file_refuses_a_lone_surrogate_by_line(tiny_llama, tmp_path, capsys):
-    # Before: the tokenizer's TypeError came out as a traceback.
+    # Guards against: the tokenizer's TypeError came out as a traceback.
     path = jsonl(tmp_path / "p.jsonl", {"prompt": "fine"}, b'{"prompt": "bad \\udc80 text", "chat": true}')
     rc, out, err = run_cli(capsys, "generate", "--prompt-file", path, "--model", tiny_llama)
     assert rc == 2 and not out and "Traceback" not in err
@@ -191,7 +191,7 @@ def test_generate_prompt_file_refuses_a_lone_surrogate_by_line(tiny_llama, tmp_p
 
 
 def test_bench_trace_names_the_line_of_a_request_the_model_refuses(tiny_llama, tmp_path, capsys):
-    # Before: a token id of 10^12 was refused with only the session named ("a at 0 s").
+    # Guards against: a token id of 10^12 was refused with only the session named ("a at 0 s").
     path = jsonl(tmp_path / "t.jsonl", GOOD, {**GOOD, "session": "b", "prompt_tokens": [5, 10**12]})
     rc, out, err = run_cli(capsys, "bench", "--trace", path, "--model", tiny_llama, "--time-scale", "0")
     assert rc == 0, err
@@ -200,7 +200,7 @@ def test_bench_trace_names_the_line_of_a_request_the_model_refuses(tiny_llama, t
 
 
 def test_bench_trace_where_nothing_can_run_says_why_and_exits_2(tiny_llama, tmp_path, capsys):
-    # Before: a 5,000-token prompt on a 512-position model: "0/1" in the table and exit 0.
+    # Guards against: a 5,000-token prompt on a 512-position model: "0/1" in the table and exit 0.
     path = jsonl(tmp_path / "long.jsonl", {**GOOD, "prompt_tokens": [5] * 5000})
     rc, out, err = run_cli(capsys, "bench", "--trace", path, "--model", tiny_llama, "--time-scale", "0")
     assert rc == 2, err
@@ -234,7 +234,7 @@ def run_round(w, eng, steps: int = 2000) -> None:
 
 
 def test_replay_skips_and_counts_the_lines_that_cannot_run_and_replays_the_rest(engine, tmp_path):
-    # Before: the first bad line refused the whole trace; a lone surrogate passed and then looped on the
+    # Guards against: the first bad line refused the whole trace; a lone surrogate passed and then looped on the
     # tokenizer's TypeError (11 error events, exit 0); a token id of 10^12 vanished (no error, no sequence).
     from app.runner import open_trace_workload
 
@@ -273,7 +273,7 @@ def test_replay_with_no_line_that_can_run_is_refused_naming_it(engine, tmp_path)
 
 
 def test_a_replay_streams_its_file(engine, tmp_path, monkeypatch):
-    # Before: the whole trace was read into a list, and every request that had arrived was handed to the
+    # Guards against: the whole trace was read into a list, and every request that had arrived was handed to the
     # engine at once (200,000 lines: 15 s in the first tick before the first step).
     import engine.workloads.trace_workload as tw
     from engine.workloads import requests as workloads
@@ -320,7 +320,7 @@ def test_a_request_refused_when_it_starts_is_an_event(engine, tmp_path):
 
 
 def test_a_replay_counts_a_request_the_engine_aborts(engine, tmp_path):
-    # Before: an aborted sequence stayed "live" for ever, so the round never ended.
+    # Guards against: an aborted sequence stayed "live" for ever, so the round never ended.
     from engine.workloads.trace_workload import TraceWorkload
 
     path = jsonl(tmp_path / "t.jsonl", {**GOOD, "max_new_tokens": 50}, {**GOOD, "session": "b", "max_new_tokens": 3})
@@ -351,7 +351,7 @@ def test_headless_replay_of_a_fifo_and_of_an_unrunnable_prompt_exit_2(tiny_llama
 # -- the other readers of a user's file: --model and a preset ---------------------------------------------
 
 def test_a_model_path_or_a_model_file_that_is_a_fifo_is_refused(tiny_llama, tmp_path, fifo):
-    # Before: --model FIFO, or a model directory whose tokenizer.json is one, blocked until killed.
+    # Guards against: --model FIFO, or a model directory whose tokenizer.json is one, blocked until killed.
     import shutil
 
     from engine.model.loader import load_model
@@ -370,7 +370,7 @@ def test_a_model_path_or_a_model_file_that_is_a_fifo_is_refused(tiny_llama, tmp_
 
 
 def test_record_trace_to_a_fifo_is_refused_before_the_model_loads(tmp_path, capsys):
-    # Before: the writability probe opened the FIFO for appending and blocked until a reader came.
+    # Guards against: the writability probe opened the FIFO for appending and blocked until a reader came.
     fifo = tmp_path / "reads.npz"
     os.mkfifo(fifo)
     rc, out, err = returns_within(lambda: run_cli(capsys, "generate", "hi", "--model", str(tmp_path / "no-model"),
@@ -379,7 +379,7 @@ def test_record_trace_to_a_fifo_is_refused_before_the_model_loads(tmp_path, caps
 
 
 def test_a_preset_that_is_a_fifo_or_too_deep_is_refused_in_one_line(tmp_path, fifo):
-    # Before: File > Load preset on a FIFO froze the window; on deeply nested TOML it raised RecursionError.
+    # Guards against: File > Load preset on a FIFO froze the window; on deeply nested TOML it raised RecursionError.
     from types import SimpleNamespace
 
     from ui.panels.controls import ControlsPanel
