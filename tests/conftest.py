@@ -1,35 +1,32 @@
-"""Shared fixtures: tiny random-weight models saved as HF directories, and transformers references."""
+"""Shared fixtures: tiny random-weight models saved as HF directories, and transformers references; the markers;
+the workers started when collection ends. What a test imports is in plain modules beside this file:
+tests/tiny_models.py, tests/workers.py, tests/kvscope_cli.py."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import tempfile
 
 import pytest
 import torch
 
+from workers import WORKERS, start_worker, stop_workers  # first: it keeps KVSCOPE_TEST_WITHOUT's packages out
+from kvscope_cli import run_cli  # noqa: F401 - see below
+from tiny_models import TINY_TOKENIZER, TINY_VOCAB, Reference, _save_tiny
+from tiny_models import _engine, _mb, budget_mb, prompts  # noqa: F401 - see below
+
+# tests/kv/, tests/runtime/, tests/telemetry/test_health.py and tests/app/test_sweep.py import Reference, prompts,
+# budget_mb, _mb, _engine and run_cli with `from conftest import`; every conftest.py (this one, tests/ui/conftest.py)
+# has them, since `conftest` is whichever pytest loaded last. The other tests import them from tests/tiny_models.py
+# and tests/kvscope_cli.py.
+
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-# KVSCOPE_TEST_WITHOUT=numba,llvmlite: those packages cannot be imported in this run, as on a machine without
-# them (tests/model/test_other_builds.py runs the kernel tests so). Installed before any engine import.
-KEPT_OUT = _WITHOUT = tuple(m for m in os.environ.get("KVSCOPE_TEST_WITHOUT", "").split(",") if m)
-if _WITHOUT:
-    import sys
-
-    class _Refuse:
-        def find_spec(self, name, path=None, target=None):
-            if name.split(".")[0] in _WITHOUT:
-                raise ImportError(f"{name} is kept out of this run (KVSCOPE_TEST_WITHOUT)")
-            return None
-
-    sys.meta_path.insert(0, _Refuse())
 
 # The suite converts the default model into a cache of its own, never the user's ~/.cache/kvscope:
 # a temporary one for the session (removed at its end), or $KVSCOPE_TEST_CACHE_DIR to reuse one across
 # runs. Set before any engine import; subprocesses inherit it.
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 _SESSION_CACHE = os.environ.get("KVSCOPE_TEST_CACHE_DIR") or tempfile.mkdtemp(prefix="kvscope-test-cache-")
 os.environ["KVSCOPE_CACHE_DIR"] = _SESSION_CACHE
 
@@ -37,10 +34,6 @@ os.environ["KVSCOPE_CACHE_DIR"] = _SESSION_CACHE
 def pytest_sessionfinish(session, exitstatus) -> None:
     if not os.environ.get("KVSCOPE_TEST_CACHE_DIR"):
         shutil.rmtree(_SESSION_CACHE, ignore_errors=True)
-
-
-TINY_TOKENIZER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "tiny_tokenizer")
-TINY_VOCAB = 49152
 
 
 @pytest.fixture(scope="session")
@@ -73,25 +66,6 @@ def tokenizer_files(tmp_path_factory) -> str:
     return str(out)
 
 
-def _save_tiny(path, cfg_cls, model_cls, tokenizer_dir: str, seed: int, **overrides) -> str:
-    torch.manual_seed(seed)
-    base = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=1,
-                eos_token_id=2)
-    base.update(overrides)
-    model = model_cls(cfg_cls(**base))
-    # Random init is near-uniform; a larger spread makes greedy argmaxes decisive, as in a real model.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    model.save_pretrained(path)
-    for f in os.listdir(tokenizer_dir):
-        if f.startswith("tokenizer") or f == "special_tokens_map.json":
-            shutil.copy(os.path.join(tokenizer_dir, f), path)
-    return str(path)
-
-
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory, tokenizer_files) -> str:
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -121,60 +95,9 @@ def llama_model(tiny_llama):
     return load_model(tiny_llama)
 
 
-@pytest.fixture
-def runner(llama_model):
-    """A started EngineRunner on the tiny Llama, for the window tests: small pools (block size 4, 0.3 MiB device,
-    1 MiB host) so that a test's few prompts fill, evict and migrate; stopped after the test."""
-    from app.runner import EngineRunner
-    from engine.config import CacheConfig, EngineOptions
-    from engine.runtime.engine import Engine
-
-    eng = Engine(llama_model, CacheConfig(block_size=4, device_budget_mb=0.3, host_budget_mb=1),
-                 EngineOptions(context_limit=256))
-    r = EngineRunner(eng).start()
-    yield r
-    r.stop()
-
-
-class Reference:
-    """transformers' greedy `generate` on the same directory: the ground truth for fp32 KV."""
-
-    def __init__(self, path: str):
-        from transformers import AutoModelForCausalLM
-
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        self._memo: dict[tuple, list[int]] = {}
-
-    def greedy(self, prompt: list[int], n: int) -> list[int]:
-        key = (tuple(prompt), n)
-        if key not in self._memo:
-            self._memo[key] = self._greedy(prompt, n)
-        return list(self._memo[key])
-
-    def _greedy(self, prompt: list[int], n: int) -> list[int]:
-        with torch.inference_mode():
-            # eos_token_id=None: generate exactly n tokens, EOS included, like the engine's ignore_eos
-            # (min_new_tokens would instead suppress EOS and change the tokens).
-            out = self.model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-
-    def keys(self, prompt: list[int]) -> list[torch.Tensor]:
-        """Post-RoPE keys per layer for a fresh prefill: [kv_heads, T, head_dim]."""
-        with torch.inference_mode():
-            out = self.model(torch.tensor([prompt]), use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
-        return [layer.keys[0] for layer in cache.layers]
-
-
 @pytest.fixture(scope="session")
 def llama_ref(tiny_llama) -> Reference:
     return Reference(tiny_llama)
-
-
-def prompts(seed: int, lengths) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="session")
@@ -196,19 +119,6 @@ def deep_model(deep_llama):
 @pytest.fixture(scope="session")
 def deep_ref(deep_llama) -> Reference:
     return Reference(deep_llama)
-
-
-@pytest.fixture
-def bm(qtbot):
-    """A block map widget at 800 x 420, shown (tests/ui/test_block_map.py, tests/ui/test_kv_cost_window.py)."""
-    from ui.block_map.widget import BlockMap
-
-    w = BlockMap()
-    qtbot.addWidget(w)
-    w.resize(800, 420)
-    w.show()
-    qtbot.waitExposed(w)
-    return w
 
 
 # -- markers (registered in pyproject.toml) ----------------------------------------------------------------------
@@ -316,187 +226,16 @@ def pytest_collection_modifyitems(config, items) -> None:
                 raise pytest.UsageError(f"tests/conftest.py marks {marker} on tests that {file} no longer has: {missing}")
 
 
-# -- workers beside the main process ----------------------------------------------------------------------------
-# A test module may map a fixture name to a worker command in BACKGROUND ({fixture: build(out_path) -> (argv, env)
-# or None when it cannot run here}). When collection ends and a selected test uses that fixture, the worker starts
-# then, on the other CPU, while the suite goes on; the fixture calls background_result and waits only for what is
-# left (the Triton interpreter's 1.5 minutes in tests/attention/test_paged_attention.py).
-_WORKERS: dict[str, tuple[subprocess.Popen, str, str]] = {}
-_WORKER_DIR: list[str] = []  # made when the first worker starts (workers import this file too)
-
-
-def interpreter_env(**extra: str) -> dict[str, str]:
-    """The environment of a test worker that runs a test file as a script under the Triton interpreter (one
-    thread; the repository and tests/ importable, so the file can import conftest and its neighbours)."""
-    return dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]),
-                **extra)
-
-
-def _start_worker(name: str, build) -> None:
-    if not _WORKER_DIR:
-        _WORKER_DIR.append(tempfile.mkdtemp(prefix="kvscope-test-workers-"))
-    out = os.path.join(_WORKER_DIR[0], name + ".out")
-    spec = build(out)
-    if spec is None:
-        return
-    argv, env = spec
-    log = open(os.path.join(_WORKER_DIR[0], name + ".log"), "w")
-    _WORKERS[name] = (subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), out, log.name)
-    log.close()
-
-
+# -- workers beside the main process (tests/workers.py) -----------------------------------------------------------
 def pytest_collection_finish(session) -> None:
     for item in session.items:
         for name, build in getattr(getattr(item, "module", None), "BACKGROUND", {}).items():
-            if name in item.fixturenames and name not in _WORKERS:
-                _start_worker(name, build)
-
-
-def background_result(name: str, build, timeout: float = 1200) -> str:
-    """The output file of worker `name` (started now if collection did not start it), once it has exited 0."""
-    if name not in _WORKERS:
-        _start_worker(name, build)
-    proc, out, log = _WORKERS[name]
-    try:
-        rc = proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise AssertionError(f"worker {name} ran past {timeout:.0f} s") from None
-    if rc != 0:
-        with open(log) as f:
-            raise AssertionError(f"worker {name} exited {rc}:\n{f.read()[-8000:]}")
-    return out
+            if name in item.fixturenames and name not in WORKERS:
+                start_worker(name, build)
 
 
 def pytest_unconfigure(config) -> None:
-    for proc, _, _ in _WORKERS.values():
-        if proc.poll() is None:
-            proc.kill()
-    for d in _WORKER_DIR:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-# -- helpers shared across the test packages ---------------------------------------------------------------------
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """`kvscope ARGS` in this process (the model loads in well under a second): (exit code, stdout, stderr).
-    argparse's exits (--help: 0, a usage error: 2) are exit codes here too."""
-    from app.cli import main
-
-    try:
-        rc = main(list(args))
-    except SystemExit as e:
-        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def _mb(model, blocks: int, block_size: int, dtype: str = "fp32") -> float:
-    """The budget in MiB that holds `blocks` blocks of this model's geometry."""
-    from engine.config import CacheConfig
-    from engine.kv.block_pool import BlockPool
-
-    s = model.spec
-    return blocks * BlockPool.bytes_per_block(CacheConfig(block_size=block_size, kv_dtype=dtype), s.num_layers,
-                                              s.num_kv_heads, s.head_dim) / 2**20
-
-
-def budget_mb(model, blocks: int, block_size: int, dtype="fp32", device: bool = True) -> float:
-    """The budget in MiB that gives exactly `blocks` blocks: on the device tier (device=True) the two reserved
-    slots are added, on the host tier none."""
-    from engine.kv.block_pool import RESERVED
-
-    return _mb(model, blocks + (RESERVED if device else 0), block_size, dtype)
-
-
-def hf_layer_inv_freq(hf, nope: frozenset[int] = frozenset()) -> list:
-    """Each layer's RoPE inv_freq [D/2] in transformers' model (Gemma 3: by layer type), None for a NoPE layer."""
-    rotary, types = hf.model.rotary_emb, getattr(hf.config, "layer_types", None)
-    if types is not None and hasattr(rotary, f"{types[0]}_inv_freq"):  # one RoPE per layer type
-        return [getattr(rotary, f"{t}_inv_freq").float() for t in types]
-    return [None if li in nope else rotary.inv_freq.float() for li in range(hf.config.num_hidden_layers)]
-
-
-def shifted_greedy(hf, layer_inv: list, prompt: list[int], n: int, limit: int, n_keep: int,
-                   interleaved: bool = False, windows: list | None = None) -> list[int]:
-    """transformers' greedy decoding with llama.cpp's context shift replayed on its cache, as the engine does it
-    (engine/runtime/seq_ops.py): before a token whose context would pass `limit`, keep the first n_keep tokens,
-    drop the next (len - n_keep) // 2, and re-rotate the remaining cached keys back by that many positions —
-    each layer with its own RoPE (layer_inv: hf_layer_inv_freq), the NoPE layers not at all; the first
-    2 * len(inv) dims only (Phi-4-mini's partial rotation), by the model module's own rotate_half, on the pairs
-    (2i, 2i + 1) where `interleaved` (Cohere). The cache keeps every key (no per-layer window cut), so key
-    index = position, and the sliding layers' mask is by position.
-
-    `windows` (spec.sliding_window, one per layer): the sliding layers keep keys as a KV-cache group of them does
-    (engine/kv/grouped.py): a key is dropped once it leaves the window of the next query and never comes back, a
-    shift moving it closer or not (as transformers' sliding-window cache and llama.cpp's iSWA cache hold them);
-    given to the model as precomputed masks per layer type (full: causal; sliding: causal, inside the window, not
-    dropped), or one mask where every layer slides."""
-    import sys
-
-    from transformers import DynamicCache
-
-    from engine.model.llama_family import rotate_half as llama_rotate_half
-
-    # The model module's own (Cohere's pairs); GPT-OSS's has none: it rotates halves, as Llama's.
-    rotate_half = getattr(sys.modules[type(hf).__module__], "rotate_half", llama_rotate_half)
-    window = None if windows is None else next(w for w in windows if w is not None)
-    assert windows is None or all(w in (None, window) for w in windows)
-    dropped = 0  # leading tokens the sliding layers dropped
-
-    def masks(q0: int, q: int) -> dict | None:
-        if window is None:
-            return None  # transformers' own
-        qi = torch.arange(q0, q0 + q)[:, None]
-        kj = torch.arange(q0 + q)[None, :]
-        causal = kj <= qi
-        sliding = causal & (kj > qi - window) & (kj >= dropped)
-        add = lambda m: torch.where(m, 0.0, float("-inf"))[None, None]  # noqa: E731
-        if all(w is not None for w in windows):  # every layer slides (Phi-3): one mask, as the model takes it
-            return add(sliding)
-        return {"full_attention": add(causal), "sliding_attention": add(sliding)}
-
-    toks, out = list(prompt), []
-    cache = DynamicCache()
-    with torch.inference_mode():
-        logits = hf(torch.tensor([toks]), cache=cache, use_cache=True, attention_mask=masks(0, len(toks))).logits[0, -1]
-        while True:
-            out.append(int(logits.argmax()))
-            if len(out) == n:
-                return out
-            toks.append(out[-1])
-            if window is not None:
-                dropped = max(dropped, len(toks) - window)  # out of the window of the next query
-            if len(toks) > limit:
-                n_discard = max(1, min((len(toks) - n_keep) // 2, len(toks) - n_keep - 1))
-                for li, layer in enumerate(cache.layers):
-                    k, v = layer.keys, layer.values  # [1, Hkv, S, D]
-                    tail = k[:, :, n_keep + n_discard:]
-                    if layer_inv[li] is not None:
-                        freqs = torch.full((1,), -float(n_discard))[:, None] * layer_inv[li][None, :]
-                        emb = freqs.repeat_interleave(2, -1) if interleaved else torch.cat((freqs, freqs), dim=-1)
-                        r = emb.shape[-1]
-                        rot = tail[..., :r] * emb.cos() + rotate_half(tail[..., :r]) * emb.sin()
-                        tail = torch.cat((rot, tail[..., r:]), dim=-1)
-                    layer.keys = torch.cat((k[:, :, :n_keep], tail), dim=2)
-                    layer.values = torch.cat((v[:, :, :n_keep], v[:, :, n_keep + n_discard:]), dim=2)
-                kept = list(range(n_keep)) + list(range(n_keep + n_discard, len(toks) - 1))  # the cached ones
-                dropped = sum(1 for i in kept if i < dropped)
-                toks = toks[:n_keep] + toks[n_keep + n_discard:]
-            pos = len(toks) - 1
-            logits = hf(torch.tensor([[toks[-1]]]), cache=cache, use_cache=True, attention_mask=masks(pos, 1),
-                        position_ids=torch.tensor([[pos]]), cache_position=torch.tensor([pos])).logits[0, -1]
-
-
-def _engine(model, bs: int, dev_blocks: int, mode: str, attention: str = "cpu", host_blocks: int = 400, **cfg):
-    """An engine whose device tier holds dev_blocks blocks (and the reserved two), host tier host_blocks, host_reads=mode."""
-    from engine.config import CacheConfig, EngineOptions
-    from engine.kv.block_pool import RESERVED
-    from engine.runtime.engine import Engine
-
-    config = CacheConfig(block_size=bs, device_budget_mb=_mb(model, dev_blocks + RESERVED, bs),
-                         host_budget_mb=_mb(model, host_blocks, bs), host_reads=mode, **cfg)
-    return Engine(model, config, EngineOptions(attention=attention))
+    stop_workers()
 
 
 # -- the other families KV Scope serves (tests/model/test_architectures.py) -------------------------------------

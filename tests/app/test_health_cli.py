@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_cli
+from kvscope_cli import run_cli
 from test_sweep import TRACE, bench_args
 
 from app.bench.sweep import run_sweep

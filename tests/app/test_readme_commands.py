@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_cli
+from kvscope_cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "assets" / "help").glob("*.md"))]

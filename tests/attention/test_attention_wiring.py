@@ -20,10 +20,11 @@ import sys
 import pytest
 import torch
 
-from conftest import KEPT_OUT, Reference, hf_layer_inv_freq, interpreter_env, prompts, shifted_greedy
+from workers import KEPT_OUT, interpreter_env  # first: as a worker, keeps KVSCOPE_TEST_WITHOUT's packages out
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import Reference, hf_layer_inv_freq, prompts, shifted_greedy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BACKENDS = ("reference", "cpu")
@@ -105,7 +106,7 @@ def test_sliding_window_tokens_equal_transformers(mistral, backend, block_size):
 
 def mistral_shifted_greedy(path: str, prompt: list[int], n: int, limit: int, n_keep: int,
                            windows: list | None = None) -> list[int]:
-    """conftest.shifted_greedy on the checkpoint at `path` (every layer with the model's one RoPE); `windows`: the
+    """tiny_models.shifted_greedy on the checkpoint at `path` (every layer with the model's one RoPE); `windows`: the
     window cache's semantics (a dropped key never comes back), else every key kept."""
     from transformers import AutoModelForCausalLM
 
@@ -448,8 +449,7 @@ def test_triton_backend_tokens_equal_transformers(mistral, tiny_mistral, tmp_pat
         pytest.skip(f"triton is not installed ({e})")
     _, ref = mistral
     out = tmp_path / "tokens.json"
-    # conftest, imported there, reuses the conversion cache
-    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
+    env = interpreter_env()  # with this session's KVSCOPE_CACHE_DIR: the worker reuses the conversion cache
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out), tiny_mistral], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
@@ -475,5 +475,5 @@ def _triton_worker(out: str, path: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # conftest's prompts
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/tiny_models.py
     _triton_worker(sys.argv[1], sys.argv[2])

@@ -17,7 +17,7 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, _engine, _mb, interpreter_env, prompts
+from workers import interpreter_env  # first: as a worker, keeps KVSCOPE_TEST_WITHOUT's packages out
 from engine.attention import PagedBatch, PagedKV, make_backend
 from engine.runtime import step_kv
 from engine.attention import cpu_paged, reference, tier_split
@@ -28,6 +28,7 @@ from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from engine.kv.tiers import Tier
 from test_paged_attention import DTYPES, Case, build, sinks_for
+from tiny_models import Reference, _engine, _mb, prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 N = 16
@@ -343,8 +344,7 @@ def test_triton_partial_merges_with_the_host_part(tmp_path):
     except ImportError as e:
         pytest.skip(f"triton is not installed ({e})")
     out = tmp_path / "outputs.pt"
-    # conftest, imported there, reuses the conversion cache
-    env = interpreter_env(KVSCOPE_TEST_CACHE_DIR=os.environ["KVSCOPE_CACHE_DIR"])
+    env = interpreter_env()  # with this session's KVSCOPE_CACHE_DIR: the worker reuses the conversion cache
     proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"

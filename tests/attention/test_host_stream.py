@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import prompts
 from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.model.loader import load_model
 from engine.sequence import SamplingParams
 from engine.kv.tiers import Tier
+from tiny_models import prompts
 
 
 def _engine(model, dev_blocks: int, kv_dtype: str = "fp32", bs: int = 8, mode: str = "stream",

@@ -19,7 +19,6 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, _engine, prompts
 from engine.attention import PagedBatch, PagedKV, make_backend, numba_paged
 from engine.attention.cpu_paged import ChunkedPagedBackend
 from engine.attention.interface import KVFormat, kv_formats
@@ -30,6 +29,7 @@ from engine.sequence import SamplingParams
 from test_host_compute import SPLIT_CASES, split_case
 from test_paged_attention import CASES, DTYPES, SINK_CASES, D, Case, assert_close, build, sinks_for
 from test_paged_attention import one_thread  # noqa: F401 - autouse here too: one torch thread (two in one test)
+from tiny_models import Reference, _engine, prompts
 
 N = 12  # new tokens per request
 

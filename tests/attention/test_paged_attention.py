@@ -6,8 +6,8 @@ a poisoned block, on layer 1 of a two-layer pool (layer 0 holds other data): rea
 wrong layer or the wrong table entry changes the output by far more than the tolerance.
 
 The Triton kernel runs under TRITON_INTERPRET=1 in one subprocess (the interpreter mode is fixed when triton
-is imported), started when collection ends so that it runs beside the rest of the suite (tests/conftest.py's
-BACKGROUND workers); it writes its outputs for every case, and the parent compares them here, case by case.
+is imported), started when collection ends so that it runs beside the rest of the suite (BACKGROUND
+workers: tests/workers.py); it writes its outputs for every case, and the parent compares them here, case by case.
 Run this file as a script (`python tests/attention/test_paged_attention.py OUT.pt`, TRITON_INTERPRET=1) to be that worker.
 """
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from conftest import background_result, interpreter_env
+from workers import background_result, interpreter_env  # first: as a worker, keeps KVSCOPE_TEST_WITHOUT's packages out
 from engine.attention import KVFormat, PagedBatch, PagedKV, kv_formats, make_backend
 from engine.attention.cpu_paged import gather_head_major
 from engine.kv.codecs import Geometry, codecs_for, fp8_supported

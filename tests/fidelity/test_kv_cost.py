@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import prompts
 from engine.telemetry import snapshot_io
 from engine.kv.block_pool import Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 LOSSY = ("fp16", "bf16", "int8", "int8-delta", "int8-kivi", "fp8")
 
@@ -230,7 +230,7 @@ def test_the_shadow_knob_rejects_bad_values(llama_model):
 
 
 def test_the_cli_flag(tiny_llama, capsys):
-    from conftest import run_cli
+    from kvscope_cli import run_cli
 
     rc, _, err = run_cli(capsys, "generate", "hi", "--model", tiny_llama, "--shadow-every", "-1")
     assert rc == 2 and "shadow_every_s" in err and "Traceback" not in err

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from conftest import prompts
 from engine.config import CacheConfig
 from engine.runtime.engine import Engine
 from engine.lab.quality import compare, run_forced
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 
 def test_forced_runs_follow_the_reference_tokens_and_measure_the_loss(llama_model):

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.lab.mrc import lru_curve
 from engine.lab.whatif import block_hashes, groups_of, prefix_keys, real_hit_rate, rebin, stream_of
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 PLAIN_LRU = dict(policy="lru", demote_after_s=3600.0, prefetch_depth=0)
 

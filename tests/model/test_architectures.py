@@ -16,12 +16,12 @@ import sys
 import pytest
 import torch
 
-from conftest import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.tiers import Tier
 from engine.model.loader import ModelLoadError, load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import Reference, _engine, _save_tiny, hf_layer_inv_freq, prompts, shifted_greedy
 
 N = 16
 SP = SamplingParams(max_new_tokens=N, ignore_eos=True)
@@ -455,7 +455,7 @@ def test_gpt_oss_triton_backend_tokens_equal_transformers(gpt_oss, tiny_gpt_oss,
     import os
     import subprocess
 
-    from conftest import ROOT, interpreter_env
+    from workers import ROOT, interpreter_env
 
     try:
         import triton  # noqa: F401

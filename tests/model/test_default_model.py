@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from conftest import Reference
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import Reference
 
 pytestmark = pytest.mark.slow
 

@@ -18,12 +18,12 @@ import os
 import pytest
 import torch
 
-from conftest import run_cli
 from engine.config import CacheConfig, EngineOptions
 from engine.model import gguf_cache, loader
 from engine.model.loader import KNOWN_MODELS, KnownModel, ModelLoadError, load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from kvscope_cli import run_cli
 
 GEMMA = KNOWN_MODELS["gemma3-270m"]
 needs_gemma = pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in GEMMA.packages),
@@ -100,7 +100,7 @@ def tiny_gguf(path: str, arch: str, seed: int = 0):
     import gguf
     import transformers
 
-    from conftest import TINY_TOKENIZER
+    from tiny_models import TINY_TOKENIZER
 
     with open(os.path.join(TINY_TOKENIZER, "tokenizer.json"), encoding="utf-8") as f:
         tok = json.load(f)

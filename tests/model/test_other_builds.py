@@ -7,7 +7,7 @@ EPYC, an Intel Xeon with AMX), AVX2 intrinsics elsewhere on x86, the portable ve
 chunked torch path. test_quant_ir.py checks each build's kernels against numpy; here the tests of what uses them
 (the fused decode layer, quantized weights in the engine, the attention wiring without numba) run in a pytest of
 their own with the build forced (KVSCOPE_QUANT_IR=avx2 / portable) or numba kept out (KVSCOPE_TEST_WITHOUT,
-tests/conftest.py). The native build is the rest of the suite's.
+tests/workers.py). The native build is the rest of the suite's.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from workers import ROOT
 
 quant_ir = pytest.importorskip("engine.model.quant_ir")
 

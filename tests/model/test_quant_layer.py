@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.model import quant_ir
 from engine.model.llama_family import rotate_half
@@ -18,6 +17,7 @@ from engine.model.quant import quantize
 from engine.model.quant_layer import FusedLayer, operand
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 pytestmark = pytest.mark.skipif(quant_ir.llvm is None, reason=f"no llvmlite: {quant_ir.status()}")
 

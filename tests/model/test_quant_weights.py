@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import KEPT_OUT, prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.fidelity.shadow import dense_logits
 from engine.model import gguf_direct, quant_kernels
@@ -21,6 +20,8 @@ from engine.model.loader import load_model, resolve_weights_dtype, weights_quant
 from engine.model.quant import QuantWeight, pack_int4, quantize, stack_rows, unpack_int4
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
+from workers import KEPT_OUT
 
 KINDS = ("int8", "int4")
 

@@ -12,12 +12,12 @@ import psutil
 import pytest
 import torch
 
-from conftest import prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.model.loader import load_model, resolve_weights_dtype
 from engine.model.spec import expected_shapes
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 MB = 2**20
 
@@ -104,7 +104,7 @@ def smol_shaped(tmp_path_factory, tokenizer_files) -> str:
     bf16 rounding tells kernels apart (the tiny 64-wide models agree even with the wrong ones)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from conftest import _save_tiny
+    from tiny_models import _save_tiny
 
     return _save_tiny(tmp_path_factory.mktemp("smol-shaped"), LlamaConfig, LlamaForCausalLM, tokenizer_files, 3,
                       hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3)
@@ -365,7 +365,7 @@ def test_generate_peak_rss_int4_is_the_packed_weights(capsys):
     with capsys.disabled():
         print(f"\nint4: peak RSS {peak / MB:.0f} MiB, imports alone {base / MB:.0f} MiB, packed weights "
               f"{packed / MB:.1f} MiB + KV {kv / MB:.2f} MiB: (peak - imports) / that = {(peak - base) / (packed + kv):.2f}")
-    # The goal is 1.2x: measured 1.16-1.18x (without the self-check in the baseline 1.20-1.23x, session 13); the
+    # The goal is 1.2x: measured 1.16-1.18x (without the self-check in the baseline 1.20-1.23x); the
     # rest over the packed bytes is the engine's runner buffers and the allocator's slack, which move a few MiB run
     # to run, so the assertion keeps a margin: 1.25x, against the 4.7x an fp32 copy would cost. The baseline is
     # checked too: one that converted the GGUF itself passed vacuously (peak - imports < 0).

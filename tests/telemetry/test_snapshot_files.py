@@ -15,11 +15,11 @@ import time
 import numpy as np
 import pytest
 
-from conftest import prompts
 from engine.telemetry import snapshot_io
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

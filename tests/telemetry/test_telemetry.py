@@ -7,10 +7,10 @@ import math
 import numpy as np
 import pytest
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 
 @pytest.fixture

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from conftest import prompts
 from engine.config import CacheConfig
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 pytest.importorskip("PySide6")
 

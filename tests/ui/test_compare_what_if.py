@@ -10,11 +10,11 @@ import json
 import numpy as np
 import pytest
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 pytest.importorskip("PySide6")
 

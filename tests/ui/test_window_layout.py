@@ -7,22 +7,10 @@ import pytest
 from PySide6 import QtCore, QtGui, QtWidgets
 
 from app.runner import EngineRunner
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
-
-
-@pytest.fixture
-def app_style(qapp):
-    from app.window import _style
-
-    saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
-    _style(qapp)
-    yield qapp
-    qapp.setStyleSheet(saved[0])
-    qapp.setPalette(saved[1])
-    qapp.setFont(saved[2])
+from tiny_models import prompts
 
 
 @pytest.fixture

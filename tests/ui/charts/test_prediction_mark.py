@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from app.runner import EngineRunner
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 pytest.importorskip("PySide6")
 

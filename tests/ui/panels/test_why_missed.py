@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import budget_mb, prompts
 from engine.config import CacheConfig
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import budget_mb, prompts
 
 pytest.importorskip("PySide6")
 

@@ -15,19 +15,6 @@ from engine.config import KNOBS
 from engine.telemetry.snapshot import SeqTable
 
 
-@pytest.fixture
-def app_style(qapp):
-    """The app's own palette, font and style sheet (widths and heights depend on them), restored after."""
-    from app.window import _style
-
-    saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
-    _style(qapp)
-    yield qapp
-    qapp.setStyleSheet(saved[0])
-    qapp.setPalette(saved[1])
-    qapp.setFont(saved[2])
-
-
 # -- sliders ------------------------------------------------------------------------------------------
 
 

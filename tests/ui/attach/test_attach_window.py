@@ -19,6 +19,7 @@ from engine.attach.fake.spawn import FakeProcess  # noqa: E402
 from engine.attach.session import AttachSession  # noqa: E402
 from engine.attach.source import parse_source  # noqa: E402
 from ui.attach.window import AttachWindow  # noqa: E402
+from workers import ROOT  # noqa: E402
 
 
 @pytest.fixture
@@ -322,10 +323,9 @@ def test_the_demos_publishers_die_with_kvscope_attach_whatever_ends_it(tmp_path,
 
     import psutil
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen")
     parent = subprocess.Popen([sys.executable, "-m", "app.cli", "attach", "--demo", "--headless", "--screenshot",
-                               str(tmp_path / "never.png"), "--run-for", "120"], cwd=root, env=env,
+                               str(tmp_path / "never.png"), "--run-for", "120"], cwd=ROOT, env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     children = []
     try:

@@ -10,11 +10,11 @@ import pytest
 from PySide6 import QtCore
 
 from app.runner import EngineRunner
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from engine.telemetry.health import HealthTargets
+from tiny_models import prompts
 from ui.panels.diagnostics import DiagnosticsPanel
 from ui.panels.health import GRADE_COLOURS, HealthStrip
 

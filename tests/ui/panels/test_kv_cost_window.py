@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from PySide6 import QtGui
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 from ui import palette as pal
 
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.model.loader import load_model
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
+from tiny_models import prompts
 
 pytest.importorskip("PySide6")
 
