@@ -166,7 +166,7 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
     turn waits for its session's reply, a fork shares its parent's blocks, every plain request's tokens equal
     transformers' greedy ones, and a finished trace starts its next round."""
     from engine.workloads.trace_workload import TraceWorkload
-    from conftest import prompts
+    from tiny_models import prompts
     from engine.config import CacheConfig, EngineOptions
     from engine.runtime.engine import Engine
 

@@ -9,12 +9,12 @@ import time
 import numpy as np
 import pytest
 
-from conftest import budget_mb, prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
 from engine.telemetry import snapshot_io
 from engine.telemetry.health import HealthTargets, grades
+from tiny_models import budget_mb, prompts
 
 
 def _engine(model, **cfg) -> Engine:
