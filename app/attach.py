@@ -302,7 +302,7 @@ def _secs(x: float) -> str:
 
 
 def attach_advice(problem: str) -> str:
-    """The main window's "no window can open" message (app/platform_check.py), said of attach: its headless
+    """The main window's "no window can open" message (app/window/platform_check.py), said of attach: its headless
     run attaches and writes the PNG (no demo workload, no snapshot JSON)."""
     for main, here in (("kvscope --headless", "kvscope attach ... --headless"),
                        ("xvfb-run kvscope", "xvfb-run kvscope attach ..."),
@@ -316,8 +316,8 @@ def attach_advice(problem: str) -> str:
 
 
 def _window(args, session, tokens) -> int:
-    from app.platform_check import window_problem
-    from app.window import _style
+    from app.window.platform_check import window_problem
+    from app.window.launch import _style
 
     if args.headless:
         os.environ["QT_QPA_PLATFORM"] = "offscreen"

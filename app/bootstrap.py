@@ -62,7 +62,7 @@ def window_check(args: list[str], env: dict) -> str | None:
     if not missing:
         return None
     sys.path.insert(0, str(ROOT))
-    from app.platform_check import debian_package  # stdlib only at import
+    from app.window.platform_check import debian_package  # stdlib only at import
 
     return (f"kvscope: the window needs system libraries this machine lacks: {', '.join(missing)}.\n"
             f"  On Debian or Ubuntu: sudo apt-get install {' '.join(debian_package(m) for m in missing)}\n"

@@ -118,7 +118,7 @@ SUBCOMMANDS = ("generate", "info", "bench", "policy-lab", "attach", "help")
 
 
 def window_parser() -> argparse.ArgumentParser:
-    from app.window import add_window_flags
+    from app.window.launch import add_window_flags
 
     ap = argparse.ArgumentParser(prog="kvscope", description="KV Scope: watch and tune a tiered, paged KV cache "
                                  f"while a real model runs. Subcommands: {', '.join(SUBCOMMANDS)} (kvscope SUB -h).")
@@ -145,14 +145,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0].startswith("-")):
         args = window_parser().parse_args(argv)
         try:
-            from app.window import run_window
+            from app.window.launch import run_window
 
             return run_window(args)
         except (ModelLoadError, ConfigError, RequestError, OSError) as e:
             print(f"kvscope: error: {e}", file=sys.stderr)
             return 2
     if argv[0] == "policy-lab":
-        from app.policy_lab import main as lab_main
+        from app.whatif.policy_lab import main as lab_main
 
         try:
             return lab_main(argv[1:])

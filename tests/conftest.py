@@ -12,13 +12,10 @@ import pytest
 import torch
 
 from workers import WORKERS, start_worker, stop_workers  # first: it keeps KVSCOPE_TEST_WITHOUT's packages out
-from kvscope_cli import run_cli  # noqa: F401 - see below
 from tiny_models import TINY_TOKENIZER, TINY_VOCAB, Reference, _save_tiny
-from tiny_models import _engine, _mb, budget_mb, prompts  # noqa: F401 - see below
 
-# tests/kv/ and tests/runtime/ import Reference, prompts, budget_mb, _mb, _engine and run_cli with `from conftest
-# import`; every conftest.py (this one, tests/ui/conftest.py) has them, since `conftest` is whichever pytest loaded
-# last. The other tests import them from tests/tiny_models.py and tests/kvscope_cli.py.
+# Tests import shared helpers from plain modules (tests/tiny_models.py, tests/kvscope_cli.py, tests/workers.py),
+# never from a conftest: `conftest` names whichever conftest.py pytest loaded last.
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 

@@ -2,7 +2,7 @@
 
 The window (ui/main_window.py) and its Controls panel (ui/panels/controls.py) never touch an engine: they read
 snapshots and events from a controller and send it commands. Two controllers answer: the live engine's runner
-(app/runner.py `EngineRunner`: commands run on the engine thread between two steps) and a saved snapshot
+(app/window/runner.py `EngineRunner`: commands run on the engine thread between two steps) and a saved snapshot
 (`SnapshotController`: read-only, every command refused or ignored). No Qt here.
 """
 

@@ -87,7 +87,7 @@ class MainWindow(QtWidgets.QMainWindow):
         self.seqs = SequencesPanel()
         self.events = EventsPanel()
         self.prompt = PromptPanel()
-        # The what-if curves (app/whatif_worker.py computes them from the live engine's trace; none for a snapshot)
+        # The what-if curves (app/whatif/worker.py computes them from the live engine's trace; none for a snapshot)
         self.what_if = WhatIfPanel(controller.what_if() if hasattr(controller, "what_if") else None)
         # The controls scroll when the window is too short for all of them, instead of painting over the
         # prompt below.
@@ -169,6 +169,9 @@ class MainWindow(QtWidgets.QMainWindow):
             view.addAction(d.toggleViewAction())
         view.addSeparator()
         view.addAction("&Reset layout", self.reset_layout)
+        from ui.help_dialog import add_help_menu  # Help: the topics `kvscope help TOPIC` prints
+
+        add_help_menu(self)
 
     # -- layout ---------------------------------------------------------------------------------
     def reset_layout(self) -> None:

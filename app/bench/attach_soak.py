@@ -41,7 +41,7 @@ def run_soak(publishers: int = 3, rate: float = 20_000.0, seconds: float = 60.0,
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
     from PySide6 import QtCore, QtGui, QtWidgets
 
-    from app.window import _style
+    from app.window.launch import _style
     from engine.attach.fake.spawn import FakeProcess
     from engine.attach.worker import AttachClient
     from engine.attach.source import parse_source

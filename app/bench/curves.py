@@ -80,7 +80,7 @@ def time_trace(rows: int = 1_000_000, seed: int = 0) -> dict:
         t0 = time.perf_counter()
         policy_curves(s, caps, policies=(p,))
         out["seconds"][p] = time.perf_counter() - t0
-    from app.whatif_worker import what_if_result
+    from app.whatif.worker import what_if_result
 
     t0 = time.perf_counter()  # all of it again as the tab runs it, with the block-size and threshold views
     r = what_if_result(trace, max(1, s.distinct // 4), 0.0625)

@@ -69,11 +69,11 @@ def run_ui_bench(big: int = 1_000_000, medium: int = 100_000, stall_s: float = 2
     from PySide6 import QtCore, QtWidgets
 
     app = QtWidgets.QApplication.instance() or QtWidgets.QApplication(["kvscope-bench"])
-    from app.window import _style
+    from app.window.launch import _style
 
     _style(app)  # the app's own style sheet: painting cost depends on it
     from app.bench.throughput import filled_engine
-    from app.runner import EngineRunner
+    from app.window.runner import EngineRunner
     from ui.block_map.widget import BlockMap
     from ui.main_window import MainWindow
 
@@ -148,7 +148,7 @@ def run_ui_bench(big: int = 1_000_000, medium: int = 100_000, stall_s: float = 2
     say(f"[ui-bench] event-loop stalls over {stall_s:g} s of demo workload on the default model…")
     import argparse
 
-    from app.window import start_runner
+    from app.window.launch import start_runner
 
     args = argparse.Namespace(model=None, device="cpu", no_workload=False, seed=0, context_limit=None, n_keep=0,
                               **{k: None for k in ("block_size", "kv_dtype", "device_budget_mb", "host_budget_mb",

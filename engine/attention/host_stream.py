@@ -59,7 +59,7 @@ class HostStream:
         self._bounce_free: dict[int, torch.cuda.Event] = {}  # parity -> copy that last read its bounce buffers
         self.log: list[tuple[str, int]] | None = None  # tests: ("issue" | "ready" | "refresh", layer), in order
         # False: each layer's copy is issued when the layer reads it, not a layer ahead (no overlap): the A/B
-        # app/gpu_check.py measures the overlap with
+        # app/stress/gpu_check.py measures the overlap with
         self.ahead = True
         self.copy = gather_rows  # (src [N, ...], slots [n] CPU, out [n, ...]): gathers host rows into a buffer
         self.checked = False  # the first step's staging was compared with the host tier (see the module doc)

@@ -1,7 +1,7 @@
 """The policy lab: replay a block-access trace through eviction policies and compare them with OPT.
 
 The simulators and `replay` are in engine/kv/eviction_sim.py. Here `run_lab` sweeps capacities and `format_table`
-shows the result; the command line (`kvscope policy-lab`) and the figure are app/policy_lab.py.
+shows the result; the command line (`kvscope policy-lab`) and the figure are app/whatif/policy_lab.py.
 An engine trace has a row for every read, and a running sequence reads all its blocks at every step;
 those re-reads hit under any policy (the engine pins a sequence's blocks), so by default the lab
 replays only the first read of each block by each sequence: the reads a cache can win or lose.

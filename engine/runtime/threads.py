@@ -3,7 +3,7 @@
 numba's kernels (attention over the blocks, the fp32 and packed matmuls) run on numba's own thread pool, which
 takes every core unless told otherwise, and numba keeps that number per calling thread. A thread that runs the
 model calls follow_torch() once, so its kernels use the cores torch was given: the window gives the engine all
-but one (app/window.py) and the UI keeps that one whatever the step runs in.
+but one (app/window/launch.py) and the UI keeps that one whatever the step runs in.
 """
 
 from __future__ import annotations

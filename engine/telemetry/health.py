@@ -48,7 +48,7 @@ from engine.sequence import cached_table
 
 WINDOW_S = 5.0  # as engine/telemetry/snapshotter.py's windowed rates
 UTIL_PERIOD_S = 1.0  # block utilization is sampled at most this often (a pass over every slot)
-LEAK_CHECK_S = 3.0  # how often the window's runner checks for leaks (app/runner.py)
+LEAK_CHECK_S = 3.0  # how often the window's runner checks for leaks (app/window/runner.py)
 LEAKS_NAMED = 20  # blocks named in an event and in a snapshot
 FULL_WARN_S = 30.0
 DROP = 0.30  # a throughput drop: below (1 - DROP) × the minute's median
@@ -219,7 +219,7 @@ class _Util(NamedTuple):
 
 class Health:
     """The health figures, fed by Telemetry (engine/telemetry/snapshotter.py): each StepSample, the pool events, the
-    series points; `check_leaks` from whoever checks (app/runner.py's thread, `Engine.check_health`). `emit` is
+    series points; `check_leaks` from whoever checks (app/window/runner.py's thread, `Engine.check_health`). `emit` is
     Telemetry.emit (errors, warnings, throughput drops go to the feed and the marks)."""
 
     def __init__(self, emit: Callable[..., None]):

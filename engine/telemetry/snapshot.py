@@ -99,7 +99,7 @@ class Snapshot:
     # state ("passed", "failed", "not run"), checks, and the deciding verdict's path, detail, fallback, seconds,
     # message. {} in files from before them.
     self_checks: dict = field(default_factory=dict)
-    # The what-if curves the window computed last (app/whatif_worker.py WhatIfResult.saved; the engine never fills
+    # The what-if curves the window computed last (app/whatif/worker.py WhatIfResult.saved; the engine never fills
     # it): source, groups [{group, title, current_blocks, block_mib, accesses, counted, distinct, curves [{policy,
     # exact, capacities (int64 blocks), hit_rate (float64, NaN: no data)}], lines}], one per KV-cache group the
     # trace read. {} where none were computed, and in files from before it.

@@ -87,7 +87,7 @@ MAX_WHAT_IF_LINES = 64
 
 
 def _what_if(x: Any) -> dict:
-    """Snapshot.what_if (the window's what-if curves, app/whatif_worker.py WhatIfResult.saved), {} in files from
+    """Snapshot.what_if (the window's what-if curves, app/whatif/worker.py WhatIfResult.saved), {} in files from
     before it: per group its curves, each capacities (int64, >= 1 block, ascending) and hit rates (float64 in
     [0, 1], NaN: no data) of one length. Fields the compare window does not read are kept as free-form JSON."""
     w = _obj(x, "what_if")

@@ -1,4 +1,4 @@
-"""`Workload`: what drives a running engine from the engine thread, as the window's runner (app/runner.py) uses it.
+"""`Workload`: what drives a running engine from the engine thread, as the window's runner (app/window/runner.py) uses it.
 
 On the engine thread, around each step: `tick(now)` before it (start what is due by the engine clock's `now`),
 `observe(outs)` after it (that step's tokens), and `close()` once when the workload is replaced (its live

@@ -292,7 +292,7 @@ def test_every_flag_says_what_it_does():
 
     from app.attach import build_parser as attach_parser
     from app.cli import window_parser
-    from app.policy_lab import build_parser as lab_parser
+    from app.whatif.policy_lab import build_parser as lab_parser
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     parsers = dict(sub.choices, window=window_parser(), attach=attach_parser(), **{"policy-lab": lab_parser()})

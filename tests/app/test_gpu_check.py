@@ -1,4 +1,4 @@
-"""`python3 -m app.gpu_check --dry-run`: the prepared CUDA check's parts run on the CPU at toy sizes. It checks the
+"""`python3 -m app.stress.gpu_check --dry-run`: the prepared CUDA check's parts run on the CPU at toy sizes. It checks the
 code paths a lent GPU will take (the numbers are the CPU's, and no target counts as met): every target of issue 24
 item 2 is in `targets`; each self-check passed and each injected fault was caught on this machine, tokens equal; and
 `bench --long` ran. The other parts (exactness, graphs, bench --compare, bf16, the stream A/B) are older and each
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def test_the_dry_run_reports_every_target_and_self_check(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-m", "app.gpu_check", "--dry-run", "--only", "self_checks,bench_long",
+    proc = subprocess.run([sys.executable, "-m", "app.stress.gpu_check", "--dry-run", "--only", "self_checks,bench_long",
                            "--budget-s", "3000", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=3000)
     report = json.loads((tmp_path / "gpu_check.json").read_text())

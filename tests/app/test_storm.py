@@ -1,4 +1,4 @@
-"""The reconfiguration storm (app/storm.py), short: a change every 20 ms under every knob while requests decode.
+"""The reconfiguration storm (app/stress/storm.py), short: a change every 20 ms under every knob while requests decode.
 
 Counts, not times: the storm must finish with no unexpected exception, no engine error event, no dropped change,
 no lost request, no invariant failure, and requests that lived on fp32 equal to transformers' tokens."""
@@ -9,7 +9,7 @@ import argparse
 
 import pytest
 
-from app.storm import random_change, run
+from app.stress.storm import random_change, run
 
 
 def test_a_short_storm_breaks_nothing():

@@ -211,7 +211,7 @@ def test_live_trace_replay_loops_and_matches_greedy(llama_model, llama_ref, tmp_
 
 
 def test_live_trace_replay_refuses_a_bad_file_by_name(llama_model, tmp_path):
-    from app.runner import open_trace_workload
+    from app.window.runner import open_trace_workload
     from engine.workloads.trace_workload import TraceWorkload
     from engine.config import CacheConfig
     from engine.runtime.engine import Engine

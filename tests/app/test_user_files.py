@@ -236,7 +236,7 @@ def run_round(w, eng, steps: int = 2000) -> None:
 def test_replay_skips_and_counts_the_lines_that_cannot_run_and_replays_the_rest(engine, tmp_path):
     # Guards against: the first bad line refused the whole trace; a lone surrogate passed and then looped on the
     # tokenizer's TypeError (11 error events, exit 0); a token id of 10^12 vanished (no error, no sequence).
-    from app.runner import open_trace_workload
+    from app.window.runner import open_trace_workload
 
     path = jsonl(tmp_path / "mixed.jsonl",
                  GOOD,

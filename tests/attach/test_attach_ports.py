@@ -123,7 +123,7 @@ def test_the_cli_refuses_in_one_line_with_exit_2_before_starting_anything(argv, 
 
 
 def test_no_window_advice_is_said_of_attach():
-    from app import platform_check
+    from app.window import platform_check
     from app.attach import attach_advice
 
     for text in (platform_check.NO_DISPLAY, platform_check.missing_message(["libxcb-icccm.so.4"])):

@@ -2,7 +2,7 @@
 a step's host-tier blocks are copied as stored into staging on the compute device, the next layer's copy issued
 when this layer begins, and attention reads the staging. On the CPU the copies run inline in the same program
 order as CUDA's side-stream copies, so the ordering (issue ahead, wait before reading, re-copy what the step
-wrote) is checked here; tests/runtime/test_cuda.py and app/gpu_check.py check it where the copies are asynchronous."""
+wrote) is checked here; tests/runtime/test_cuda.py and app/stress/gpu_check.py check it where the copies are asynchronous."""
 
 from __future__ import annotations
 

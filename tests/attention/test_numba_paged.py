@@ -212,7 +212,7 @@ def test_tokens_equal_transformers_with_host_tier_reads(llama_model, llama_ref, 
 
 
 def test_a_kernel_that_disagrees_is_caught_and_the_chunked_path_serves(llama_model, llama_ref):
-    from app.faults import WrongBackend
+    from app.stress.faults import WrongBackend
 
     eng = Engine(llama_model, CacheConfig(block_size=8, host_budget_mb=0), EngineOptions(attention="cpu"))
     eng.model.backend = WrongBackend(eng.model.backend)  # checked at the first step

@@ -300,7 +300,7 @@ def test_s3fifo_sizes():
 
 def test_engine_on_s3fifo_stays_exact_under_pressure(llama_model, llama_ref):
     """Prefix reuse, eviction, demotion and promotion with S3-FIFO choosing: tokens equal transformers'."""
-    from conftest import prompts
+    from tiny_models import prompts
     from engine.config import EngineOptions
     from engine.runtime.engine import Engine
     from engine.sequence import SamplingParams

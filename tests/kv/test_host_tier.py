@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import _engine, _mb, prompts
+from tiny_models import _engine, _mb, prompts
 from engine.kv.block_pool import RESERVED
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import Reference, prompts
+from tiny_models import Reference, prompts
 from grouped_runs import a_repeated_prefix, follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
@@ -83,7 +83,7 @@ def test_a_request_one_pool_holds_is_held_with_groups(gemma3):
     the context limit alone, the window group got 2 of the 5 blocks one sequence's window and chunk take)."""
     model, ref = gemma3
     p = prompts(47, [150])[0]
-    from conftest import _mb
+    from tiny_models import _mb
 
     cfg = CacheConfig(block_size=16, device_budget_mb=_mb(model, blocks_for(150 + 8, 16) + 3, 16), host_budget_mb=0.0)
     for mode in ("off", "auto"):

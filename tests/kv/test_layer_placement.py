@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import prompts
+from tiny_models import prompts
 from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine

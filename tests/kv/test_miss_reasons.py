@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import budget_mb, prompts
+from tiny_models import budget_mb, prompts
 from engine.config import CacheConfig, EngineOptions
 from engine.kv.misses import PROMPT_REASONS, READ_REASONS, counter_name
 from engine.model.loader import load_model
@@ -201,7 +201,7 @@ def add_up_groups(eng: Engine) -> list[dict]:
     assert summed == whole
     from engine.kv.misses import unaccounted
 
-    assert unaccounted(eng.counters, groups) == []  # the storm's check (app/storm.py) agrees
+    assert unaccounted(eng.counters, groups) == []  # the storm's check (app/stress/storm.py) agrees
     return groups
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import prompts
+from tiny_models import prompts
 from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine

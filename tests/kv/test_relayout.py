@@ -9,7 +9,7 @@ import weakref
 import pytest
 import torch
 
-from conftest import prompts
+from tiny_models import prompts
 from engine.kv.codecs import Codec
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine

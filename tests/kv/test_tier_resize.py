@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import prompts
+from tiny_models import prompts
 from engine.kv.block_pool import RESERVED, BlockPool
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
@@ -141,7 +141,7 @@ def test_a_budget_change_with_the_host_tier_full_keeps_the_engine_working(llama_
 
 
 def test_a_device_shrink_hands_owned_blocks_to_the_host_before_cached_ones(llama_model, llama_ref):
-    """Found by `python -m app.storm`: the shrink demoted its victims cached-first into a host tier with room for
+    """Found by `python -m app.stress.storm`: the shrink demoted its victims cached-first into a host tier with room for
     only some of them and released the rest, owned blocks included: a running sequence's table then held a freed
     block and every step raised IndexError (slot -1)."""
     now = [0.0]

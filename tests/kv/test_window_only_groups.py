@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import Reference, prompts
+from tiny_models import Reference, prompts
 from grouped_runs import a_repeated_prefix, follow_a_window_table, held_at_the_first_token
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.kv.block_pool import blocks_for
@@ -127,7 +127,7 @@ def test_forks_tail_removal_and_a_small_device_tier_equal_one_pool(mistral):
             eng.check_invariants()
         return [eng.seqs[sid].output, eng.seqs[fork].output]
 
-    from conftest import budget_mb
+    from tiny_models import budget_mb
 
     want = play("off", 1.0)
     assert play("auto", 1.0) == want

@@ -67,7 +67,7 @@ def _run(loaded, config: CacheConfig, reqs, cost: StepCost, options: EngineOptio
 
 
 def _config(loaded, blocks: int, **knobs) -> CacheConfig:
-    from app.whatif_check import budget_for_blocks
+    from app.whatif.check import budget_for_blocks
 
     base = CacheConfig(block_size=8, host_budget_mb=1.0, **knobs)
     return base.replace(device_budget_mb=budget_for_blocks(loaded, base, blocks))
@@ -210,7 +210,7 @@ def test_prediction_holds_on_a_help_desk(llama_model, policy, knobs):
     reruns moved by 6.5 points and more requests piled up (`kvscope policy-lab --validate` is the wall-clock check,
     for a quiet machine). The base budget is 2.5x the blocks the running sequences read at once, so 0.5x is still
     above them (below, the tier thrashes on the running tables and reruns spread over 3+ points with the timing)."""
-    from app.whatif_check import budget_for_blocks, configured_summary, format_configured, running_set, ConfiguredRow, \
+    from app.whatif.check import budget_for_blocks, configured_summary, format_configured, running_set, ConfiguredRow, \
         in_flight
     from engine.workloads.requests import reference_desk
 
@@ -251,7 +251,7 @@ def test_policy_lab_curve_leads_with_the_engine_as_configured(llama_model, tmp_p
     (or --capacity's first value), each rate named by what it counts; --no-rerun leaves them out."""
     import json
 
-    from app.policy_lab import main
+    from app.whatif.policy_lab import main
 
     trace, e = _run(llama_model, _config(llama_model, 30, policy="s3fifo"), _prompts(20, 4), StepCost(0.01, 0.0005, 0))
     p = str(tmp_path / "t.npz")
@@ -275,9 +275,9 @@ def test_policy_lab_curve_leads_with_the_engine_as_configured(llama_model, tmp_p
 
 
 def test_the_what_if_worker_leads_with_the_engine_as_configured(llama_model):
-    """The window's worker (app/whatif_worker.py): a live trace gets the engine-as-configured prediction, calibrated
+    """The window's worker (app/whatif/worker.py): a live trace gets the engine-as-configured prediction, calibrated
     at the recorded capacity, and its sentences first; a trace it cannot rerun says why instead."""
-    from app.whatif_worker import what_if_result
+    from app.whatif.worker import what_if_result
 
     trace, e = _run(llama_model, _config(llama_model, 30), _prompts(16, 5), StepCost(0.01, 0.0005, 0))
     r = what_if_result(trace, 40, 0.25)

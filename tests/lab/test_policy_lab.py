@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.policy_lab import main, plot
+from app.whatif.policy_lab import main, plot
 from engine.lab.policy_lab import default_capacities, first_reads, format_table, near_half, run_lab, scan_polluted_trace
 from engine.kv.eviction_sim import POLICIES, replay
 from engine.kv.access_trace import MAX_TRACE_ROWS, AccessTrace
@@ -517,7 +517,7 @@ def test_a_small_zip_bomb_keeps_memory_small(tmp_path):
                 z.writestr(c + ".npy", npy(v))
     assert os.path.getsize(path) < 3_000_000
     # VmHWM, the peak RSS of this process image: ru_maxrss would carry over the forking pytest's peak.
-    code = ("import sys\nfrom app.policy_lab import main\nrc = main([sys.argv[1]])\n"
+    code = ("import sys\nfrom app.whatif.policy_lab import main\nrc = main([sys.argv[1]])\n"
             "hwm = [ln for ln in open('/proc/self/status') if ln.startswith('VmHWM:')][0].split()[1]\n"
             "print(rc, hwm)")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -9,8 +9,8 @@ import pytest
 
 pytest.importorskip("pytestqt")
 
-from app.runner import EngineRunner  # noqa: E402
-from app.whatif_worker import what_if_result  # noqa: E402
+from app.window.runner import EngineRunner  # noqa: E402
+from app.whatif.worker import what_if_result  # noqa: E402
 from ui.panels.what_if import WhatIfPanel  # noqa: E402
 
 

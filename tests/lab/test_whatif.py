@@ -1,5 +1,5 @@
 """What-if streams (engine/lab/whatif.py) from access traces, the trace's new optional columns, the CLI, and the
-curve's prediction against real reruns of the engine (app/whatif_check.py)."""
+curve's prediction against real reruns of the engine (app/whatif/check.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from app.policy_lab import main
+from app.whatif.policy_lab import main
 from engine.kv.access_trace import AccessTrace, TraceFileError, TraceRecorder
 from engine.kv.tiers import chain_hash
 from engine.lab.whatif import _prefix_keys_of, block_hashes, prefix_keys, real_hit_rate, rebin, stream_of
@@ -159,7 +159,7 @@ def test_predicted_hit_rate_matches_a_real_rerun(llama_model):
     are the engine's recency order (the curve's exactness for LRU is test_mrc's). Not asserted: budgets near the
     running set's size, where a full device tier puts new blocks on the host tier instead of evicting (no LRU
     cache does): at 41 blocks here the curve said 7 % and the engine did 15 % (README: the validation table)."""
-    from app.whatif_check import budget_for_blocks, check_workload, default_workloads
+    from app.whatif.check import budget_for_blocks, check_workload, default_workloads
     from engine.config import CacheConfig, EngineOptions
 
     name, reqs = default_workloads(0, 24)[1]  # returning users: reuse that a small tier loses

@@ -127,7 +127,7 @@ def test_rebin_of_a_window_group_starts_at_its_table(qwen3_sliding):
 def test_policy_lab_prints_every_groups_curves(qwen3_sliding, tmp_path, capsys):
     import json
 
-    from app.policy_lab import main
+    from app.whatif.policy_lab import main
 
     _, trace = _run(qwen3_sliding, _workload()[:3])
     p = str(tmp_path / "grouped.npz")

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import budget_mb, prompts
+from tiny_models import budget_mb, prompts
 from engine.kv.block_pool import Tier, blocks_for
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine, RequestError

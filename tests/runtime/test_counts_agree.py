@@ -9,7 +9,7 @@ import random
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import _mb, prompts
+from tiny_models import _mb, prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.errors import RequestError
 from engine.kv.block_pool import RESERVED

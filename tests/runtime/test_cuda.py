@@ -1,4 +1,4 @@
-"""CUDA-only checks (skipped without a GPU; `python3 -m app.gpu_check` runs them on a lent one)."""
+"""CUDA-only checks (skipped without a GPU; `python3 -m app.stress.gpu_check` runs them on a lent one)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
 """Decode steps through the CUDA-graph path (engine/runtime/cuda_graphs.py), checked on the CPU in "static" mode: the
 same padded, static-shaped step a graph replays (bucketed batch, null-block table padding, padding rows that
-write the sink block), run eagerly. Capture itself needs CUDA: app/gpu_check.py runs these checks there."""
+write the sink block), run eagerly. Capture itself needs CUDA: app/stress/gpu_check.py runs these checks there."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import prompts
+from tiny_models import prompts
 from engine.config import CacheConfig, ConfigError, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams

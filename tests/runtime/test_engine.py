@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import Reference, prompts
+from tiny_models import Reference, prompts
 from engine.kv.block_pool import RESERVED, Tier
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype
 from engine.runtime.engine import Engine, RequestError
@@ -324,7 +324,7 @@ def test_seq_add_with_both_tiers_full_is_refused_and_changes_nothing(llama_model
 def test_a_paused_engine_s_clock_stands_still_so_nothing_demotes_on_resume(llama_model):
     """The demotion rule counts running time only: blocks idle 0.1 s before a 10 s pause are not demoted by the
     first step after it (issue 11: the demote clock ran while the engine was paused)."""
-    from app.runner import EngineRunner
+    from app.window.runner import EngineRunner
 
     now = [0.0]
     eng = Engine(llama_model, CacheConfig(block_size=4, demote_after_s=5.0), clock=lambda: now[0])
@@ -353,7 +353,7 @@ def test_engine_thread_kernels_use_torchs_threads(llama_model):
     import time
 
     numba = pytest.importorskip("numba")
-    from app.runner import EngineRunner
+    from app.window.runner import EngineRunner
 
     before = torch.get_num_threads()
     default = numba.get_num_threads()

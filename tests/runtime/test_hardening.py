@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import budget_mb, prompts
+from tiny_models import budget_mb, prompts
 from engine.kv.block_pool import Tier
 from engine.kv.codecs import fp8_supported
 from engine.config import CacheConfig, ConfigError, EngineOptions, KVDtype, change_is_lossy

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from conftest import run_cli
+from kvscope_cli import run_cli
 from engine.runtime import machine
 
 

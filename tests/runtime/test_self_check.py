@@ -12,8 +12,8 @@ import json
 import pytest
 import torch
 
-from conftest import budget_mb, prompts
-from app.faults import RaisingBackend, WrongBackend, flip_one_byte
+from tiny_models import budget_mb, prompts
+from app.stress.faults import RaisingBackend, WrongBackend, flip_one_byte
 from engine.config import CacheConfig, EngineOptions
 from engine.kv.block_pool import RESERVED
 from engine.kv.tiers import copy_slots
@@ -195,7 +195,7 @@ def test_a_passing_stream_check_stages_as_before(deep_model, deep_ref):
 def test_kv_cache_groups_are_checked_per_pool_and_per_stream(tiny_gemma3):
     """A grouped model (engine/kv/cache.py: a pool per attention type, eager steps): a copy that flips a byte in the
     sliding group's pool is caught there, and tokens equal transformers'."""
-    from conftest import Reference
+    from tiny_models import Reference
     from engine.model.loader import load_model
 
     model = load_model(tiny_gemma3)
@@ -215,7 +215,7 @@ def test_kv_cache_groups_are_checked_per_pool_and_per_stream(tiny_gemma3):
 
 
 def test_generate_json_and_info_record_the_self_checks(capsys, tiny_llama):
-    from conftest import run_cli
+    from kvscope_cli import run_cli
 
     rc, out, _ = run_cli(capsys, "generate", "hello world", "--model", tiny_llama, "--json", "--max-new-tokens", "3",
                          "--cuda-graphs", "static")

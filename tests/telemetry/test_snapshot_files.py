@@ -307,7 +307,7 @@ class _Window:
 def test_headless_end_quits_with_one_line_whatever_raises(qapp, capsys, fail):
     from PySide6 import QtCore
 
-    from app.window import _show
+    from app.window.launch import _show
 
     win = _Window(fail)
     args = argparse.Namespace(headless=True, screenshot="out.png", run_for=0.2, open_snapshot="snap.json")

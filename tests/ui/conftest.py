@@ -5,15 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvscope_cli import run_cli  # noqa: F401 - see tests/conftest.py: `conftest` is whichever pytest loaded last
-from tiny_models import Reference, _engine, _mb, budget_mb, prompts  # noqa: F401 - the same
-
 
 @pytest.fixture
 def runner(llama_model):
     """A started EngineRunner on the tiny Llama, for the window tests: small pools (block size 4, 0.3 MiB device,
     1 MiB host) so that a test's few prompts fill, evict and migrate; stopped after the test."""
-    from app.runner import EngineRunner
+    from app.window.runner import EngineRunner
     from engine.config import CacheConfig, EngineOptions
     from engine.runtime.engine import Engine
 
@@ -27,7 +24,7 @@ def runner(llama_model):
 @pytest.fixture
 def app_style(qapp):
     """The app's own palette, font and style sheet (widths and heights depend on them), restored after."""
-    from app.window import _style
+    from app.window.launch import _style
 
     saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
     _style(qapp)

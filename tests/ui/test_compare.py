@@ -54,7 +54,7 @@ def test_rows_are_every_counter_with_its_delta_and_the_knobs_that_differ(two_fil
 
 
 def test_the_window_shows_both_sides(qtbot, two_files, tmp_path):
-    from app.window import compare_window
+    from app.window.launch import compare_window
 
     (pa, _), (pb, _) = two_files
     win = compare_window(pa, pb)

@@ -23,7 +23,7 @@ pytest.importorskip("PySide6")
 def files(tiny_llama, tmp_path_factory):
     """The same requests at two device budgets, each snapshot with the curves of its own recorded trace (as the
     window saves them: MainWindow.with_what_if), and one without curves (a file from before them)."""
-    from app.whatif_worker import what_if_results
+    from app.whatif.worker import what_if_results
     from engine.telemetry import snapshot_io
 
     d = tmp_path_factory.mktemp("compare-what-if")
@@ -66,7 +66,7 @@ def test_the_curves_round_trip_exactly(files):
 
 
 def test_compare_draws_both_sides_curves_and_a_row_per_policy(qtbot, files, tmp_path):
-    from app.window import compare_window
+    from app.window.launch import compare_window
 
     ((pa, ra), (pb, rb)), _ = files
     win = compare_window(pa, pb)
@@ -89,7 +89,7 @@ def test_compare_draws_both_sides_curves_and_a_row_per_policy(qtbot, files, tmp_
 
 
 def test_a_file_without_curves_still_opens_and_says_no_data(qtbot, files):
-    from app.window import compare_window
+    from app.window.launch import compare_window
 
     ((pa, _), _), old = files
     win = compare_window(pa, old)

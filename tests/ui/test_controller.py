@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from app.runner import EngineRunner
+from app.window.runner import EngineRunner
 from engine.config import CacheConfig, ConfigError
 from engine.errors import RequestError
 from ui.controller import Controller, SnapshotController

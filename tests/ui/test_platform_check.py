@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from app import platform_check as pc
+from app.window import platform_check as pc
 
 
 def _free_display() -> str:

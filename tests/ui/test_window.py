@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from app.runner import EngineRunner
+from app.window.runner import EngineRunner
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
@@ -40,6 +40,21 @@ def test_window_builds_with_every_panel(window):
     assert "tiny" in window.status.text() or "on cpu" in window.status.text()
     # budgets count MiB, and say so (a "48 MB" budget held 50.1 million bytes)
     assert "dev 0.3 MiB host 1 MiB" in window.status.text() and " MB " not in window.caption()
+
+
+def test_help_menu_shows_each_topic_that_kvscope_help_prints(window):
+    """Help lists every topic of assets/help (as `kvscope help` does) and shows the one picked, its text rendered."""
+    from ui.help_text import topic_text, topics
+
+    menu = next(a.menu() for a in window.menuBar().actions() if a.text() == "&Help")
+    names = [a.text() for a in menu.actions()]
+    assert names == [n for n, _ in topics()] and "knobs" in names
+    next(a for a in menu.actions() if a.text() == "knobs").trigger()
+    dialog = window.help_dialog[0]
+    assert dialog.isVisible() and dialog.topic == "knobs" and "knobs" in dialog.windowTitle()
+    shown = dialog.view.toPlainText()
+    first = next(line for line in topic_text("knobs").splitlines()[1:] if line.strip() and not line.startswith("|"))
+    assert first.split()[0].strip("`*") in shown
 
 
 CHANGES = {"block_size": 8, "kv_dtype": "int8", "device_budget_mb": 0.5, "host_budget_mb": 2.0, "policy": "lru",
@@ -436,7 +451,7 @@ def test_a_saved_snapshots_controls_look_disabled(qtbot, qapp, window, runner, t
     snapshot's sliders looked as if they could be moved."""
     from PySide6 import QtGui
 
-    from app.window import _style
+    from app.window.launch import _style
     from ui.main_window import open_snapshot_window
 
     busy(runner)
@@ -523,7 +538,7 @@ def test_the_value_boxes_step_arrows_show(qtbot, qapp, window):
     carry a light arrow."""
     from PySide6 import QtGui
 
-    from app.window import _style
+    from app.window.launch import _style
 
     saved = (qapp.styleSheet(), qapp.palette(), qapp.font())
     _style(qapp)

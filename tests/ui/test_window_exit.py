@@ -44,7 +44,7 @@ def _args(**kw) -> argparse.Namespace:
 def test_an_error_while_the_window_starts_still_stops_the_engine_thread(qapp, monkeypatch):
     """MainWindow raising in its constructor skipped runner.stop(): the engine thread ran on into the
     interpreter's shutdown (seen: exit 134 after a TypeError in the window's first refresh)."""
-    import app.window as w
+    import app.window.launch as w
     import ui.main_window
 
     runner = _Runner()
@@ -60,7 +60,7 @@ def test_an_error_while_the_window_starts_still_stops_the_engine_thread(qapp, mo
 
 
 def test_the_process_waits_for_a_step_that_outlasts_stops_timeout():
-    from app.window import stop_engine_thread
+    from app.window.launch import stop_engine_thread
 
     runner = _Runner(lag_s=0.5)
     stop_engine_thread(runner, 0)
@@ -77,7 +77,7 @@ def default_sigint():
 
 
 def test_a_signal_inside_the_held_section_waits_until_it_ends(default_sigint):
-    from app.window import _deliver, held_signals
+    from app.window.launch import _deliver, held_signals
 
     with held_signals() as held:
         os.kill(os.getpid(), signal.SIGINT)
@@ -92,7 +92,7 @@ def test_a_signal_inside_the_held_section_waits_until_it_ends(default_sigint):
 def test_a_signal_the_process_ignores_stays_ignored_after_the_held_section():
     """A process started with SIGINT ignored (SIG_IGN, as a background job of a non-interactive shell is): a
     SIGINT inside the held section is kept with that handler, and delivering it does nothing."""
-    from app.window import _deliver, held_signals
+    from app.window.launch import _deliver, held_signals
 
     before = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from PySide6 import QtCore, QtGui, QtWidgets
 
-from app.runner import EngineRunner
+from app.window.runner import EngineRunner
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams
@@ -177,7 +177,7 @@ def test_first_start_shows_the_load_in_a_window(qtbot, monkeypatch):
     import argparse
     import time
 
-    import app.window as appwin
+    import app.window.launch as appwin
     from ui.loading_window import LoadingWindow
 
     seen = []
@@ -249,7 +249,7 @@ def test_every_tab_shows_its_whole_name(qtbot, window, size):
 def test_a_failed_self_check_shows_in_the_status_bar(qtbot, window, runner):
     """An attention backend that disagrees with the reference (engine/runtime/self_check.py): caught at the next step,
     said in the status bar and the Events feed."""
-    from app.faults import WrongBackend
+    from app.stress.faults import WrongBackend
 
     eng = runner.engine
     eng.submit(lambda: setattr(eng.model, "backend", WrongBackend(eng.model.backend)))

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from app.policy_lab import main
+from app.whatif.policy_lab import main
 from engine.lab.mrc import lru_curve
 from engine.lab.whatif import block_stream
 from engine.workloads.public_traces import BAILIAN_BLOCK, MOONCAKE_BLOCK, read_block_trace, synthesized_prompt

@@ -1,6 +1,6 @@
 """The "What if" tab: hit rate against device capacity, block size and demotion threshold, from a recorded trace.
 
-Fed plain numpy arrays by app/whatif_worker.py (computed on a worker thread; the result comes back through a
+Fed plain numpy arrays by app/whatif/worker.py (computed on a worker thread; the result comes back through a
 queued signal): this module imports neither torch nor the engine's computation. `service` is None in a saved
 snapshot's window (the tab then says it needs the live engine).
 """

@@ -1,5 +1,5 @@
 """What the "What if" tab draws, as plain data (no Qt): one KV-cache group's curves as a snapshot carries them.
-app/whatif_worker.py's WhatIfResult extends it with every view computed; importing it pulls in no widget toolkit, so
+app/whatif/worker.py's WhatIfResult extends it with every view computed; importing it pulls in no widget toolkit, so
 the command-line benches that compute curves stay Qt-free."""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ class ConfiguredPrediction:
 @dataclass(frozen=True)
 class SavedResult:
     """One KV-cache group's curves as a snapshot carries them (Snapshot.what_if): what the tab draws, without the
-    block-size and threshold views when read from a file (saved_only). app/whatif_worker.py's WhatIfResult is this
+    block-size and threshold views when read from a file (saved_only). app/whatif/worker.py's WhatIfResult is this
     with every view computed."""
     source: str
     accesses: int

@@ -59,7 +59,7 @@ def test_one_pool_draws_one_untitled_map(qtbot, tiny_gemma3):
 
 
 def test_the_window_draws_a_map_per_group(qtbot, tiny_gemma3):
-    from app.runner import EngineRunner
+    from app.window.runner import EngineRunner
     from ui.main_window import MainWindow
 
     eng = Engine(load_model(tiny_gemma3), CacheConfig(block_size=4, device_budget_mb=0.5, host_budget_mb=0.5),

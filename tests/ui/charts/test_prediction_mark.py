@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from app.runner import EngineRunner
+from app.window.runner import EngineRunner
 from engine.config import CacheConfig, EngineOptions
 from engine.runtime.engine import Engine
 from engine.sequence import SamplingParams

@@ -1,7 +1,7 @@
 """`kvscope policy-lab --curve | --block-sizes | --thresholds | --validate`: the what-if curves on the command line.
 
 The curves are engine/lab/mrc.py and engine/lab/whatif.py; the validation against the real engine is
-app/whatif_check.py. A TRACE is an engine access trace (.npz) or a Mooncake / Bailian block-hash trace (.jsonl).
+app/whatif/check.py. A TRACE is an engine access trace (.npz) or a Mooncake / Bailian block-hash trace (.jsonl).
 """
 
 from __future__ import annotations
@@ -313,9 +313,9 @@ def _block_size_rows(args, trace, reqs, group: int = 0) -> list[dict]:
 
 
 def validate(args: argparse.Namespace) -> int:
-    """The engine-as-configured check (app/whatif_check.py check_as_configured: a help desk, each policy with the
+    """The engine-as-configured check (app/whatif/check.py check_as_configured: a help desk, each policy with the
     default knobs, on the wall clock), then the LRU curve against plain-LRU reruns of 3 workloads."""
-    from app.whatif_check import (budget_for_blocks, check_as_configured, check_workload, configured_summary,
+    from app.whatif.check import (budget_for_blocks, check_as_configured, check_workload, configured_summary,
                                   default_workloads, format_configured, format_rows, run_traced, running_set, summary,
                                   PLAIN_LRU)
     from engine.config import CacheConfig, EngineOptions

@@ -9,7 +9,7 @@ import signal
 import sys
 import threading
 
-from app.platform_check import window_problem
+from app.window.platform_check import window_problem
 
 
 def add_window_flags(p: argparse.ArgumentParser) -> None:
@@ -226,7 +226,7 @@ def start_runner(args: argparse.Namespace, progress=None):
     import torch
 
     from app.commands import open_engine
-    from app.runner import EngineRunner, open_trace_workload
+    from app.window.runner import EngineRunner, open_trace_workload
     from engine.workloads.demo import DemoWorkload
 
     # Leave a core to the window: the model's matmuls get the rest.
@@ -311,7 +311,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:200]}" if text else type(e).__name__
 
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
+ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "assets")
 
 
 def _style(app) -> None:

@@ -234,8 +234,8 @@ class EngineRunner(Controller):
         self.engine.start_trace()
 
     def what_if(self):
-        """The "What if" tab's service: record, open and compute curves on a worker thread (app/whatif_worker.py)."""
-        from app.whatif_worker import WhatIfService
+        """The "What if" tab's service: record, open and compute curves on a worker thread (app/whatif/worker.py)."""
+        from app.whatif.worker import WhatIfService
 
         return WhatIfService(self)
 

@@ -1,6 +1,6 @@
 """Faults injected to prove the self-checks (engine/runtime/self_check.py) catch them, each through a seam of the
 engine: a backend put on the model, a copier put on a pool. The tests (tests/runtime/test_self_check.py) and the
-GPU check script (app/gpu_check.py) inject the same ones."""
+GPU check script (app/stress/gpu_check.py) inject the same ones."""
 
 from __future__ import annotations
 

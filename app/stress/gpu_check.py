@@ -1,4 +1,4 @@
-"""One prepared CUDA check, for a lent GPU machine (`python3 -m app.gpu_check --out DIR`).
+"""One prepared CUDA check, for a lent GPU machine (`python3 -m app.stress.gpu_check --out DIR`).
 
 The device tool carries at most 64 MiB, so the 98 MB default GGUF cannot travel: the check builds
 random-weight models with transformers there instead — a tiny one for exactness and a full-size one
@@ -36,6 +36,8 @@ import sys
 import tempfile
 import time
 import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 
 
 def tiny_model_dir(root: str, tokenizer_dir: str | None, seed: int = 0, **cfg) -> str:
@@ -253,7 +255,7 @@ def _flip_stage(copy):
 def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict, report: dict) -> None:
     """Each self-check on this hardware: the verdicts of engines that exercise every feature (tokens equal), the
     start-up cost, and each injected fault caught."""
-    from app.faults import WrongBackend, flip_one_byte
+    from app.stress.faults import WrongBackend, flip_one_byte
     from engine.config import CacheConfig, EngineOptions
     from engine.runtime.engine import Engine
 
@@ -283,7 +285,7 @@ def _self_checks(model, tiny: str, prompts, refs, sp, device: str, checks: dict,
             f"e = Engine(m, CacheConfig(block_size=16), EngineOptions(device={device!r}, weights_dtype='fp32')); "
             "print(time.perf_counter() - t, e.runner.checks.summary()['attention'].get('seconds'))")
     r = subprocess.run([sys.executable, "-c", code, tiny], capture_output=True, text=True, timeout=120,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=ROOT)
     try:
         engine_s, check_s = r.stdout.split()[-2:]
         out["second_process"] = {"engine_start_s": float(engine_s), "attention_check_s": float(check_s)}
@@ -329,7 +331,7 @@ def _bench_long(big: str, device: str, context: int, batch: int, timeout: float,
     r = subprocess.run([sys.executable, "-m", "app.cli", "bench", "--long", str(context), "--batch", str(batch),
                         "--model", big, "--device", device, "--cuda-graphs", "off", "--json"],
                        capture_output=True, text=True, timeout=timeout,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                       cwd=ROOT)
     try:
         res = json.loads(r.stdout.strip().splitlines()[-1])
     except (IndexError, json.JSONDecodeError):
@@ -502,7 +504,7 @@ def main(argv: list[str] | None = None) -> int:
             if dry:
                 cmd += ["--prompt-tokens", "32", "--batch1-new-tokens", "8", "--batch-new-tokens", "8", "--batch", "2"]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30.0, deadline - time.perf_counter() - 120),
-                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                               cwd=ROOT)
             try:
                 report["bench"] = json.loads(r.stdout.strip().splitlines()[-1])
             except (IndexError, json.JSONDecodeError):
@@ -520,7 +522,7 @@ def main(argv: list[str] | None = None) -> int:
             checks["migration_bytes_equal"] = subprocess.run(
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/test_cuda.py",
                  "tests/attention/test_host_stream.py", "-k", "cuda"],
-                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True,
+                cwd=ROOT, capture_output=True, text=True,
                 timeout=max(30.0, deadline - time.perf_counter() - 30)).returncode == 0
 
         part("cuda_tests", 60, cuda_tests)

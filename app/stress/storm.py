@@ -1,8 +1,8 @@
 """A reconfiguration storm: the engine decodes a stream of requests while another thread changes a random knob
 every `--every-ms` milliseconds, under every policy, through every KV format, budgets down to 0.
 
-    python -m app.storm --minutes 30                # a tiny random-weight model (fast steps, many changes)
-    python -m app.storm --minutes 5 --model PATH    # a real checkpoint
+    python -m app.stress.storm --minutes 30                # a tiny random-weight model (fast steps, many changes)
+    python -m app.stress.storm --minutes 5 --model PATH    # a real checkpoint
 
 What it counts, and what must be 0 for exit 0:
 - unexpected: an exception other than a refusal (ConfigError) out of reconfigure, or any exception out of a step;
@@ -45,7 +45,7 @@ POLICIES = ("lru", "heat", "s3fifo")
 
 def tiny_model_dir(layers: int = 4, seed: int = 0) -> str:
     """A random-weight Llama (64 wide, `layers` deep) saved as an HF directory with the default model's tokenizer."""
-    from app.gpu_check import tiny_model_dir as save_tiny
+    from app.stress.gpu_check import tiny_model_dir as save_tiny
     from engine.model.loader import hf_reference_dir
 
     return save_tiny(tempfile.mkdtemp(prefix="kvscope-storm-"), hf_reference_dir(), seed, vocab_size=49152, hidden_size=64,
@@ -347,7 +347,7 @@ def run(args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m app.storm", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m app.stress.storm", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=30.0)
     ap.add_argument("--steps", type=int, help="stop after this many engine steps (the tests' bound)")
     ap.add_argument("--every-ms", type=float, default=100.0, help="milliseconds between two changes (default 100)")

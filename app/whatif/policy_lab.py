@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--every-read", action="store_true",
                     help="replay every read of the trace, not just each sequence's first read of a block")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    from app.whatif_cli import add_flags
+    from app.whatif.cli import add_flags
 
     add_flags(ap)
     return ap
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give a TRACE file or --synthetic scan (one of them)")
     try:
         check_args(args)
-        from app.whatif_cli import main as what_if, wants_what_if
+        from app.whatif.cli import main as what_if, wants_what_if
 
         if wants_what_if(args):
             return what_if(args)
