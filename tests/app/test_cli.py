@@ -124,7 +124,7 @@ def test_headless_window_replays_a_trace_and_refuses_a_bad_one(tiny_llama, tmp_p
 
 
 def test_three_thousand_requests_stream_in_input_order_with_bounded_memory(tiny_llama, tmp_path, capsys, monkeypatch):
-    # Before: finished sequences past keep_finished=1024 were forgotten before their output was read
+    # Guards against: finished sequences past keep_finished=1024 were forgotten before their output was read
     # (KeyError: 0, exit 1, nothing printed). Now results stream out in input order as they finish. 3,000 requests:
     # nearly three times keep_finished (10,000 showed nothing more, in 3x the time).
     import app.commands as commands
@@ -266,7 +266,7 @@ def test_every_subcommand_prints_its_help(capsys):
 
 
 def test_counts_out_of_range_are_usage_errors(capsys):
-    # Before: `info --batch -3` printed a sizing of "-270.0 MiB" and exited 0.
+    # Guards against: `info --batch -3` printed a sizing of "-270.0 MiB" and exited 0.
     for args, flag in ((["info", "--batch", "-3"], "--batch"), (["info", "--context", "0"], "--context"),
                        (["bench", "--batch", "0"], "--batch"), (["bench", "--quality-prompts", "x"], "--quality-prompts"),
                        (["bench", "--long", "-1"], "--long")):
@@ -275,7 +275,7 @@ def test_counts_out_of_range_are_usage_errors(capsys):
 
 
 def test_replay_flags_without_a_workload_are_refused_before_anything_runs(capsys, monkeypatch):
-    # Before: `bench --sweep block_size=8` ignored the sweep and started the multi-minute --compare hf run.
+    # Guards against: `bench --sweep block_size=8` ignored the sweep and started the multi-minute --compare hf run.
     import app.bench.throughput as throughput
 
     monkeypatch.setattr(throughput, "cmd_bench", lambda args: pytest.fail("the --compare run started"))
@@ -285,7 +285,8 @@ def test_replay_flags_without_a_workload_are_refused_before_anything_runs(capsys
 
 
 def test_every_flag_says_what_it_does():
-    """Every option of every subcommand has help text (before: bench's --batch, --prompt-tokens, --json ... had none)."""
+    """Every option of every subcommand has help text (guards against options without it, as bench's --batch,
+    --prompt-tokens, --json ... were)."""
     import argparse
 
     from app.cli import build_parser

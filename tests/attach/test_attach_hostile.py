@@ -198,7 +198,7 @@ def test_a_big_step_back_is_a_restart_not_a_duplicate_forever():
 
 @pytest.mark.parametrize("back_s", [5_000.0, 1.7e9])  # 500 half-lives (past float32 heat), to a batch time of 0
 def test_a_batch_time_stepping_back_is_not_heat_and_every_event_applies(back_s):
-    """Before: 2**(gap / half-life) grew the parent's heat, OverflowError (math.exp2 past ~1,024 half-lives, the
+    """Guards against: 2**(gap / half-life) grew the parent's heat, OverflowError (math.exp2 past ~1,024 half-lives, the
     float32 column before that) left apply and the rest of the batch was dropped, noted only as an error."""
     import time
     import warnings

@@ -135,7 +135,7 @@ def attach():
 
 @pytest.mark.parametrize("mode", ["vllm", "old"])
 def test_a_warm_idle_server_gives_its_history_at_connect_without_a_live_frame(attach, mode):
-    """Before: history was asked for only at the first live frame, so a server that published nothing more
+    """Guards against: history was asked for only at the first live frame, so a server that published nothing more
     showed nothing (0 batches, history 0) while its replay buffer held all of it."""
     srv = Server(mode)
     try:

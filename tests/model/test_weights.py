@@ -115,7 +115,7 @@ def test_half_weights_match_transformers_in_the_same_dtype(smol_shaped, dtype):
     """Half-precision weights and KV of the same dtype against transformers loaded in that dtype: norms in fp32
     then rounded (LlamaRMSNorm), RoPE tables rounded, matmuls with F.linear, attention over exactly the valid
     keys. Measured: every step's logits equal bit for bit, so every token too (each prompt run alone;
-    batching changes how bf16 matmuls round, in transformers as here). Before: w @ x.T for one-row decode steps
+    batching changes how bf16 matmuls round, in transformers as here). Guards against: w @ x.T for one-row decode steps
     and SDPA over the padded block tail each broke the equality."""
     from transformers import AutoModelForCausalLM
 

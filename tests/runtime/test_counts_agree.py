@@ -89,7 +89,7 @@ def test_every_counted_event_kind_equals_its_counter(llama_model, seed, block_si
 
 def test_idle_sequences_keep_their_kv_while_the_host_tier_has_room(llama_model, llama_ref):
     """A paused sequence's device blocks move to the host tier to make room; its K/V is dropped (a "preempt ...
-    recompute" event, counted) only when the host tier cannot take them. Before: the drop loop ran whenever moving
+    recompute" event, counted) only when the host tier cannot take them. Guards against: the drop loop ran whenever moving
     had not made enough room, host room or not, and its events said "no host room" and were not counted."""
     ps = prompts(41, [60, 60])
     sp = SamplingParams(max_new_tokens=20, ignore_eos=True)

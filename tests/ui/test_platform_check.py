@@ -23,7 +23,7 @@ def test_a_display_with_no_server_exits_2_with_advice():
     env = {k: v for k, v in os.environ.items() if k not in ("QT_QPA_PLATFORM", "WAYLAND_DISPLAY")}
     env["DISPLAY"] = _free_display()
     out = subprocess.run([sys.executable, "-m", "app.cli"], capture_output=True, text=True, timeout=120, env=env)
-    assert out.returncode == 2, (out.returncode, out.stderr[-500:])  # before: 134, Qt's abort
+    assert out.returncode == 2, (out.returncode, out.stderr[-500:])  # guards against: 134, Qt's abort
     assert out.stderr.startswith("kvscope: error:") and "--headless" in out.stderr
     assert "xcb-cursor0" not in out.stderr and "Traceback" not in out.stderr
 

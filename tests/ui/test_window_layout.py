@@ -40,7 +40,7 @@ def test_the_window_fits_the_screen_with_no_panel_over_another(qtbot, window, ru
     busy(runner, new=60)
     qtbot.waitUntil(lambda: runner.engine.counters.generated > 10, timeout=10_000)
     hint = window.minimumSizeHint()
-    assert hint.width() <= size[0] and hint.height() <= size[1], hint  # before: 932 x 1071
+    assert hint.width() <= size[0] and hint.height() <= size[1], hint  # guards against: 932 x 1071
     window.resize(*size)
     window.size_docks()
     window.refresh_all()
@@ -76,7 +76,7 @@ def test_the_window_opens_fitted_to_the_free_area_of_the_screen():
     R = QtCore.QRect
     for avail in (R(0, 0, 1280, 720), R(0, 0, 1366, 728), R(0, 0, 1280, 800), R(0, 24, 1440, 876)):
         rect, maximize = fitted_geometry(avail)
-        assert maximize and rect == avail, avail  # before: 1600 x 1050 whatever the screen
+        assert maximize and rect == avail, avail  # guards against: 1600 x 1050 whatever the screen
     rect, maximize = fitted_geometry(R(0, 0, 1920, 1040))
     assert not maximize and rect.size() == DEFAULT_SIZE and R(0, 0, 1920, 1040).contains(rect)
     rect, maximize = fitted_geometry(R(1920, 0, 2560, 1400))  # a second monitor
@@ -113,7 +113,7 @@ def test_reset_defaults_restores_every_knob_and_names_the_dtype(qtbot, window, r
     c.reset.click()
     assert runner.engine.config == CacheConfig()
     msg = c.message.text()
-    assert msg.startswith("applied") and "kv_dtype=fp32" in msg and "kv_dtype=0" not in msg  # before: "=0"
+    assert msg.startswith("applied") and "kv_dtype=fp32" in msg and "kv_dtype=0" not in msg  # guards against: "=0"
     window.refresh_all()
     configs = [e for e in window.events.events if e[1] == "config"]
     assert "kv_dtype:fp32" in configs[-1][2]
@@ -135,7 +135,7 @@ def test_a_declined_lossy_change_says_so_and_changes_nothing(qtbot, runner, app_
     c.controls["kv_dtype"].combo.activated.emit(c.controls["kv_dtype"].combo.currentIndex())
     assert asked == ["kv_dtype=int8"]
     assert runner.engine.config == before
-    assert c.message.text().startswith("not applied") and "declined" in c.message.text()  # before: "applied …"
+    assert c.message.text().startswith("not applied") and "declined" in c.message.text()  # guards against: "applied …"
     assert c.controls["kv_dtype"].combo.currentText() == "fp32"
 
 
@@ -168,7 +168,7 @@ def test_tokens_per_second_falls_to_zero_while_paused(qtbot, window, runner, mon
     runner.pause_engine(True)
     qtbot.wait(1800)
     window.refresh()
-    assert window.status.text().split(" | ")[2] == "0.0 tok/s"  # before: the last rate, forever
+    assert window.status.text().split(" | ")[2] == "0.0 tok/s"  # guards against: the last rate, forever
     assert window.status.text().endswith("engine paused")
 
 

@@ -153,7 +153,7 @@ def test_main_window_file_menu_opens_the_attach_dialog():
                                    (1920, 0, 2560, 1400)])
 def test_the_window_opens_fitted_to_the_free_area_of_the_screen(qtbot, monkeypatch, avail):
     """show_fitted, as the main window's (ui/dock_layout.fitted_geometry): 1400 x 900 centred where it fits with
-    room for a title bar, else all of the free area, maximized (before: 1400 x 900 at +0+0 whatever the screen,
+    room for a title bar, else all of the free area, maximized (guards against: 1400 x 900 at +0+0 whatever the screen,
     the Metrics dock's right side, the Sources / Events docks and the status bar off a 1280 x 720 screen)."""
     from PySide6 import QtCore
 

@@ -47,7 +47,7 @@ def test_a_small_drag_moves_the_block_size_one_power_of_two_at_most(qtbot, app_s
     c = _knob(qtbot, "block_size", 16)
     got = []
     c.changed.connect(lambda name, v: got.append(v))
-    _drag(c.slider, 5)  # before: 16 -> 41
+    _drag(c.slider, 5)  # guards against: 16 -> 41
     assert got in ([], [32]), got
     assert c.spin.value() in (16, 32)
     c.show_value(16)
@@ -59,7 +59,7 @@ def test_a_budget_drag_moves_along_a_log_scale_of_round_sizes(qtbot, app_style):
     c = _knob(qtbot, "device_budget_mb", 4.0)
     got = []
     c.changed.connect(lambda name, v: got.append(v))
-    _drag(c.slider, 19)  # before: 4 -> 328 MB
+    _drag(c.slider, 19)  # guards against: 4 -> 328 MB
     assert len(got) == 1 and got[0] > 4 and math.log2(got[0]).is_integer(), got  # a round size, in MB
     # At the dock's width a stop is at least 5 px, so 19 px is at most 4 doublings.
     opt = QtWidgets.QStyleOptionSlider()
