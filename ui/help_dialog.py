@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from PySide6 import QtWidgets
 
-from ui.help_text import topic_text, topics
+from ui.help_text import HELP_DIR, topic_text, topics
 
 
 class HelpDialog(QtWidgets.QDialog):
@@ -16,6 +16,7 @@ class HelpDialog(QtWidgets.QDialog):
         self.resize(760, 560)
         self.view = QtWidgets.QTextBrowser(self)
         self.view.setOpenExternalLinks(True)
+        self.view.setSearchPaths([str(HELP_DIR.parent.parent)])  # a topic's pictures: paths from the checkout's root
         lay = QtWidgets.QVBoxLayout(self)
         lay.addWidget(self.view)
         self.topic = ""

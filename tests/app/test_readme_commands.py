@@ -168,6 +168,19 @@ def test_readme_names_exactly_the_help_topics():
     assert sorted(re.findall(r"^\| `([a-z0-9-]+)` \|", table, re.M)) == [name for name, _ in topics()]
 
 
+def test_every_picture_the_manual_shows_is_in_the_checkout():
+    """Each image README.md and the help topics show (markdown or <img>, a path from the checkout's root, as the
+    Help window resolves it too) is a PNG in the repository."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "assets" / "help").glob("*.md"))]
+    pictures = [(t, m) for t in texts
+                for m in re.findall(r'!\[[^\]]*\]\(([^)\s]+)\)|<img src="([^"]+)"', t.read_text(encoding="utf-8"))]
+    paths = [(t, a or b) for t, (a, b) in pictures]
+    assert len(paths) >= 4
+    for text, rel in paths:
+        path = ROOT / rel
+        assert path.is_file() and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", (text.name, rel)
+
+
 def test_an_unknown_topic_is_one_stderr_line_and_exit_2(capsys):
     for topic in ("no-such-topic", "../README", "KNOBS"):
         rc, out, err = run_cli(capsys, "help", topic)
