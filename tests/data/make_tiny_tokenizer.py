@@ -10,7 +10,7 @@ text when this script runs), so the workloads' prompts tokenize to realistic len
 system prompt take 1,117 tokens here and 1,027 with SmolLM2's tokenizer (trained on the text below alone: 2,040,
 and the tiny models hold 512 positions); other English takes up to about twice SmolLM2's count. "hi " * 300 is 301 tokens in both (the greetings in the
 text below make " hi" one token): tests/app/test_cli.py sizes a prompt that fits the tiny models' context that way.
-A conversion of the default model (30-60 s cold) is no longer needed to build a tiny model.
+Building a tiny model needs no conversion of the default model (30-60 s cold).
 """
 
 from __future__ import annotations

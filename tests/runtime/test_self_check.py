@@ -183,7 +183,7 @@ def test_a_staging_copy_that_flips_one_byte_is_caught_and_host_blocks_are_read_d
     assert eng.snapshot().self_checks["stream"]["state"] == "failed"
 
 
-def test_a_passing_stream_check_stages_as_before(deep_model, deep_ref):
+def test_a_passing_stream_check_keeps_staging(deep_model, deep_ref):
     eng = _streaming(deep_model)
     ps = prompts(31, [29, 41])
     assert eng.generate(ps, SamplingParams(max_new_tokens=8, ignore_eos=True)) == [deep_ref.greedy(p, 8) for p in ps]

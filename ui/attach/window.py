@@ -121,7 +121,7 @@ class AttachWindow(QtWidgets.QMainWindow):
         for d in self.docks.values():
             view.addAction(d.toggleViewAction())
         view.addAction("Reset map view", self.map.reset_view)
-        self.resize(WANT_SIZE)  # headless (offscreen) as before; on a screen show_fitted fits it
+        self.resize(WANT_SIZE)  # headless (offscreen): this size; on a screen show_fitted fits it
         self.resizeDocks([self.docks["Metrics"]], [430], QtCore.Qt.Horizontal)
         self.resizeDocks([self.docks["Sources"]], [170], QtCore.Qt.Vertical)
         self.resizeDocks([self.docks["Sources"]], [370], QtCore.Qt.Horizontal)  # its columns; Events gets the rest

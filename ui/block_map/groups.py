@@ -1,7 +1,7 @@
 """One block map section per KV-cache group (engine/kv/groups.py): a model with full and sliding-window layers keeps a
 pool per group, and each is drawn as its own map, titled with the group ("full attention · 3 layers", "sliding window
 512 · 15 layers"), its occupancy per tier and its device hit rate. A snapshot without groups (one pool for every
-layer, or a file from before groups) draws the one map, untitled, as before.
+layer, or a file saved without group data) draws the one map, untitled.
 """
 
 from __future__ import annotations
