@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from engine.kv.eviction_sim import replay
@@ -131,12 +131,15 @@ def test_sampled_curve_is_exact_when_nothing_is_sampled_away(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(0, 8), min_size=1, max_size=50), st.integers(1, 8), st.floats(0.0, 0.3))
+@example(keys=[0, 0, 0, 0, 0], cap=1, threshold=0.02)  # gaps on both sides of 0.02 by one rounding
 def test_threshold_curve_equals_lru_with_idle_demotion(backend, keys, cap, threshold):
     times = np.arange(len(keys)) * 0.02
     s = Stream(np.array(keys, dtype=np.int64), times, np.ones(len(keys), dtype=bool), None, False)
     with on(backend):
         got = threshold_curve(s, cap, [threshold, np.inf])
-    hits, total = brute_lru(keys, cap, times=times.tolist(), max_gap=threshold + 1e-12)
+    # The same float gaps compared the same way (t_i - t_j <= threshold): a gap one rounding past the threshold
+    # (0.08 - 0.06 = 0.020000000000000004) is a miss on both sides, so no tolerance is needed, and none is given.
+    hits, total = brute_lru(keys, cap, times=times.tolist(), max_gap=threshold)
     assert got[0] == pytest.approx(hits / total)
     assert got[1] == pytest.approx(brute_lru(keys, cap)[0] / len(keys))
 
