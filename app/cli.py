@@ -167,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"kvscope bench: error: {', '.join(given)} replay a workload: give --workload NAME or --trace "
                   "FILE.jsonl", file=sys.stderr)
             return 2
-    if args.cmd == "bench" and not (args.workload or args.trace):  # (a replay says it after reading its input)
-        from app.bench.machine_line import announce_machine
+        from app.bench.machine_line import announce_machine  # a replay names it after reading its input
 
         announce_machine(args)
     try:

@@ -32,16 +32,15 @@ class HelpDialog(QtWidgets.QDialog):
 def add_help_menu(window: QtWidgets.QMainWindow) -> QtWidgets.QMenu:
     """Help > one entry per topic (its one-line summary as the tooltip), each shown in the window's HelpDialog."""
     menu = window.menuBar().addMenu("&Help")
-    dialog: list[HelpDialog] = []
+    window.help_dialog = None  # made at the first topic asked
 
     def show(name: str) -> None:
-        if not dialog:
-            dialog.append(HelpDialog(window))
-        dialog[0].show_topic(name)
+        if window.help_dialog is None:
+            window.help_dialog = HelpDialog(window)
+        window.help_dialog.show_topic(name)
 
     menu.setToolTipsVisible(True)
     for name, summary in topics():
         act = menu.addAction(name, lambda n=name: show(n))
         act.setToolTip(summary)
-    window.help_dialog = dialog  # the tests read the dialog shown
     return menu

@@ -202,7 +202,6 @@ class KVCache:
         return self._windows
 
     # -- pools --------------------------------------------------------------------------------
-    require_supported = staticmethod(KVManager.require_supported)
 
     def bytes_per_block(self, config: CacheConfig) -> int:
         return sum(m.bytes_per_block(config) for m in self.mgrs)

@@ -50,7 +50,7 @@ def test_help_menu_shows_each_topic_that_kvscope_help_prints(window):
     names = [a.text() for a in menu.actions()]
     assert names == [n for n, _ in topics()] and "knobs" in names
     next(a for a in menu.actions() if a.text() == "knobs").trigger()
-    dialog = window.help_dialog[0]
+    dialog = window.help_dialog
     assert dialog.isVisible() and dialog.topic == "knobs" and "knobs" in dialog.windowTitle()
     shown = dialog.view.toPlainText()
     first = next(line for line in topic_text("knobs").splitlines()[1:] if line.strip() and not line.startswith("|"))
