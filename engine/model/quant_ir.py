@@ -302,58 +302,199 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
 
 _DECLARE_VNNI = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
-declare <2 x float> @llvm.fma.v2f32(<2 x float>, <2 x float>, <2 x float>)
-declare float @llvm.vector.reduce.fadd.v2f32(float, <2 x float>)
 declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
+declare <16 x float> @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, <16 x float>)
 """
 VNNI_KINDS = {"q4v": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
 
 
+def kernel_ir_vnni4(T: int) -> str:
+    """q4i's work with AVX-512 VNNI, a weight row at a time: a step is two activation groups (64 inputs) in one
+    512-bit register; the row's 32 packed bytes and two scales loaded once, and for each x row its 64 bytes, one
+    vpdpbusd (u8 nibbles x s8 x, lanes 0-7 the first group's sums of four, 8-15 the second's), converted to float
+    and added times [s0 d0 x 8, s1 d1 x 8] into a 16-lane sum. An odd last group goes through the same
+    instructions with its upper half zero. The zero term (zero[g] times the sum of x's group g) is added into the
+    same 16-lane sums after the steps, 16 groups at a time (masked loads for the last ones), so each x row ends in
+    one horizontal sum. Same arguments and arithmetic as q4i.
+    (Against kernel_ir_vnni's layout, the zero term in 2-lane FMAs each step and three horizontal sums a row: 26 %
+    less time at 8 rows of x over the default model's 120 matmuls, the same at 1 row. Two or four weight rows a
+    step, sharing each x load, measured slower at every T: 6-13 % at two rows, 10-35 % at four.)"""
+    name = f"q4v_t{T}"
+    L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
+    for n in _ARGS[:8]:
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n"
+             "  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n"
+             "  %zchunks = add i64 %Gw.i, 15\n  %zn = lshr i64 %zchunks, 4\n  %rowq = udiv i64 %K.i, 2\n")
+    for t in range(T):
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
+        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  br label %head\n")
+    pick = "<16 x i32> <" + ", ".join(["i32 0"] * 8 + ["i32 1"] * 8) + ">"
+    order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
+    lanes = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in range(16)) + ">"
+
+    def rows(n: int, lab: str) -> str:
+        """Blocks {lab}* for rows %r .. %r + n - 1, ending in a branch to %head."""
+        P = [f"{lab}:\n"]
+        for j in range(n):
+            P.append(f"  %{lab}.r{j} = add i64 %r, {j}\n  %{lab}.qo{j} = mul i64 %{lab}.r{j}, %rowq\n"
+                     f"  %{lab}.qp{j} = getelementptr i8, ptr %q, i64 %{lab}.qo{j}\n"
+                     f"  %{lab}.so{j} = mul i64 %{lab}.r{j}, %Gw.i\n"
+                     f"  %{lab}.sp{j} = getelementptr float, ptr %s, i64 %{lab}.so{j}\n"
+                     f"  %{lab}.zp{j} = getelementptr float, ptr %z, i64 %{lab}.so{j}\n")
+        P.append(f"  br i1 %haspair, label %{lab}.step, label %{lab}.pend\n")
+
+        def acc(t, j, sfx=""):
+            return f"%{lab}.a{t}.{j}{sfx}"
+
+        def phis(block: str, sources: list[tuple[str, str]]) -> str:
+            """Phis named acc(t, j, block's suffix) over sources [(value suffix, from block)]."""
+            return "".join(f"  {acc(t, j, block)} = phi <16 x float> "
+                           + ", ".join(f"[{'zeroinitializer' if v is None else acc(t, j, v)}, %{src}]"
+                                       for v, src in sources) + "\n"
+                           for t in range(T) for j in range(n))
+
+        def body(sfx: str, g0: str, pair: bool, into: str) -> str:
+            """One step's instructions (suffix sfx): two groups from group %g0 (pair), or the one group %g0 with the
+            upper half zero; adds into the sums of suffix `into`, making those of suffix sfx."""
+            B = []
+            for j in range(n):
+                if pair:
+                    B.append(f"  %{lab}.qa{j}{sfx} = mul i64 {g0}, 16\n"
+                             + _load("i8", f"%{lab}.qp{j}", f"%{lab}.qa{j}{sfx}", f"%{lab}.qv{j}{sfx}", "<32 x i8>"))
+                    B.append(_load("float", f"%{lab}.sp{j}", g0, f"%{lab}.sv{j}{sfx}", "<2 x float>"))
+                    B.append(f"  %{lab}.S{j}{sfx} = shufflevector <2 x float> %{lab}.sv{j}{sfx}, <2 x float> poison, "
+                             f"{pick}\n")
+                else:
+                    B.append(f"  %{lab}.qa{j}{sfx} = mul i64 {g0}, 16\n"
+                             + _load("i8", f"%{lab}.qp{j}", f"%{lab}.qa{j}{sfx}", f"%{lab}.qh{j}{sfx}", "<16 x i8>"))
+                    B.append(f"  %{lab}.qv{j}{sfx} = shufflevector <16 x i8> %{lab}.qh{j}{sfx}, <16 x i8> "
+                             f"zeroinitializer, <32 x i32> <{_seq(0, 32)}>\n")
+                    B.append(_load("float", f"%{lab}.sp{j}", g0, f"%{lab}.s1{j}{sfx}"))
+                    B.append(f"  %{lab}.sv{j}{sfx} = insertelement <2 x float> zeroinitializer, float "
+                             f"%{lab}.s1{j}{sfx}, i64 0\n"
+                             f"  %{lab}.S{j}{sfx} = shufflevector <2 x float> %{lab}.sv{j}{sfx}, <2 x float> poison, "
+                             f"{pick}\n")
+                B.append(f"  %{lab}.lo{j}{sfx} = and <32 x i8> %{lab}.qv{j}{sfx}, {_splat('i8', 32, 15)}\n"
+                         f"  %{lab}.hi{j}{sfx} = lshr <32 x i8> %{lab}.qv{j}{sfx}, {_splat('i8', 32, 4)}\n"
+                         f"  %{lab}.w{j}{sfx} = shufflevector <32 x i8> %{lab}.lo{j}{sfx}, <32 x i8> %{lab}.hi{j}{sfx}, "
+                         "<64 x i32> <" + ", ".join(f"i32 {i}" for i in order) + ">\n"
+                         f"  %{lab}.wi{j}{sfx} = bitcast <64 x i8> %{lab}.w{j}{sfx} to <16 x i32>\n")
+            B.append(f"  %{lab}.xo{sfx} = mul i64 {g0}, 32\n")
+            for t in range(T):
+                if pair:
+                    B.append(_load("i8", f"%xb{t}", f"%{lab}.xo{sfx}", f"%{lab}.xv{t}{sfx}", "<64 x i8>"))
+                    B.append(_load("float", f"%db{t}", g0, f"%{lab}.dv{t}{sfx}", "<2 x float>"))
+                else:
+                    B.append(_load("i8", f"%xb{t}", f"%{lab}.xo{sfx}", f"%{lab}.xh{t}{sfx}", "<32 x i8>"))
+                    B.append(f"  %{lab}.xv{t}{sfx} = shufflevector <32 x i8> %{lab}.xh{t}{sfx}, <32 x i8> "
+                             f"zeroinitializer, <64 x i32> <{_seq(0, 64)}>\n")
+                    B.append(_load("float", f"%db{t}", g0, f"%{lab}.d1{t}{sfx}"))
+                    B.append(f"  %{lab}.dv{t}{sfx} = insertelement <2 x float> zeroinitializer, float "
+                             f"%{lab}.d1{t}{sfx}, i64 0\n")
+                B.append(f"  %{lab}.xi{t}{sfx} = bitcast <64 x i8> %{lab}.xv{t}{sfx} to <16 x i32>\n"
+                         f"  %{lab}.D{t}{sfx} = shufflevector <2 x float> %{lab}.dv{t}{sfx}, <2 x float> poison, "
+                         f"{pick}\n")
+                for j in range(n):
+                    p = f"%{lab}.p{t}.{j}{sfx}"
+                    B.append(f"  {p} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                             f"<16 x i32> %{lab}.wi{j}{sfx}, <16 x i32> %{lab}.xi{t}{sfx})\n"
+                             f"  {p}.f = sitofp <16 x i32> {p} to <16 x float>\n"
+                             f"  {p}.sd = fmul <16 x float> %{lab}.S{j}{sfx}, %{lab}.D{t}{sfx}\n"
+                             f"  {acc(t, j, sfx)} = call <16 x float> @llvm.fma.v16f32(<16 x float> {p}.f, "
+                             f"<16 x float> {p}.sd, <16 x float> {acc(t, j, into)})\n")
+            return "".join(B)
+
+        # pairs of groups
+        P.append(f"{lab}.step:\n  %{lab}.c = phi i64 [0, %{lab}], [%{lab}.c1, %{lab}.step]\n")
+        P.append(phis("", [(None, lab), (".n", f"{lab}.step")]))
+        P.append(f"  %{lab}.g0 = shl i64 %{lab}.c, 1\n")
+        P.append(body(".n", f"%{lab}.g0", True, ""))
+        P.append(f"  %{lab}.c1 = add i64 %{lab}.c, 1\n  %{lab}.more = icmp ult i64 %{lab}.c1, %pairs\n"
+                 f"  br i1 %{lab}.more, label %{lab}.step, label %{lab}.pend\n")
+        # an odd last group
+        P.append(f"{lab}.pend:\n" + phis(".p", [(None, lab), (".n", f"{lab}.step")]))
+        P.append(f"  br i1 %isodd, label %{lab}.tail, label %{lab}.zh\n")
+        P.append(f"{lab}.tail:\n" + body(".t", "%last", False, ".p") + f"  br label %{lab}.zh\n")
+        # the zero term, 16 groups at a time
+        P.append(f"{lab}.zh:\n" + phis(".q", [(".p", f"{lab}.pend"), (".t", f"{lab}.tail")])
+                 + f"  br label %{lab}.z\n")
+        P.append(f"{lab}.z:\n  %{lab}.zc = phi i64 [0, %{lab}.zh], [%{lab}.zc1, %{lab}.z]\n")
+        P.append(phis(".z", [(".q", f"{lab}.zh"), (".zn", f"{lab}.z")]))
+        P.append(f"  %{lab}.zg = shl i64 %{lab}.zc, 4\n  %{lab}.zl = sub i64 %Gw.i, %{lab}.zg\n"
+                 f"  %{lab}.zl32 = trunc i64 %{lab}.zl to i32\n"
+                 f"  %{lab}.zli = insertelement <16 x i32> poison, i32 %{lab}.zl32, i64 0\n"
+                 f"  %{lab}.zls = shufflevector <16 x i32> %{lab}.zli, <16 x i32> poison, <16 x i32> zeroinitializer\n"
+                 f"  %{lab}.zm = icmp ult {lanes}, %{lab}.zls\n")
+        for j in range(n):
+            P.append(f"  %{lab}.za{j} = getelementptr float, ptr %{lab}.zp{j}, i64 %{lab}.zg\n"
+                     f"  %{lab}.zv{j} = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.za{j}, i32 4, "
+                     f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
+        for t in range(T):
+            P.append(f"  %{lab}.xa{t} = getelementptr float, ptr %sb{t}, i64 %{lab}.zg\n"
+                     f"  %{lab}.xsv{t} = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.xa{t}, i32 4, "
+                     f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
+            for j in range(n):
+                P.append(f"  {acc(t, j, '.zn')} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.zv{j}, "
+                         f"<16 x float> %{lab}.xsv{t}, <16 x float> {acc(t, j, '.z')})\n")
+        P.append(f"  %{lab}.zc1 = add i64 %{lab}.zc, 1\n  %{lab}.zmore = icmp ult i64 %{lab}.zc1, %zn\n"
+                 f"  br i1 %{lab}.zmore, label %{lab}.z, label %{lab}.end\n")
+        P.append(f"{lab}.end:\n")
+        for t in range(T):
+            for j in range(n):
+                P.append(f"  %{lab}.tot{t}.{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
+                         f"<16 x float> {acc(t, j, '.zn')})\n"
+                         f"  %{lab}.o{t}.{j} = getelementptr float, ptr %ob{t}, i64 %{lab}.r{j}\n"
+                         f"  store float %{lab}.tot{t}.{j}, ptr %{lab}.o{t}.{j}, align 4\n")
+        P.append("  br label %head\n")
+        return "".join(P)
+
+    L.append("head:\n  %r = phi i64 [%n0.i, %entry], [%r1, %one.end]\n  %r1 = add i64 %r, 1\n"
+             "  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %done\n")
+    L.append(rows(1, "one"))
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
 def kernel_ir_vnni(kind: str, T: int) -> str:
-    """q4i's / q8w's work with AVX-512 VNNI: two activation groups (64 inputs) a step in one 512-bit register, their
-    u8 x s8 products summed in fours by one vpdpbusd (lanes 0-7 the first group's, 8-15 the second's), scaled by
-    [s0 d0 x 8, s1 d1 x 8]; an odd last group through the AVX2 step. Same arguments and arithmetic as q4i / q8w."""
-    int4 = kind == "q4v"
-    name = f"{kind}_t{T}"
+    """The AVX-512 VNNI kernel `kind` (VNNI_KINDS) for T rows of x."""
+    return kernel_ir_vnni4(T) if kind == "q4v" else kernel_ir_vnni8(T)
+
+
+def kernel_ir_vnni8(T: int) -> str:
+    """q8w's work with AVX-512 VNNI: two activation groups (64 inputs) a step in one 512-bit register, |w| x
+    (x * sign(w)) summed in fours by one vpdpbusd (lanes 0-7 the first group's, 8-15 the second's), scaled by
+    [s0 d0 x 8, s1 d1 x 8]; an odd last group through the AVX2 step. Same arguments and arithmetic as q8w."""
+    name = f"q8v_t{T}"
     counts = ("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n"
               "  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n")
-    L = [_prologue(name, T, int4, "i8", counts)]
+    L = [_prologue(name, T, False, "i8", counts)]
 
-    def sums(sfx: str) -> str:  # the 16-lane sums (and the zero term's 2): zero from %row, the step's from %step
+    def sums(sfx: str) -> str:  # the 16-lane sums: zero from %row, the step's from %step
         return "".join(f"  %acc{t}{sfx} = phi <16 x float> [zeroinitializer, %row], [%acc{t}.n, %step]\n"
-                       + (f"  %zacc{t}{sfx} = phi <2 x float> [zeroinitializer, %row], [%zacc{t}.n, %step]\n"
-                          if int4 else "") for t in range(T))
+                       for t in range(T))
 
     L.append("step:\n  %c = phi i64 [0, %row], [%c1, %step]\n" + sums(""))
     L.append("  %g0 = shl i64 %c, 1\n  %g1 = add i64 %g0, 1\n")
-    if int4:
-        L.append("  %qa.o = mul i64 %c, 32\n" + _load("i8", "%qp", "%qa.o", "%qv", "<32 x i8>"))
-        L.append(f"  %lo = and <32 x i8> %qv, {_splat('i8', 32, 15)}\n  %hi = lshr <32 x i8> %qv, {_splat('i8', 32, 4)}\n")
-        order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
-        L.append("  %w = shufflevector <32 x i8> %lo, <32 x i8> %hi, <64 x i32> <"
-                 + ", ".join(f"i32 {i}" for i in order) + ">\n")
-        L.append("  %wi = bitcast <64 x i8> %w to <16 x i32>\n")
-        L.append(_load("float", "%sp", "%g0", "%sv2", "<2 x float>") + _load("float", "%zp", "%g0", "%zv2", "<2 x float>"))
-    else:
-        L.append("  %qa.o = mul i64 %c, 64\n" + _load("i8", "%qp", "%qa.o", "%qv", "<64 x i8>"))
-        L.append("  %neg = icmp slt <64 x i8> %qv, zeroinitializer\n"
-                 "  %aw = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %qv, i1 false)\n"
-                 "  %wi = bitcast <64 x i8> %aw to <16 x i32>\n")
-        for i in (0, 1):
-            L.append(_load("i32", "%gidx", f"%g{i}", f"%gi{i}") + f"  %gi{i}.w = sext i32 %gi{i} to i64\n")
-            L.append(_load("float", "%sp", f"%gi{i}.w", f"%s{i}"))
-        L.append("  %sv2.a = insertelement <2 x float> poison, float %s0, i64 0\n"
-                 "  %sv2 = insertelement <2 x float> %sv2.a, float %s1, i64 1\n")
+    L.append("  %qa.o = mul i64 %c, 64\n" + _load("i8", "%qp", "%qa.o", "%qv", "<64 x i8>"))
+    L.append("  %neg = icmp slt <64 x i8> %qv, zeroinitializer\n"
+             "  %aw = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %qv, i1 false)\n"
+             "  %wi = bitcast <64 x i8> %aw to <16 x i32>\n")
+    for i in (0, 1):
+        L.append(_load("i32", "%gidx", f"%g{i}", f"%gi{i}") + f"  %gi{i}.w = sext i32 %gi{i} to i64\n")
+        L.append(_load("float", "%sp", f"%gi{i}.w", f"%s{i}"))
+    L.append("  %sv2.a = insertelement <2 x float> poison, float %s0, i64 0\n"
+             "  %sv2 = insertelement <2 x float> %sv2.a, float %s1, i64 1\n")
     L.append("  %xo = mul i64 %c, 64\n")
     pick = "<16 x i32> <" + ", ".join("i32 0" for _ in range(8)) + ", " + ", ".join("i32 1" for _ in range(8)) + ">"
     for t in range(T):
         L.append(_load("i8", f"%xb{t}", "%xo", f"%xv{t}", "<64 x i8>"))
-        if int4:
-            L.append(f"  %xi{t} = bitcast <64 x i8> %xv{t} to <16 x i32>\n")
-        else:  # x * sign(w): |w| is the unsigned operand
-            L.append(f"  %nx{t} = sub <64 x i8> zeroinitializer, %xv{t}\n"
-                     f"  %sx{t} = select <64 x i1> %neg, <64 x i8> %nx{t}, <64 x i8> %xv{t}\n"
-                     f"  %xi{t} = bitcast <64 x i8> %sx{t} to <16 x i32>\n")
+        L.append(f"  %nx{t} = sub <64 x i8> zeroinitializer, %xv{t}\n"  # x * sign(w): |w| is the unsigned operand
+                 f"  %sx{t} = select <64 x i1> %neg, <64 x i8> %nx{t}, <64 x i8> %xv{t}\n"
+                 f"  %xi{t} = bitcast <64 x i8> %sx{t} to <16 x i32>\n")
         L.append(f"  %p{t} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
                  f"<16 x i32> %wi, <16 x i32> %xi{t})\n")
         L.append(f"  %f{t} = sitofp <16 x i32> %p{t} to <16 x float>\n")
@@ -362,30 +503,19 @@ def kernel_ir_vnni(kind: str, T: int) -> str:
                  f"  %sdv{t} = shufflevector <2 x float> %sd{t}, <2 x float> poison, {pick}\n")
         L.append(f"  %acc{t}.n = call <16 x float> @llvm.fma.v16f32(<16 x float> %f{t}, <16 x float> %sdv{t}, "
                  f"<16 x float> %acc{t})\n")
-        if int4:
-            L.append(_load("float", f"%sb{t}", "%g0", f"%xsv{t}", "<2 x float>"))
-            L.append(f"  %zacc{t}.n = call <2 x float> @llvm.fma.v2f32(<2 x float> %zv2, <2 x float> %xsv{t}, "
-                     f"<2 x float> %zacc{t})\n")
     L.append("  %c1 = add i64 %c, 1\n  %more = icmp ult i64 %c1, %pairs\n  br i1 %more, label %step, label %pairend\n")
     L.append("pairend:\n" + sums(".f"))
     L.append("  br i1 %isodd, label %tail, label %rowend\n")
     L.append("tail:\n")  # the odd last group, AVX2's step into 8-lane sums
-    L.append(_step(int4, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=not int4))
+    L.append(_step(False, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=True))
     L.append("  br label %rowend\n")
     L.append("rowend:\n")
     for t in range(T):
         L.append(f"  %tacc{t} = phi <8 x float> [zeroinitializer, %pairend], [%acc{t}.T, %tail]\n")
-        if int4:
-            L.append(f"  %tz{t} = phi float [0.0, %pairend], [%zacc{t}.T, %tail]\n")
     for t in range(T):
-        init = f"%tz{t}" if int4 else "0.0"
-        L.append(f"  %t1{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float {init}, <8 x float> %tacc{t})\n")
-        L.append(f"  %t2{t} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float %t1{t}, <16 x float> %acc{t}.f)\n")
-        if int4:
-            L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v2f32(float %t2{t}, <2 x float> "
-                     f"%zacc{t}.f)\n")
-        else:
-            L.append(f"  %tot{t} = fadd float %t2{t}, 0.0\n")
+        L.append(f"  %t1{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %tacc{t})\n")
+        L.append(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float %t1{t}, <16 x float> "
+                 f"%acc{t}.f)\n")
         L.append(f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
     L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
     L.append("done:\n  ret void\n}\n")
@@ -579,10 +709,10 @@ if llvm is not None:
                                np.int64(xst), np.int64(dst), np.int64(sst), np.int64(ost)))
                 b += T
 
-    @njit(nogil=True, cache=True)
-    def _quantize_rows(x, xq, dx, xs):  # pragma: no cover - compiled
-        """x [B, K] float32 -> int8 xq (round to nearest of x / d), d = max|x| / 127 per 32 inputs, and the sums of
-        x per 32 (the zero term's)."""
+    @njit(nogil=True, cache=True, fastmath={"reassoc", "nsz", "contract"})
+    def _group_stats(x, dx, xs):  # pragma: no cover - compiled
+        """dx[b, g] = max|x| / 127 and xs[b, g] = the sum of x over each 32 inputs g (the sums in any order: the
+        loop vectorizes; the max is the same in any order)."""
         for b in range(x.shape[0]):
             for g in range(x.shape[1] // 32):
                 m = np.float32(0.0)
@@ -590,13 +720,30 @@ if llvm is not None:
                 for j in range(32 * g, 32 * g + 32):
                     v = x[b, j]
                     t += v
-                    m = max(m, abs(v))
-                d = m / np.float32(127.0)
+                    a = abs(v)
+                    m = a if a > m else m
+                dx[b, g] = m / np.float32(127.0)
+                xs[b, g] = t
+
+    @njit(nogil=True, cache=True)
+    def _round_rows(x, dx, xq):  # pragma: no cover - compiled
+        """xq = x / d rounded to the nearest int8 level (ties to even, as np.rint: adding and taking away 1.5 * 2^23
+        rounds any |v| < 2^22 so, and vectorizes where np.rint is a call per element); compiled strict, so the two
+        additions are kept."""
+        for b in range(x.shape[0]):
+            for g in range(x.shape[1] // 32):
+                d = dx[b, g]
                 inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
                 for j in range(32 * g, 32 * g + 32):
-                    xq[b, j] = np.int8(np.rint(x[b, j] * inv))
-                dx[b, g] = d
-                xs[b, g] = t
+                    v = x[b, j] * inv
+                    xq[b, j] = np.int8((v + np.float32(12582912.0)) - np.float32(12582912.0))
+
+    @njit(nogil=True, cache=True)
+    def _quantize_rows(x, xq, dx, xs):  # pragma: no cover - compiled
+        """x [B, K] float32 -> int8 xq (round to nearest of x / d), d = max|x| / 127 per 32 inputs, and the sums of
+        x per 32 (the zero term's)."""
+        _group_stats(x, dx, xs)
+        _round_rows(x, dx, xq)
 
     @njit(nogil=True, cache=True)
     def _group_sums(x, group, xs):  # pragma: no cover - compiled
