@@ -543,13 +543,11 @@ class LlamaFamily:
         parallel = s.norm_placement == "parallel"
         whole_layer = (self._decode_plan(batch, parts, T) if T < PREFILL_ROWS and self.fused_enabled and self.whole_layers
                        and self._can_run_whole else None)
-        for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers):
+        if whole_layer is not None:  # each layer, its KV write and attention in one compiled call
+            x = self._decode_whole(x, rot, whole_layer)
+        for li, (_, qkv_w, qkv_b, o_w, _, gu_w, down_w) in enumerate(self.layers if whole_layer is None else ()):
             attn_in, attn_out, mlp_in, mlp_out = self.norms[li]
             fused = self.fused[li] if T < PREFILL_ROWS and self.fused_enabled else None
-            if whole_layer is not None:  # the layer, its KV write and attention in one compiled call
-                cos, sin = rot[self.layer_rope[li]] if self.layer_rope[li] is not None else (None, None)
-                x = fused.decode(x, cos, sin, whole_layer(li), self.scale, s.sliding_window[li])
-                continue
             if fused is not None:  # the same steps as below, in two compiled calls (quant_layer.py)
                 qkv = fused.pre(x, *(rot[self.layer_rope[li]] if self.layer_rope[li] is not None else (None, None)))
                 qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
@@ -598,9 +596,23 @@ class LlamaFamily:
             logits = torch.tanh(logits / s.final_softcap) * s.final_softcap
         return logits.float()  # [R, vocab]
 
+    def _decode_whole(self, x: torch.Tensor, rot: list, kv) -> torch.Tensor:
+        """x after every layer, each one call of FusedLayer.decode_into (quant_layer.decode_layer), the residual
+        stream kept in two numpy buffers between them and each RoPE variant's cos/sin converted once a step."""
+        a = x.float().contiguous().numpy().copy()
+        b = np.empty_like(a)
+        trig = [(c.contiguous().numpy(), si.contiguous().numpy()) for c, si in rot]
+        windows = self.spec.sliding_window
+        for li, fused in enumerate(self.fused):
+            r = self.layer_rope[li]
+            cos, sin = trig[r] if r is not None else (None, None)
+            fused.decode_into(a, cos, sin, kv(li), self.scale, windows[li], b)
+            a, b = b, a
+        return torch.from_numpy(a)
+
     def _decode_plan(self, batch: ForwardBatch, parts: list, T: int):
-        """For a decode step the fused layers can run whole (FusedLayer.decode: layer, KV write and attention in one
-        compiled call): kv(li) -> layer li's tuple of what that call reads and writes. None (the layer-by-layer path)
+        """For a decode step the fused layers can run whole (FusedLayer.decode_into: layer, KV write and attention in
+        one compiled call): kv(li) -> layer li's tuple of what that call reads and writes. None (the layer-by-layer path)
         unless every layer is fused, there are no attention sinks, one KV part and one group of T one-token rows,
         no host-tier split, the store's writes are plain device-tier ones on the CPU (StepKV.plain_writes), its
         fidelity probe can be fed directly (StepProbe.direct) and the backend reads plain blocks in place

@@ -242,16 +242,13 @@ class FusedLayer:
                        self.down, self.inter, out.numpy())
         return out
 
-    def decode(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, kv: tuple, scale: float,
-               window: int | None) -> torch.Tensor:
-        """x after the layer, attention and the KV write included (decode_layer); kv: DecodePlan.layer's tuple."""
-        out = torch.empty_like(x)
-        c = cos.contiguous().numpy() if cos is not None else _EMPTY
-        s = sin.contiguous().numpy() if sin is not None else _EMPTY
-        decode_layer(x.contiguous().numpy(), self.attn_norm, self.eps, self.qkv, c, s, self.rope_heads, self.H,
-                     self.Hkv, self.D, kv, scale, int(window or 0), self.o, self.mlp_norm, self.gu, self.down,
-                     self.inter, out.numpy())
-        return out
+    def decode_into(self, x: np.ndarray, cos: np.ndarray | None, sin: np.ndarray | None, kv: tuple, scale: float,
+                    window: int | None, out: np.ndarray) -> None:
+        """out = x after the layer, attention and the KV write included (decode_layer): x, out [T, hidden] float32
+        C-contiguous, cos / sin [T, R] or None; kv: the decode plan's tuple for this layer."""
+        decode_layer(x, self.attn_norm, self.eps, self.qkv, _EMPTY if cos is None else cos,
+                     _EMPTY if sin is None else sin, self.rope_heads, self.H, self.Hkv, self.D, kv, scale,
+                     int(window or 0), self.o, self.mlp_norm, self.gu, self.down, self.inter, out)
 
 
 _EMPTY = np.zeros((1, 1), dtype=np.float32)

@@ -24,19 +24,19 @@ def test_a_short_storm_breaks_nothing():
 
 
 def test_a_short_storm_on_packed_weights_breaks_nothing(monkeypatch):
-    """int4 weights: decode steps take the whole-layer compiled call (FusedLayer.decode) whenever the step allows it,
-    and the other path when not (host blocks, lossy codecs); changes every 20 ms break neither. No transformers
+    """int4 weights: decode steps take the whole-layer compiled call (FusedLayer.decode_into) whenever the step allows
+    it, and the other path when not (host blocks, lossy codecs); changes every 20 ms break neither. No transformers
     reference here: finished requests are counted as unchecked, none compared."""
     from engine.model.quant_layer import FusedLayer
 
     calls = [0]
-    real = FusedLayer.decode
+    real = FusedLayer.decode_into
 
     def counted(layer, *a, **k):
         calls[0] += 1
         return real(layer, *a, **k)
 
-    monkeypatch.setattr(FusedLayer, "decode", counted)
+    monkeypatch.setattr(FusedLayer, "decode_into", counted)
     out = run(argparse.Namespace(model=None, seed=7, every_ms=20.0, in_flight=6, minutes=10.0, steps=300,
                                  weights_dtype="int4"))
     for k in ("unexpected (reconfigure)", "unexpected (step)", "engine errors", "dropped", "lost", "mismatched",

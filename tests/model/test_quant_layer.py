@@ -93,17 +93,17 @@ def test_layers_of_other_shapes_keep_the_unfused_path(tiny_gemma3):
 
 
 class _Count:
-    """Counts FusedLayer.decode calls (whole decode layers) while active."""
+    """Counts FusedLayer.decode_into calls (whole decode layers) while active."""
 
     def __init__(self, monkeypatch):
         self.n = 0
-        real = FusedLayer.decode
+        real = FusedLayer.decode_into
 
         def counted(layer, *a, **k):
             self.n += 1
             return real(layer, *a, **k)
 
-        monkeypatch.setattr(FusedLayer, "decode", counted)
+        monkeypatch.setattr(FusedLayer, "decode_into", counted)
 
 
 def _engine(loaded, whole: bool, weights: str = "int4", **cache) -> Engine:
@@ -114,7 +114,7 @@ def _engine(loaded, whole: bool, weights: str = "int4", **cache) -> Engine:
 
 
 def _run_both(monkeypatch, path: str, ps, n: int, weights: str = "int4", **cache):
-    """The same requests through an engine taking whole decode layers (FusedLayer.decode) and one going layer by
+    """The same requests through an engine taking whole decode layers (FusedLayer.decode_into) and one going layer by
     layer: (the engines, their tokens, the whole-layer calls each made)."""
     loaded = load_model(path, dtype=weights)
     count = _Count(monkeypatch)
