@@ -308,6 +308,12 @@ declare <16 x float> @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, <16 x floa
 VNNI_KINDS = {"q4v": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
 
 
+# Bytes of packed weights ahead of each step that the int4 VNNI kernel prefetches (scales and zeros: the same
+# groups ahead, 16 bytes of weights a group): 2 KiB takes 13 % off at 1 row of x, 2 % at 8, over the default model's
+# 120 matmuls (which do not fit the cache); 4 and 8 KiB measure the same, 512 B and 1 KiB less.
+Q4_PREFETCH = 2048
+
+
 def kernel_ir_vnni4(T: int) -> str:
     """q4i's work with AVX-512 VNNI, a weight row at a time: a step is two activation groups (64 inputs) in one
     512-bit register; the row's 32 packed bytes and two scales loaded once, and for each x row its 64 bytes, one
@@ -366,6 +372,15 @@ def kernel_ir_vnni4(T: int) -> str:
                     B.append(f"  %{lab}.qa{j}{sfx} = mul i64 {g0}, 16\n"
                              + _load("i8", f"%{lab}.qp{j}", f"%{lab}.qa{j}{sfx}", f"%{lab}.qv{j}{sfx}", "<32 x i8>"))
                     B.append(_load("float", f"%{lab}.sp{j}", g0, f"%{lab}.sv{j}{sfx}", "<2 x float>"))
+                    if Q4_PREFETCH:  # (a hint: past the weight's end it never faults)
+                        B.append(f"  %{lab}.pq{j}{sfx} = add i64 %{lab}.qa{j}{sfx}, {Q4_PREFETCH}\n"
+                                 f"  %{lab}.pqa{j}{sfx} = getelementptr i8, ptr %{lab}.qp{j}, i64 %{lab}.pq{j}{sfx}\n"
+                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.pqa{j}{sfx}, i32 0, i32 0, i32 1)\n"
+                                 f"  %{lab}.ps{j}{sfx} = add i64 {g0}, {Q4_PREFETCH // 16}\n"
+                                 f"  %{lab}.psa{j}{sfx} = getelementptr float, ptr %{lab}.sp{j}, i64 %{lab}.ps{j}{sfx}\n"
+                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.psa{j}{sfx}, i32 0, i32 0, i32 1)\n"
+                                 f"  %{lab}.pza{j}{sfx} = getelementptr float, ptr %{lab}.zp{j}, i64 %{lab}.ps{j}{sfx}\n"
+                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.pza{j}{sfx}, i32 0, i32 0, i32 1)\n")
                     B.append(f"  %{lab}.S{j}{sfx} = shufflevector <2 x float> %{lab}.sv{j}{sfx}, <2 x float> poison, "
                              f"{pick}\n")
                 else:
