@@ -12,6 +12,8 @@ from numba import njit, prange
 from numba.core import types
 from numba.extending import intrinsic, overload
 
+from engine.attention.attn_ir import call as _call_ir
+
 # The score and output sums may be reordered and fused (fp32 summation-order noise, as any matmul); the
 # dequantization helpers are compiled strict, so a decoded value is the codec's bit for bit.
 _FAST = {"reassoc", "contract", "nsz", "arcp"}
@@ -329,13 +331,14 @@ def _block_span(b, j, lo, hi, bs, alt, table):
 
 
 @njit(cache=True, nogil=True, fastmath=_FAST)
-def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc, mo, lo_, seg, S):
+def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc, mo, lo_, seg, S, fns):
     """Sequence b's keys [lo, hi), every kv head, in two passes: every score first into a buffer (K read once, no
     per-key visibility test: the range is the visible one), one max and one exp per score, then V read once (no
     per-block rescaling of the sums, as attend's online softmax does). A block's heads are read together (the
     slot's K, then its V, are one contiguous run: a stream the prefetcher follows). Writes item (b, h)'s segment
     seg of S: acc [U, G, D] unnormalized, mo [U, G] max score, lo_ [U, G] sum of exp(score - max), U = b*Hkv*S +
-    h*S + seg; scores are q . k * scale (q [B, H, D] as the model gives it, unscaled)."""
+    h*S + seg; scores are q . k * scale (q [B, H, D] as the model gives it, unscaled). fns: the block loops of
+    engine/attention/attn_ir.py for this data's format ([kscore, vacc] addresses), or zeros: the loops below."""
     D = q.shape[2]
     Hkv = kd.shape[1]
     bs = kd.shape[2]
@@ -357,9 +360,16 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     s = np.empty((Hkv * G, L), dtype=np.float32)
     ebuf = np.empty(L, dtype=np.int32)
     efl = ebuf.view(np.float32)
+    kf, vf, isz = fns[0], fns[1], kd.itemsize
     for j in range(lo // bs, (hi + bs - 1) // bs):
         on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
         kdat = akd if on_alt else kd
+        if kf != 0:
+            for h in range(Hkv):
+                _call_ir(kf, (np.int64(qs.ctypes.data + h * G * D * 4),
+                              np.int64(kdat.ctypes.data + ((sl * Hkv + h) * bs + t0) * D * isz), np.int64(t1 - t0),
+                              np.int64(s.ctypes.data + (h * G * L + j * bs + t0 - lo) * 4), np.int64(L)))
+            continue
         for h in range(Hkv):
             for t in range(t0, t1):
                 c = j * bs + t - lo
@@ -384,6 +394,13 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     for j in range(lo // bs, (hi + bs - 1) // bs):
         on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
         vdat = avd if on_alt else vd
+        if vf != 0:
+            for h in range(Hkv):
+                u = (b * Hkv + h) * S + seg
+                _call_ir(vf, (np.int64(s.ctypes.data + (h * G * L + j * bs + t0 - lo) * 4), np.int64(L),
+                              np.int64(vdat.ctypes.data + ((sl * Hkv + h) * bs + t0) * D * isz), np.int64(t1 - t0),
+                              np.int64(acc.ctypes.data + u * G * D * 4)))
+            continue
         for h in range(Hkv):
             u = (b * Hkv + h) * S + seg
             for t in range(t0, t1):
@@ -395,11 +412,11 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
 
 
 @njit(cache=True, nogil=True, parallel=True)
-def decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, out, S):
+def decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, out, S, fns):
     """Decode attention over plain storage, normalized: out [B, H, D] fp32 for q [B, H, D] (one query per
     sequence at qpos[b, 0], keys at their index, [lo, hi) visible). Each sequence's keys are cut into S segments
     (work units (b, segment): a batch of one still gives every thread equal work: split-K, as flash-decoding),
-    then the segments' partial softmaxes are merged. A row with no visible key gets zeros."""
+    then the segments' partial softmaxes are merged. A row with no visible key gets zeros. fns: _decode_part's."""
     B, H, D = q.shape
     Hkv = kd.shape[1]
     G = H // Hkv
@@ -415,7 +432,7 @@ def decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut
         lo = max(0, p - window + 1) if window > 0 else 0
         L = max(0, hi - lo)
         _decode_part(q, scale, b, G, lo + L * seg // S, lo + L * (seg + 1) // S, table, alt, kd, vd, akd, avd,
-                     dlut, pacc, pm, pl, seg, S)
+                     dlut, pacc, pm, pl, seg, S, fns)
     for item in range(B * Hkv):
         b = item // Hkv
         h = item - b * Hkv

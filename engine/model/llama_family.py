@@ -632,7 +632,7 @@ class LlamaFamily:
         writes = store.plain_writes()
         if writes is None:
             return None
-        got = self.backend.decode_plan(paged, g.paged(), T)
+        got = self.backend.decode_plan(paged, g.paged(), T, self.spec.num_heads)
         if got is None:
             return None
         if store.probe is not None:
@@ -642,13 +642,13 @@ class LlamaFamily:
         else:  # nothing measured: scratch the kernel writes into
             direct = (np.zeros((self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim), np.float32),
                       np.empty((2, 0), np.float32), False)
-        (slots, offs), ((qpos, table, alt, ctx, dlut, S), layer) = writes, got
+        (slots, offs), ((qpos, table, alt, ctx, dlut, S, fns), layer) = writes, got
         absmax, err, lossy = direct
         ids = store.layer_ids
 
         def kv(li: int) -> tuple:
-            return (slots, offs, qpos, table, alt, ctx, dlut, S, *layer(li), absmax[li if ids is None else ids[li]],
-                    err, lossy)
+            return (slots, offs, qpos, table, alt, ctx, dlut, S, fns, *layer(li),
+                    absmax[li if ids is None else ids[li]], err, lossy)
 
         return kv
 

@@ -163,10 +163,10 @@ if njit is not None and quant_ir.llvm is not None:
             """A whole decode layer in one call: pre_attention, the new K/V written into the pool's plain blocks (with
             the fidelity probe's measurements: numba_kernel.write_plain), decode attention over the blocks in place
             (numba_kernel.decode_plain) and post_attention. kv: the step's (slots, offsets, qpos, table, alt, ctx,
-            dlut, segments) and this layer's (kd, vd, akd, avd, key absmax, errors, lossy)."""
+            dlut, segments, block loops) and this layer's (kd, vd, akd, avd, key absmax, errors, lossy)."""
             if len(stamp) == 0:  # never: ties the cache to the stamp
                 return
-            slots, offs, qpos, table, alt, ctx, dlut, S, kd, vd, akd, avd, kmax, err, lossy = kv
+            slots, offs, qpos, table, alt, ctx, dlut, S, fns, kd, vd, akd, avd, kmax, err, lossy = kv
             T = x.shape[0]
             qkv = np.empty((T, (H + 2 * Hkv) * D), dtype=np.float32)
             pre_attention(x, norm_w, eps, w_qkv, cos, sin, rope_heads, D, qkv)
@@ -175,7 +175,7 @@ if njit is not None and quant_ir.llvm is not None:
             v = qkv[:, (H + Hkv) * D:].copy().reshape(T, Hkv, D)
             numba_kernel.write_plain(k, v, slots, offs, kd, vd, dlut, kmax, err, lossy)
             attn = np.empty((T, H, D), dtype=np.float32)
-            numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, attn, S)
+            numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, kd, vd, akd, avd, dlut, attn, S, fns)
             post_attention(x, attn.reshape(T, H * D), w_o, mlp_norm, eps, w_gu, w_down, inter, out)
 
         return decode_layer

@@ -1,0 +1,193 @@
+"""Decode attention's two inner loops as LLVM IR vector code, compiled for this CPU by llvmlite (the LLVM numba
+brings) and called from numba_kernel.decode_plain, block by block.
+
+For one block of one kv head (its n tokens' K or V: n x D contiguous elements of the pool, fp32, fp16 bits or bf16
+bits) and the G query rows that share the head:
+
+  kscore: the G scores of each token, q[r] . k[t], each written to s[r * ss + t]. The G query rows stay in
+      registers for the whole block (G x D/16 16-lane vectors); each key is loaded and converted once and used for
+      the G dot products (D/16 FMAs each), then summed across its lanes.
+  vacc:   acc[r] += p[r * ps + t] * v[t] over the block's tokens, the G x D sums held in registers for the whole
+      block and stored once at its end (the numba loop kept them in memory: a load and a store per key and row).
+
+numba compiles both loops too (the fallback, KVSCOPE_ATTN_IR=off), but it cannot keep the sums in registers across
+keys (they are array elements) and converts each key once per query row; these take 2-3x less time per block.
+Sums are reassociated (each dot's lanes added in a tree): equal to the numba loops up to float rounding.
+
+Kernels are compiled per (G, D) on first use (all three storage formats, a few tens of milliseconds), where
+G x D/16 <= 16 (the sums fit the registers); other shapes, or no llvmlite, run the numba loops. `kernels(G, D)`
+gives the addresses decode_plain takes.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+
+try:
+    import llvmlite.binding as llvm
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic
+
+    _IMPORT_ERROR = ""
+except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
+    llvm = None
+    _IMPORT_ERROR = f"{type(e).__name__}: {e}"
+
+FORMATS = ("f32", "f16", "bf16")  # the element each kernel reads: fp32, fp16 bits, bf16 bits (FORMAT_CODE's order)
+MAX_VECTORS = 16  # G x D/16 at most: the sums (and the query rows) kept in registers
+NONE = np.zeros(2 * len(FORMATS), dtype=np.int64)  # kernels() where there are none: decode_plain's own loops
+
+if llvm is not None:
+
+    @intrinsic
+    def call(typingctx, fn, args):  # pragma: no cover - compiled
+        """Call the function at address fn (int64) with the int64s of tuple args (no result)."""
+        n = args.count
+
+        def codegen(context, builder, signature, llargs):
+            fnaddr, tup = llargs
+            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * n)
+            builder.call(builder.inttoptr(fnaddr, fnty.as_pointer()), [builder.extract_value(tup, i) for i in range(n)])
+            return context.get_dummy_value()
+
+        return types.void(fn, args), codegen
+
+
+_DECLARE = """
+declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
+declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
+"""
+
+
+def _chunk(fmt: str, base: str, idx: str, out: str) -> str:
+    """%out = <16 x float>: 16 elements of format fmt at element index idx of base, converted exactly."""
+    ty = "float" if fmt == "f32" else "i16"
+    L = [f"  {out}.a = getelementptr {ty}, ptr {base}, i64 {idx}\n"]
+    if fmt == "f32":
+        return L[0] + f"  {out} = load <16 x float>, ptr {out}.a, align 4\n"
+    L.append(f"  {out}.b = load <16 x i16>, ptr {out}.a, align 2\n")
+    if fmt == "f16":
+        L.append(f"  {out}.h = bitcast <16 x i16> {out}.b to <16 x half>\n"
+                 f"  {out} = fpext <16 x half> {out}.h to <16 x float>\n")
+    else:
+        L.append(f"  {out}.z = zext <16 x i16> {out}.b to <16 x i32>\n"
+                 f"  {out}.s = shl <16 x i32> {out}.z, <" + ", ".join(["i32 16"] * 16) + ">\n"
+                 f"  {out} = bitcast <16 x i32> {out}.s to <16 x float>\n")
+    return "".join(L)
+
+
+def kscore_ir(fmt: str, G: int, C: int) -> str:
+    """kscore for format fmt, G query rows, D = 16 C: (q [G, D] fp32, k [n, D], n, s, ss)."""
+    L = [f"define void @kscore_{fmt}_g{G}_c{C}(i64 %q.i, i64 %k.i, i64 %n, i64 %s.i, i64 %ss) {{\nentry:\n"
+         "  %q = inttoptr i64 %q.i to ptr\n  %k = inttoptr i64 %k.i to ptr\n  %s = inttoptr i64 %s.i to ptr\n"]
+    for r in range(G):
+        for c in range(C):
+            L.append(_chunk("f32", "%q", str((r * C + c) * 16), f"%q{r}.{c}"))
+    L.append("  %empty = icmp sle i64 %n, 0\n  br i1 %empty, label %done, label %key\n")
+    L.append("key:\n  %t = phi i64 [0, %entry], [%t1, %key]\n" f"  %base = mul i64 %t, {16 * C}\n")
+    for c in range(C):
+        L.append(f"  %o{c} = add i64 %base, {16 * c}\n" + _chunk(fmt, "%k", f"%o{c}", f"%k{c}"))
+    for r in range(G):
+        L.append(f"  %m{r}.0 = fmul <16 x float> %q{r}.0, %k0\n")
+        for c in range(1, C):
+            L.append(f"  %m{r}.{c} = call <16 x float> @llvm.fma.v16f32(<16 x float> %q{r}.{c}, <16 x float> %k{c}, "
+                     f"<16 x float> %m{r}.{c - 1})\n")
+        L.append(f"  %d{r} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> "
+                 f"%m{r}.{C - 1})\n"
+                 f"  %so{r} = mul i64 %ss, {r}\n  %si{r} = add i64 %so{r}, %t\n"
+                 f"  %sa{r} = getelementptr float, ptr %s, i64 %si{r}\n  store float %d{r}, ptr %sa{r}, align 4\n")
+    L.append("  %t1 = add i64 %t, 1\n  %more = icmp slt i64 %t1, %n\n  br i1 %more, label %key, label %done\n")
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
+def vacc_ir(fmt: str, G: int, C: int) -> str:
+    """vacc for format fmt, G query rows, D = 16 C: (p, ps, v [n, D], n, acc [G, D] fp32)."""
+    L = [f"define void @vacc_{fmt}_g{G}_c{C}(i64 %p.i, i64 %ps, i64 %v.i, i64 %n, i64 %acc.i) {{\nentry:\n"
+         "  %p = inttoptr i64 %p.i to ptr\n  %v = inttoptr i64 %v.i to ptr\n  %acc = inttoptr i64 %acc.i to ptr\n"]
+    for r in range(G):
+        for c in range(C):
+            L.append(_chunk("f32", "%acc", str((r * C + c) * 16), f"%a{r}.{c}.in"))
+    L.append("  %empty = icmp sle i64 %n, 0\n  br i1 %empty, label %done, label %key\n")
+    L.append("key:\n  %t = phi i64 [0, %entry], [%t1, %key]\n")
+    for r in range(G):
+        for c in range(C):
+            L.append(f"  %a{r}.{c} = phi <16 x float> [%a{r}.{c}.in, %entry], [%a{r}.{c}.n, %key]\n")
+    L.append(f"  %base = mul i64 %t, {16 * C}\n")
+    for c in range(C):
+        L.append(f"  %o{c} = add i64 %base, {16 * c}\n" + _chunk(fmt, "%v", f"%o{c}", f"%v{c}"))
+    for r in range(G):
+        L.append(f"  %po{r} = mul i64 %ps, {r}\n  %pi{r} = add i64 %po{r}, %t\n"
+                 f"  %pa{r} = getelementptr float, ptr %p, i64 %pi{r}\n  %pv{r} = load float, ptr %pa{r}, align 4\n"
+                 f"  %pb{r}.i = insertelement <16 x float> poison, float %pv{r}, i64 0\n"
+                 f"  %pb{r} = shufflevector <16 x float> %pb{r}.i, <16 x float> poison, <16 x i32> zeroinitializer\n")
+        for c in range(C):
+            L.append(f"  %a{r}.{c}.n = call <16 x float> @llvm.fma.v16f32(<16 x float> %pb{r}, <16 x float> %v{c}, "
+                     f"<16 x float> %a{r}.{c})\n")
+    L.append("  %t1 = add i64 %t, 1\n  %more = icmp slt i64 %t1, %n\n  br i1 %more, label %key, label %end\n")
+    L.append("end:\n")
+    for r in range(G):
+        for c in range(C):
+            L.append(f"  %a{r}.{c}.o = getelementptr float, ptr %acc, i64 {(r * C + c) * 16}\n"
+                     f"  store <16 x float> %a{r}.{c}.n, ptr %a{r}.{c}.o, align 4\n")
+    L.append("  br label %done\ndone:\n  ret void\n}\n")
+    return "".join(L)
+
+
+def module_ir(G: int, C: int) -> str:
+    return _DECLARE + "".join(kscore_ir(f, G, C) + vacc_ir(f, G, C) for f in FORMATS)
+
+
+_lock = threading.Lock()
+_compiled: dict[tuple[int, int], np.ndarray] = {}
+_engines: list = []  # the compiled modules' owners, kept alive with the process
+_error = _IMPORT_ERROR
+
+
+def kernels(G: int, D: int) -> np.ndarray:
+    """The kernels for G query rows a kv head and head dim D: int64 [kscore f32, vacc f32, kscore f16, vacc f16,
+    kscore bf16, vacc bf16] addresses, or NONE (zeros: decode_plain's numba loops) where there are none: D not in
+    16s, G x D/16 > MAX_VECTORS, no llvmlite, KVSCOPE_ATTN_IR=off, or an LLVM that refused the IR (status())."""
+    global _error
+    C = D // 16
+    if _error or D % 16 or D <= 0 or G <= 0 or G * C > MAX_VECTORS or os.environ.get("KVSCOPE_ATTN_IR") == "off":
+        return NONE
+    key = (G, C)
+    got = _compiled.get(key)
+    if got is not None:
+        return got
+    with _lock:
+        if key not in _compiled:
+            try:
+                _compiled[key] = _compile(G, C)
+            except Exception as e:  # an LLVM that refuses the IR: the numba loops serve
+                _error = f"{type(e).__name__}: {e}"
+                return NONE
+    return _compiled[key]
+
+
+def _compile(G: int, C: int) -> np.ndarray:
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features()
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=llvm.get_host_cpu_name(),
+                                                                 features=features.flatten(), opt=3)
+    mod = llvm.parse_assembly(module_ir(G, C))
+    mod.triple = tm.triple
+    mod.data_layout = str(tm.target_data)
+    mod.verify()
+    pb = llvm.create_pass_builder(tm, llvm.create_pipeline_tuning_options(speed_level=3))
+    pb.getModulePassManager().run(mod, pb)
+    engine = llvm.create_mcjit_compiler(mod, tm)
+    engine.finalize_object()
+    _engines.append(engine)
+    return np.array([engine.get_function_address(f"{kind}_{f}_g{G}_c{C}") for f in FORMATS
+                     for kind in ("kscore", "vacc")], dtype=np.int64)
+
+
+def status() -> str:
+    return "unavailable (" + _error + ")" if _error else "LLVM IR block loops (compiled per query-rows x head-dim)"

@@ -1,0 +1,95 @@
+"""Decode attention's block loops in LLVM IR (engine/attention/attn_ir.py) against numba_kernel.decode_plain's own
+loops and against float64 numpy, at the head shapes real models have (D 32, 64 and 128, 1 to 8 query rows a kv head),
+for fp32, fp16 and bf16 blocks, partial last blocks, blocks read from the other tier, a window, and key segments
+(split-K). The attention wiring's tests (test_numba_paged.py) run the same kernel through the backend at D 16."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine.attention import attn_ir, numba_kernel
+
+pytestmark = pytest.mark.skipif(attn_ir.llvm is None, reason=f"no llvmlite: {attn_ir.status()}")
+
+FORMATS = {"f32": (torch.float32, np.zeros((1, 1), np.float32)), "f16": (torch.float16, numba_kernel.F16_BITS),
+           "bf16": (torch.bfloat16, numba_kernel.BF16_BITS)}
+
+
+def _blocks(x: torch.Tensor, fmt: str) -> tuple[np.ndarray, torch.Tensor]:
+    """x (fp32) stored as format fmt: (the array decode_plain reads, the stored values as fp32)."""
+    t = x.to(FORMATS[fmt][0]).contiguous()
+    arr = t.numpy() if fmt == "f32" else t.view(torch.int16).numpy().view(np.uint16)
+    return arr, t.float()
+
+
+def _case(fmt: str, G: int, D: int, bs: int, lens: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    Hkv, B = 2, len(lens)
+    nb = max(-(-n // bs) for n in lens)
+    N = B * nb + 3  # slots, a few unused
+    perm = torch.randperm(N, generator=g)[: B * nb].view(B, nb)
+    on_alt = torch.rand(B, nb, generator=g) < 0.3  # these blocks are read from the other tier's slots
+    k32, v32 = torch.randn(N, Hkv, bs, D, generator=g), torch.randn(N, Hkv, bs, D, generator=g)
+    ak32, av32 = torch.randn(N, Hkv, bs, D, generator=g), torch.randn(N, Hkv, bs, D, generator=g)
+    (kd, kf), (vd, vf), (akd, akf), (avd, avf) = (_blocks(t, fmt) for t in (k32, v32, ak32, av32))
+    table = perm.numpy().astype(np.int64)
+    alt = np.where(on_alt.numpy(), (perm.numpy() + 1) % N, -1).astype(np.int64)
+    ctx = np.array(lens, dtype=np.int64)
+    qpos = (ctx - 1)[:, None].astype(np.int64)
+    q = torch.randn(B, Hkv * G, D, generator=g).numpy()
+    return q, qpos, table, alt, ctx, (kd, vd, akd, avd), (kf, vf, akf, avf)
+
+
+def _want(q, qpos, table, alt, ctx, window, stored, scale, bs):
+    kf, vf, akf, avf = (t.double().numpy() for t in stored)
+    B, H, D = q.shape
+    Hkv = kf.shape[1]
+    G = H // Hkv
+    out = np.zeros((B, H, D))
+    for b in range(B):
+        p = int(qpos[b, 0])
+        hi, lo = min(int(ctx[b]), p + 1), (max(0, p - window + 1) if window > 0 else 0)
+        for h in range(Hkv):
+            keys = []
+            vals = []
+            for i in range(lo, hi):
+                j, t = divmod(i, bs)
+                a = alt[b, j]
+                keys.append((akf if a >= 0 else kf)[a if a >= 0 else table[b, j], h, t])
+                vals.append((avf if a >= 0 else vf)[a if a >= 0 else table[b, j], h, t])
+            K, V = np.array(keys), np.array(vals)
+            for r in range(G):
+                s = K @ q[b, h * G + r].astype(np.float64) * scale
+                w = np.exp(s - s.max())
+                out[b, h * G + r] = (w / w.sum()) @ V
+    return out
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("G,D", [(3, 64), (1, 64), (4, 64), (8, 32), (2, 128)])
+@pytest.mark.parametrize("bs,window,S", [(16, 0, 1), (16, 40, 3), (5, 0, 4), (32, 0, 2)])
+def test_block_loops_compute_decode_attention(fmt, G, D, bs, window, S):
+    fns = attn_ir.kernels(G, D)
+    assert fns.any(), attn_ir.status()  # this shape has kernels: the comparison below is of the IR loops
+    code = list(FORMATS).index(fmt)
+    q, qpos, table, alt, ctx, data, stored = _case(fmt, G, D, bs, [1, bs - 1 or 1, bs + 1, 3 * bs + 7, 70], G * D + bs)
+    scale = D ** -0.5
+    lut = FORMATS[fmt][1]
+    got, loops = (np.empty(q.shape, np.float32) for _ in range(2))
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, fns[2 * code:][:2])
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, attn_ir.NONE[:2])
+    want = _want(q, qpos, table, alt, ctx, window, stored, scale, bs)
+    # fp32 sums of D products and of up to 70 weighted values, in another order: a few ulp of the largest term
+    tol = 64 * np.finfo(np.float32).eps * np.abs(want).max()
+    assert np.abs(got - want).max() <= tol
+    assert np.abs(loops - want).max() <= tol
+    assert np.abs(got - loops).max() <= tol
+
+
+def test_shapes_past_the_registers_and_the_switch_have_no_kernels(monkeypatch):
+    assert not attn_ir.kernels(8, 256).any()  # 8 x 16 sums: more than MAX_VECTORS
+    assert not attn_ir.kernels(3, 72).any()  # head dim not in 16s
+    monkeypatch.setenv("KVSCOPE_ATTN_IR", "off")
+    assert not attn_ir.kernels(3, 64).any()
