@@ -101,7 +101,9 @@ def _np(t: torch.Tensor) -> np.ndarray:
         raise _Strided
     if t.dtype in (torch.float32, torch.int8, torch.int64, torch.bool):
         return t.numpy()
-    if t.dtype in (torch.float16, torch.bfloat16):
+    if t.dtype == torch.float16:  # numpy has float16: its bits without a torch view (a layer's blocks each step)
+        return t.numpy().view(np.uint16)
+    if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(np.uint16)
     if t.element_size() == 1:
         return t.view(torch.uint8).numpy()

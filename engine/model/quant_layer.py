@@ -252,3 +252,12 @@ class FusedLayer:
 
 
 _EMPTY = np.zeros((1, 1), dtype=np.float32)
+
+
+def rms_rows(x: np.ndarray, rows: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """The RMS norm (weight w [n]) of rows `rows` of x [T, n] float32, as the fused layers norm theirs (_rms: the
+    squares summed in float64): [len(rows), n]."""
+    picked = np.ascontiguousarray(x[rows])
+    out = np.empty_like(picked)
+    _rms(picked, w, eps, out)
+    return out

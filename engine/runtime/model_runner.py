@@ -283,7 +283,9 @@ class ModelRunner:
     @staticmethod
     def sample(sched: list[tuple[Sequence, int]], logits: torch.Tensor) -> list[int]:
         out = []
-        greedy = logits.argmax(dim=-1).tolist()
+        # numpy's argmax on the CPU (the first of equal maxima, NaN the largest, as torch's): torch's takes 44 us
+        # over a 49,152-token row, numpy's 4 (a decode step of 7 ms on the default model)
+        greedy = (logits.numpy().argmax(-1) if logits.device.type == "cpu" else logits.argmax(dim=-1)).tolist()
         for i, (seq, _) in enumerate(sched):
             sp = seq.sampling
             if len(seq.output) < len(sp.forced):
