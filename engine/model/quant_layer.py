@@ -77,11 +77,12 @@ if njit is not None and quant_ir.llvm is not None:
                     qkv[t, base + i] = a * cos[t, i] - b * sin[t, i]
                     qkv[t, base + half + i] = b * cos[t, half + i] + a * sin[t, half + i]
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, error_model="numpy")
     def _silu_mul(gu, inter, a, ebuf):  # pragma: no cover - compiled
         """a[t, i] = silu(gu[t, i]) * gu[t, inter + i], the exponential computed as numba_kernel.exp_row computes
         it (Cephes' expf, within 2 ulp; 2^k from its bits in ebuf, int32 [inter]) so that the loop vectorizes:
-        numba's np.exp is a libm call per element (a third of the layer's non-matmul time at 8 rows)."""
+        numba's np.exp is a libm call per element. error_model "numpy": IEEE division (numba's default checks each
+        divisor for zero, which keeps the loop scalar; 1 + e^-g is never zero). 34 -> 6 us at 8 x 1536."""
         efl = ebuf.view(np.float32)
         for t in range(gu.shape[0]):
             for i in range(inter):
