@@ -80,25 +80,74 @@ def _chunk(fmt: str, base: str, idx: str, out: str) -> str:
     return "".join(L)
 
 
+def _combine(x: str, y: str, w: int, out: str) -> str:
+    """%out = one level of the 16-key transposed sum: x and y each hold the partial sums of w keys' dot products
+    in lanes l (key l mod w); out holds 2w keys' (x's then y's) in lanes l (key l mod 2w), each lane the sum of
+    two of x's or y's."""
+    lo, hi = [], []
+    for j in range(16 // (2 * w)):
+        b = 2 * w * j
+        lo += list(range(b, b + w)) + list(range(16 + b, 16 + b + w))
+        hi += list(range(b + w, b + 2 * w)) + list(range(16 + b + w, 16 + b + 2 * w))
+    mask = lambda idx: "<16 x i32> <" + ", ".join(f"i32 {i}" for i in idx) + ">"  # noqa: E731
+    return (f"  {out}.l = shufflevector <16 x float> {x}, <16 x float> {y}, {mask(lo)}\n"
+            f"  {out}.h = shufflevector <16 x float> {x}, <16 x float> {y}, {mask(hi)}\n"
+            f"  {out} = fadd reassoc <16 x float> {out}.l, {out}.h\n")
+
+
 def kscore_ir(fmt: str, G: int, C: int) -> str:
-    """kscore for format fmt, G query rows, D = 16 C: (q [G, D] fp32, k [n, D], n, s, ss)."""
+    """kscore for format fmt, G query rows, D = 16 C: (q [G, D] fp32, k [n, D], n, s, ss). Keys 16 at a time: each
+    key's G dot products left as 16-lane partial sums, the 16 keys' sums of a row added across lanes together (a
+    tree of 15 two-shuffle-and-add steps: lane i ends as key i's score) and stored as one vector; the last n % 16
+    keys one at a time, each dot summed across its lanes."""
     L = [f"define void @kscore_{fmt}_g{G}_c{C}(i64 %q.i, i64 %k.i, i64 %n, i64 %s.i, i64 %ss) {{\nentry:\n"
          "  %q = inttoptr i64 %q.i to ptr\n  %k = inttoptr i64 %k.i to ptr\n  %s = inttoptr i64 %s.i to ptr\n"]
     for r in range(G):
         for c in range(C):
             L.append(_chunk("f32", "%q", str((r * C + c) * 16), f"%q{r}.{c}"))
-    L.append("  %empty = icmp sle i64 %n, 0\n  br i1 %empty, label %done, label %key\n")
-    L.append("key:\n  %t = phi i64 [0, %entry], [%t1, %key]\n" f"  %base = mul i64 %t, {16 * C}\n")
-    for c in range(C):
-        L.append(f"  %o{c} = add i64 %base, {16 * c}\n" + _chunk(fmt, "%k", f"%o{c}", f"%k{c}"))
+        L.append(f"  %so{r} = mul i64 %ss, {r}\n")
+    L.append("  %n16 = and i64 %n, -16\n  %has16 = icmp sgt i64 %n16, 0\n"
+             "  br i1 %has16, label %blk, label %tailhead\n")
+
+    def dots(t: str, sfx: str) -> str:
+        """%m{r}{sfx}: row r's 16-lane partial sums of q . k for the key at index %t."""
+        D = [f"  %base{sfx} = mul i64 {t}, {16 * C}\n"]
+        for c in range(C):
+            D.append(f"  %o{c}{sfx} = add i64 %base{sfx}, {16 * c}\n" + _chunk(fmt, "%k", f"%o{c}{sfx}", f"%k{c}{sfx}"))
+        for r in range(G):
+            D.append(f"  %p{r}.0{sfx} = fmul <16 x float> %q{r}.0, %k0{sfx}\n")
+            for c in range(1, C):
+                D.append(f"  %p{r}.{c}{sfx} = call <16 x float> @llvm.fma.v16f32(<16 x float> %q{r}.{c}, "
+                         f"<16 x float> %k{c}{sfx}, <16 x float> %p{r}.{c - 1}{sfx})\n")
+            D.append(f"  %m{r}{sfx} = fadd <16 x float> %p{r}.{C - 1}{sfx}, <" + ", ".join(["float -0.0"] * 16)
+                     + ">\n")
+        return "".join(D)
+
+    # 16 keys a step
+    L.append("blk:\n  %tb = phi i64 [0, %entry], [%tb1, %blk]\n")
+    stacks: list[list[tuple[str, int]]] = [[] for _ in range(G)]  # per row: (vector, keys it holds)
+    for i in range(16):
+        L.append(f"  %t.{i} = add i64 %tb, {i}\n" + dots(f"%t.{i}", f".{i}"))
+        for r in range(G):
+            cur, w = f"%m{r}.{i}", 1
+            while stacks[r] and stacks[r][-1][1] == w:  # two sums of w keys each: one of 2w keys
+                prev, _ = stacks[r].pop()
+                name = f"%c{r}.{i}.{w}"
+                L.append(_combine(prev, cur, w, name))
+                cur, w = name, 2 * w
+            stacks[r].append((cur, w))
     for r in range(G):
-        L.append(f"  %m{r}.0 = fmul <16 x float> %q{r}.0, %k0\n")
-        for c in range(1, C):
-            L.append(f"  %m{r}.{c} = call <16 x float> @llvm.fma.v16f32(<16 x float> %q{r}.{c}, <16 x float> %k{c}, "
-                     f"<16 x float> %m{r}.{c - 1})\n")
-        L.append(f"  %d{r} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> "
-                 f"%m{r}.{C - 1})\n"
-                 f"  %so{r} = mul i64 %ss, {r}\n  %si{r} = add i64 %so{r}, %t\n"
+        (vec, w), = stacks[r]
+        L.append(f"  %si{r}.b = add i64 %so{r}, %tb\n  %sa{r}.b = getelementptr float, ptr %s, i64 %si{r}.b\n"
+                 f"  store <16 x float> {vec}, ptr %sa{r}.b, align 4\n")
+    L.append("  %tb1 = add i64 %tb, 16\n  %moreb = icmp slt i64 %tb1, %n16\n"
+             "  br i1 %moreb, label %blk, label %tailhead\n")
+    # the last keys one at a time
+    L.append("tailhead:\n  %rest = icmp slt i64 %n16, %n\n  br i1 %rest, label %key, label %done\n")
+    L.append("key:\n  %t = phi i64 [%n16, %tailhead], [%t1, %key]\n" + dots("%t", ""))
+    for r in range(G):
+        L.append(f"  %d{r} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> %m{r})\n"
+                 f"  %si{r} = add i64 %so{r}, %t\n"
                  f"  %sa{r} = getelementptr float, ptr %s, i64 %si{r}\n  store float %d{r}, ptr %sa{r}, align 4\n")
     L.append("  %t1 = add i64 %t, 1\n  %more = icmp slt i64 %t1, %n\n  br i1 %more, label %key, label %done\n")
     L.append("done:\n  ret void\n}\n")
