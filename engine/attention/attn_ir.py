@@ -219,12 +219,18 @@ def kernels(G: int, D: int) -> np.ndarray:
     return _compiled[key]
 
 
-def _compile(G: int, C: int) -> np.ndarray:
+def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
+    """The kernels' addresses for (G, C), compiled for this CPU (isa "native"), or for it without AVX-512 ("avx2":
+    what a CPU with AVX2 only runs, 16-lane vectors as two 8-lane halves; the tests run both where this CPU can)."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     features = llvm.get_host_cpu_features()
-    tm = llvm.Target.from_default_triple().create_target_machine(cpu=llvm.get_host_cpu_name(),
-                                                                 features=features.flatten(), opt=3)
+    if isa == "avx2":
+        for name in list(features):
+            if name.startswith("avx512") or name.startswith("amx"):
+                features[name] = False
+    cpu = llvm.get_host_cpu_name() if isa == "native" else "haswell"
+    tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features.flatten(), opt=3)
     mod = llvm.parse_assembly(module_ir(G, C))
     mod.triple = tm.triple
     mod.data_layout = str(tm.target_data)

@@ -1,7 +1,8 @@
 """Decode attention's block loops in LLVM IR (engine/attention/attn_ir.py) against numba_kernel.decode_plain's own
 loops and against float64 numpy, at the head shapes real models have (D 32, 64 and 128, 1 to 8 query rows a kv head),
 for fp32, fp16 and bf16 blocks, partial last blocks, blocks read from the other tier, a window, and key segments
-(split-K). The attention wiring's tests (test_numba_paged.py) run the same kernel through the backend at D 16."""
+(split-K), compiled for this CPU and without AVX-512. The attention wiring's tests (test_numba_paged.py) run the
+same kernel through the backend at D 16."""
 
 from __future__ import annotations
 
@@ -67,11 +68,19 @@ def _want(q, qpos, table, alt, ctx, window, stored, scale, bs):
     return out
 
 
+def _has_avx2() -> bool:
+    return bool(attn_ir.llvm.get_host_cpu_features().get("avx2"))
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("G,D", [(3, 64), (1, 64), (4, 64), (8, 32), (2, 128)])
 @pytest.mark.parametrize("bs,window,S", [(16, 0, 1), (16, 40, 3), (5, 0, 4), (32, 0, 2)])
-def test_block_loops_compute_decode_attention(fmt, G, D, bs, window, S):
-    fns = attn_ir.kernels(G, D)
+def test_block_loops_compute_decode_attention(isa, fmt, G, D, bs, window, S):
+    """isa avx2: the same IR compiled without AVX-512 (a CPU with AVX2 only: each 16-lane vector two halves)."""
+    if isa == "avx2" and not _has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    fns = attn_ir.kernels(G, D) if isa == "native" else attn_ir._compile(G, D // 16, isa)
     assert fns.any(), attn_ir.status()  # this shape has kernels: the comparison below is of the IR loops
     code = list(FORMATS).index(fmt)
     q, qpos, table, alt, ctx, data, stored = _case(fmt, G, D, bs, [1, bs - 1 or 1, bs + 1, 3 * bs + 7, 70], G * D + bs)
