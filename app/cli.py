@@ -80,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens generated per request by the batched run (default 64)")
     b.add_argument("--rounds", type=_count(1, 1000), default=1, metavar="N",
                    help="with --compare llamacpp: N rounds, llama.cpp and KV Scope alternating (each round's ratios "
-                        "printed; the lines below are the round with the median batch-1 decode ratio)")
+                        "printed, and each goal's median over the rounds with its verdict; the lines below are the "
+                        "round with the median batch-1 decode ratio)")
     b.add_argument("--ui", action="store_true",
                    help="instead: the window's frame costs at 1M / 100k blocks and event-loop stalls while decoding")
     b.add_argument("--snapshot-blocks", type=_count(1, 100_000_000), metavar="N",
