@@ -181,6 +181,24 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
         out = engine.generate(ps, SamplingParams(max_new_tokens=n, ignore_eos=True))
         return out, time.perf_counter() - t
 
+    def eng_batch(ps: list[list[int]], n: int):
+        """The batch through the engine: (tokens, seconds, decode tok/s). Decode alone, as llama.cpp's batched
+        decode is timed: the tokens made after every prompt is in (the step that gave the last sequence its first
+        token), over the time after that step. (The engine starts decoding a sequence as soon as its prompt is in,
+        while later prompts are prefilled: the tokens made before then are not counted, nor is their time.)"""
+        engine.reset_prefix_cache()
+        sp = SamplingParams(max_new_tokens=n, ignore_eos=True)
+        t = time.perf_counter()
+        ids = [engine.add_request(p, sp) for p in ps]
+        seqs = [engine.seqs[i] for i in ids]
+        while engine.has_work() and any(not q.output for q in seqs):
+            engine.step()
+        t_in, made = time.perf_counter(), sum(len(q.output) for q in seqs)
+        engine.run_until_done()
+        end = time.perf_counter()
+        after = sum(len(q.output) for q in seqs) - made
+        return [q.output for q in seqs], end - t, after / max(1e-9, end - t_in)
+
     say(f"[bench] warm-up; {_load()}")
     eng_run([one[:32]], 4)
     rounds = []
@@ -194,12 +212,7 @@ def cmd_bench_llamacpp(args: argparse.Namespace) -> int:
         say(f"[bench] {tag}llama.cpp batched: {B} sequences in one context ({P} + {M} each); {_load()}")
         lcb = llamacpp_batched(path, many, M, kv_type=kv_type)
         say(f"[bench] {tag}KV Scope: {B} x ({P} + {M}); {_load()}")
-        before = set(engine.seqs)
-        eb_out, eb_s = eng_run(many, M)
-        # Decode alone: the tokens after each sequence's first, over the time after the last first token (when
-        # every prompt is in; the B prompts' prefill, B x P tokens, is most of the end-to-end time).
-        all_in = max(engine.seqs[i].first_token_at for i in engine.seqs if i not in before)
-        eb_decode = B * (M - 1) / max(1e-9, engine.clock() - all_in)
+        eb_out, eb_s, eb_decode = eng_batch(many, M)
         e1 = {"tok_s": N / e_s, "decode_tok_s": (N - 1) / (e_s - e_ttft), "ttft_s": e_ttft, "total_s": e_s}
         prefix = next((i for i, (a, b) in enumerate(zip(e_out[0], lc["tokens"])) if a != b), min(len(e_out[0]), N))
         same_b = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), M))
