@@ -167,23 +167,32 @@ def dequant(dst, n, data, s1, s2, slot, h, fmt, dlut, hlut, cum):
                 dst[t, d] = hlut[s2[slot, h, d]] + np.float32(cum[d])
 
 
+@njit(inline="always")
+def expf_parts(x):
+    """Cephes' expf (a degree-6 polynomial after Cody-Waite reduction, within 2 ulp) of x clamped to fp32's range, in
+    two parts: (p, k) with exp(x) = p * 2^k, k a whole float. The caller builds 2^k from its bits ((k + 127) << 23 in
+    an int32 buffer read as float32: exp_row), which keeps a loop of these vectorized; libm's expf is a call per
+    element."""
+    x = min(max(x, np.float32(-87.33654)), np.float32(88.72283))
+    fx = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
+    x = x - fx * np.float32(0.693359375)
+    x = x + fx * np.float32(2.12194440e-4)
+    y = np.float32(1.9875691500e-4) * x + np.float32(1.3981999507e-3)
+    y = y * x + np.float32(8.3334519073e-3)
+    y = y * x + np.float32(4.1665795894e-2)
+    y = y * x + np.float32(1.6666665459e-1)
+    y = y * x + np.float32(5.0000001201e-1)
+    return y * (x * x) + x + np.float32(1.0), fx
+
+
 @njit(cache=True, nogil=True)
 def exp_row(s, r, n, m, ebuf, efl):
-    """s[r, :n] <- exp(s[r, :n] - m), 0 where s is -inf (a hidden key), vectorized: Cephes' expf (a degree-6
-    polynomial after Cody-Waite reduction, within 2 ulp), 2^k built from its bits in ebuf (int32), read
-    through efl (ebuf seen as float32). libm's expf is a call per element, as long as the rest of a key."""
+    """s[r, :n] <- exp(s[r, :n] - m), 0 where s is -inf (a hidden key), vectorized (expf_parts), 2^k built from its
+    bits in ebuf (int32), read through efl (ebuf seen as float32)."""
     for t in range(n):
-        x = min(max(s[r, t] - m, np.float32(-87.33654)), np.float32(88.72283))
-        fx = np.floor(x * np.float32(1.44269504088896341) + np.float32(0.5))
-        x = x - fx * np.float32(0.693359375)
-        x = x + fx * np.float32(2.12194440e-4)
-        y = np.float32(1.9875691500e-4) * x + np.float32(1.3981999507e-3)
-        y = y * x + np.float32(8.3334519073e-3)
-        y = y * x + np.float32(4.1665795894e-2)
-        y = y * x + np.float32(1.6666665459e-1)
-        y = y * x + np.float32(5.0000001201e-1)
+        p, fx = expf_parts(s[r, t] - m)
         ebuf[t] = (np.int32(fx) + np.int32(127)) << 23
-        s[r, t] = y * (x * x) + x + np.float32(1.0) if s[r, t] != -np.inf else np.float32(0.0)
+        s[r, t] = p if s[r, t] != -np.inf else np.float32(0.0)
     for t in range(n):
         s[r, t] = s[r, t] * efl[t]
 

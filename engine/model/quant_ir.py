@@ -36,9 +36,7 @@ import numpy as np
 try:
     import llvmlite.binding as llvm
     import numba
-    from llvmlite import ir
-    from numba import njit, prange, types
-    from numba.extending import intrinsic
+    from numba import njit, prange
 
     _IMPORT_ERROR = ""
 except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
@@ -691,19 +689,7 @@ def status() -> str:
 # -- numba glue -----------------------------------------------------------------------------------------------------
 
 if llvm is not None:
-
-    @intrinsic
-    def _call(typingctx, fn, args):  # pragma: no cover - compiled
-        """Call the function at address fn (int64) with the int64s of tuple args."""
-        n = args.count
-
-        def codegen(context, builder, signature, llargs):
-            fnaddr, tup = llargs
-            fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(64)] * n)
-            builder.call(builder.inttoptr(fnaddr, fnty.as_pointer()), [builder.extract_value(tup, i) for i in range(n)])
-            return context.get_dummy_value()
-
-        return types.void(fn, args), codegen
+    from engine.attention.attn_ir import call as _call  # a call of a compiled function by address, from numba
 
     @njit(parallel=True, nogil=True, cache=True)
     def _drive(fns, q, s, z, x, dx, xs, out, gidx, Gw, K, chunk):  # pragma: no cover - compiled
