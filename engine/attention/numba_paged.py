@@ -28,7 +28,7 @@ NUMBA_CACHE_DIR overrides); `compile_seconds` records what compiling (or loading
 
 Decode over plain storage (fp32 / fp16 / bf16 blocks, keys at their index) runs numba_kernel.decode_plain, whose
 per-block inner loops (a block's scores, and its values weighted into the output) are attn_ir.py's LLVM IR kernels
-where the head's shape has them, with the sums kept in registers across the block: 54 against 92 us a layer at 8 x
+where the head's shape has them, with the sums kept in registers across the block: 51 against 92 us a layer at 8 x
 279 keys on the default model (EPYC znver4); KVSCOPE_ATTN_IR=off runs numba's own loops.
 
 What it does not take: tensors on CUDA and a CPU prefill without attention sinks (Q > 1: SDPA's flash kernel over
