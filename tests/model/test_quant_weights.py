@@ -258,6 +258,8 @@ def _int8_math(self: QuantWeight, x: torch.Tensor) -> torch.Tensor:
     T, K = x.shape
     xr = (xq.astype(np.float64).reshape(T, K // 32, 32) * dx.astype(np.float64)[..., None]).reshape(T, K)
     W = self.dequantize().double().numpy()
+    if not bool((self.zero != 0).any()):  # (Q8_0, the LM head's 49,152 rows: no zero term)
+        return torch.from_numpy((xr @ W.T).astype(np.float32))
     Z = np.repeat(self.zero.double().numpy(), self.group, axis=1)
     return torch.from_numpy((xr @ (W - Z).T + x.double().numpy() @ Z.T).astype(np.float32))
 
