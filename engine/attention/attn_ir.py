@@ -45,7 +45,10 @@ if llvm is not None:
 
     @intrinsic
     def call(typingctx, fn, args):  # pragma: no cover - compiled
-        """Call the function at address fn (int64) with the int64s of tuple args (no result)."""
+        """Call the function at address fn (int64) with the int64s of tuple args (no result). Its code is compiled
+        into numba functions cached on disk under other files' names (numba_kernel.decode_plain, quant_ir._drive),
+        whose caches numba keys by those files alone: a change here must come with a change there (or a cleared
+        cache)."""
         n = args.count
 
         def codegen(context, builder, signature, llargs):
