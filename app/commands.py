@@ -383,6 +383,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "config": config.as_dict(),
         "memory": mem,
         "self_checks": engine.runner.checks.summary(),
+        "kernels": _kernels(s),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -416,4 +417,16 @@ def cmd_info(args: argparse.Namespace) -> int:
           f"{mem['system_total_bytes'] / 2**30:.1f} GiB used")
     for name, c in info["self_checks"].items():
         print(f"self-check {name:<10} " + (c["message"] if "message" in c else "not run yet (checked at first use)"))
+    k = info["kernels"]
+    print(f"kernels    packed weights: {k['packed_weights']}; decode attention's block loops: {k['attention_blocks']}")
     return 0
+
+
+def _kernels(spec) -> dict:
+    """What the CPU kernels are here: the packed weights' (quant_ir) and decode attention's block loops (attn_ir,
+    for this model's query rows per kv head and head dim)."""
+    from engine.attention import attn_ir
+    from engine.model import quant_ir
+
+    G = spec.num_heads // max(1, spec.num_kv_heads)
+    return {"packed_weights": quant_ir.status(), "attention_blocks": attn_ir.describe(G, spec.head_dim)}

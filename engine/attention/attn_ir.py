@@ -222,6 +222,17 @@ def kernels(G: int, D: int) -> np.ndarray:
     return _compiled[key]
 
 
+def describe(G: int, D: int) -> str:
+    """What decode attention's block loops are for G query rows a kv head and head dim D: these kernels, or numba's
+    own loops and why (kernels()'s rules)."""
+    if kernels(G, D).any():
+        return f"LLVM IR kernels ({G} query rows x head dim {D})"
+    why = (_error or ("KVSCOPE_ATTN_IR=off" if os.environ.get("KVSCOPE_ATTN_IR") == "off" else
+                      f"head dim {D} not in 16s" if D % 16 or D <= 0 else
+                      f"{G} x {D // 16} sums past the {MAX_VECTORS} registers kept"))
+    return f"numba's loops ({why})"
+
+
 def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
     """The kernels' addresses for (G, C), compiled for this CPU (isa "native"), or for it without AVX-512 ("avx2":
     what a CPU with AVX2 only runs, 16-lane vectors as two 8-lane halves; the tests run both where this CPU can)."""

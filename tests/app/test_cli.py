@@ -59,6 +59,12 @@ def test_info_prints_the_sizing_formula(tiny_llama, capsys):
     # int8: a code per element and an fp16 scale per token and head: (16 + 2) / (16 x 4) of fp32
     assert info["bytes_per_token"]["int8"] == info["bytes_per_token"]["fp32"] * 18 / 64
     assert info["memory"]["gpu"]["available"] is False
+    # the kernels this CPU runs: tiny Llama's 4 heads on 2 kv heads, head dim 16
+    from engine.attention import attn_ir
+
+    assert info["kernels"]["attention_blocks"] == attn_ir.describe(2, 16)
+    assert info["kernels"]["attention_blocks"].startswith(
+        "LLVM IR kernels" if attn_ir.llvm is not None else "numba's loops (")
 
 
 def test_info_on_a_model_whose_every_layer_slides_sizes_its_window(tiny_mistral, capsys):

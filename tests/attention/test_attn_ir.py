@@ -102,3 +102,11 @@ def test_shapes_past_the_registers_and_the_switch_have_no_kernels(monkeypatch):
     assert not attn_ir.kernels(3, 72).any()  # head dim not in 16s
     monkeypatch.setenv("KVSCOPE_ATTN_IR", "off")
     assert not attn_ir.kernels(3, 64).any()
+
+
+def test_describe_says_which_loops_run_and_why(monkeypatch):
+    assert attn_ir.describe(3, 64) == "LLVM IR kernels (3 query rows x head dim 64)"
+    assert attn_ir.describe(3, 72) == "numba's loops (head dim 72 not in 16s)"
+    assert attn_ir.describe(8, 256) == "numba's loops (8 x 16 sums past the 16 registers kept)"
+    monkeypatch.setenv("KVSCOPE_ATTN_IR", "off")
+    assert attn_ir.describe(3, 64) == "numba's loops (KVSCOPE_ATTN_IR=off)"
