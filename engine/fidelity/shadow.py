@@ -149,12 +149,14 @@ class _NotPaged:
 
 
 @torch.inference_mode()
-def dense_logits(model: LlamaFamily, tokens: list[int], chunk: int = CHUNK) -> torch.Tensor:
+def dense_logits(model: LlamaFamily, tokens: list[int], chunk: int = CHUNK, every_row: bool = False) -> torch.Tensor:
     """[vocab] fp32 logits after `tokens` (positions 0..n-1), K/V never stored lossily: prefilled in chunks of
-    `chunk` queries through the model's reference attention over a DenseKV."""
+    `chunk` queries through the model's reference attention over a DenseKV. every_row: [n, vocab], the logits
+    after each prefix (tokens[:1], tokens[:2], ...)."""
     dev = model.embed.device
     ids = torch.tensor(tokens, dtype=torch.long, device=dev)
     store = DenseKV(model.spec.num_layers)
+    out = []
     backend, model.backend = model.backend, None  # the reference path reads store.gather (on the engine thread)
     try:
         for lo in range(0, len(tokens), chunk):
@@ -165,8 +167,10 @@ def dense_logits(model: LlamaFamily, tokens: list[int], chunk: int = CHUNK) -> t
                               table=torch.zeros((1, 1), dtype=torch.long, device=dev),
                               kpos=torch.arange(hi, device=dev)[None], kvalid=torch.ones((1, hi), dtype=torch.bool, device=dev),
                               qpos=pos[None])
-            logits = model.forward(ForwardBatch(input_ids=ids[lo:hi], positions=pos, groups=[group],
-                                                logit_rows=torch.tensor([q - 1], device=dev)), store)
+            rows = torch.arange(q, device=dev) if every_row else torch.tensor([q - 1], device=dev)
+            logits = model.forward(ForwardBatch(input_ids=ids[lo:hi], positions=pos, groups=[group], logit_rows=rows),
+                                   store)
+            out = [*out, logits] if every_row else [logits]  # (the last chunk's alone where only it is read)
     finally:
         model.backend = backend
-    return logits[0]
+    return torch.cat(out) if every_row else out[-1][0]

@@ -224,28 +224,7 @@ def test_gguf_direct_weights_equal_the_converted_checkpoint(smollm2_int4):
 TEXT = ("The capital of France is a city that has been the home of many famous artists and writers. In the summer the "
         "streets along the river fill with visitors, and the museums stay open late into the evening. Its bakeries, "
         "markets and small theatres are as much a part of its life as the monuments people come to see.")
-
-
-@torch.inference_mode()
-def _logits_at_every_position(model, tokens: list[int], chunk: int = 16) -> torch.Tensor:
-    """[len(tokens), vocab]: a dense forward pass (shadow.DenseKV, fp32 K/V) in chunks of `chunk` rows, fewer than
-    quant.PREFILL_ROWS so that every matmul takes the decode kernels, the logits of every row kept."""
-    from engine.fidelity.shadow import DenseKV
-    from engine.model.llama_family import AttnGroup, ForwardBatch
-
-    ids, store, out = torch.tensor(tokens, dtype=torch.long), DenseKV(model.spec.num_layers), []
-    backend, model.backend = model.backend, None
-    try:
-        for lo in range(0, len(tokens), chunk):
-            hi = min(len(tokens), lo + chunk)
-            pos = torch.arange(lo, hi)
-            group = AttnGroup(rows=torch.arange(hi - lo), q_len=hi - lo, table=torch.zeros((1, 1), dtype=torch.long),
-                              kpos=torch.arange(hi)[None], kvalid=torch.ones((1, hi), dtype=torch.bool), qpos=pos[None])
-            out.append(model.forward(ForwardBatch(input_ids=ids[lo:hi], positions=pos, groups=[group],
-                                                  logit_rows=torch.arange(hi - lo)), store))
-    finally:
-        model.backend = backend
-    return torch.cat(out)
+CHUNK_ROWS = 16  # rows a forward pass: fewer than quant.PREFILL_ROWS, so every matmul takes the decode kernels
 
 
 def _int8_math(self: QuantWeight, x: torch.Tensor) -> torch.Tensor:
@@ -284,14 +263,14 @@ def test_int8_activations_cost_what_their_arithmetic_costs(smollm2_int4, monkeyp
     logits = {}
     for act in ("int8", "fp32"):
         eng = Engine(smollm2_int4, CacheConfig(block_size=16), EngineOptions(weights_dtype="int4", quant_activations=act))
-        logits[act] = _logits_at_every_position(eng.model, p)
+        logits[act] = dense_logits(eng.model, p, chunk=CHUNK_ROWS, every_row=True)
     if not quant_kernels.AVAILABLE:
         assert torch.equal(logits["int8"], logits["fp32"])
         return
     eng = Engine(smollm2_int4, CacheConfig(block_size=16), EngineOptions(weights_dtype="int4", quant_activations="int8"))
     eng.model.fused_enabled = False  # every packed matmul through QuantWeight.matmul, here the float64 arithmetic
     monkeypatch.setattr(QuantWeight, "matmul", _int8_math)
-    reference = _logits_at_every_position(eng.model, p)
+    reference = dense_logits(eng.model, p, chunk=CHUNK_ROWS, every_row=True)
     kernels, arithmetic = _mean_kl(logits["fp32"], logits["int8"]), _mean_kl(logits["fp32"], reference)
     assert arithmetic > 1e-4 and (logits["int8"] - logits["fp32"]).abs().max() > 0  # the options really differ
     assert kernels < 2 * arithmetic, (kernels, arithmetic)
