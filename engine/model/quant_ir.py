@@ -320,9 +320,9 @@ def kernel_ir_vnni4(T: int) -> str:
     instructions with its upper half zero. The zero term (zero[g] times the sum of x's group g) is added into the
     same 16-lane sums after the steps, 16 groups at a time (masked loads for the last ones), so each x row ends in
     one horizontal sum. Same arguments and arithmetic as q4i.
-    (Against kernel_ir_vnni's layout, the zero term in 2-lane FMAs each step and three horizontal sums a row: 26 %
-    less time at 8 rows of x over the default model's 120 matmuls, the same at 1 row. Two or four weight rows a
-    step, sharing each x load, measured slower at every T: 6-13 % at two rows, 10-35 % at four.)"""
+    Measured over the default model's 120 matmuls (EPYC znver4): the zero term added after the steps (not in 2-lane
+    FMAs each step) and one horizontal sum a row (not three) take 26 % off at 8 rows of x and match at 1 row; two or
+    four weight rows a step, sharing each x load, are slower at every T (6-13 % at two, 10-35 % at four)."""
     name = f"q4v_t{T}"
     L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
     for n in _ARGS[:8]:
@@ -340,62 +340,60 @@ def kernel_ir_vnni4(T: int) -> str:
     order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
     lanes = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in range(16)) + ">"
 
-    def rows(n: int, lab: str) -> str:
-        """Blocks {lab}* for rows %r .. %r + n - 1, ending in a branch to %head."""
+    def row(lab: str) -> str:
+        """Blocks {lab}* for weight row %r, ending in a branch to %head."""
         P = [f"{lab}:\n"]
-        for j in range(n):
-            P.append(f"  %{lab}.r{j} = add i64 %r, {j}\n  %{lab}.qo{j} = mul i64 %{lab}.r{j}, %rowq\n"
-                     f"  %{lab}.qp{j} = getelementptr i8, ptr %q, i64 %{lab}.qo{j}\n"
-                     f"  %{lab}.so{j} = mul i64 %{lab}.r{j}, %Gw.i\n"
-                     f"  %{lab}.sp{j} = getelementptr float, ptr %s, i64 %{lab}.so{j}\n"
-                     f"  %{lab}.zp{j} = getelementptr float, ptr %z, i64 %{lab}.so{j}\n")
+        P.append(f"  %{lab}.qo = mul i64 %r, %rowq\n"
+                 f"  %{lab}.qp = getelementptr i8, ptr %q, i64 %{lab}.qo\n"
+                 f"  %{lab}.so = mul i64 %r, %Gw.i\n"
+                 f"  %{lab}.sp = getelementptr float, ptr %s, i64 %{lab}.so\n"
+                 f"  %{lab}.zp = getelementptr float, ptr %z, i64 %{lab}.so\n")
         P.append(f"  br i1 %haspair, label %{lab}.step, label %{lab}.pend\n")
 
-        def acc(t, j, sfx=""):
-            return f"%{lab}.a{t}.{j}{sfx}"
+        def acc(t, sfx=""):
+            return f"%{lab}.a{t}{sfx}"
 
         def phis(block: str, sources: list[tuple[str, str]]) -> str:
-            """Phis named acc(t, j, block's suffix) over sources [(value suffix, from block)]."""
-            return "".join(f"  {acc(t, j, block)} = phi <16 x float> "
-                           + ", ".join(f"[{'zeroinitializer' if v is None else acc(t, j, v)}, %{src}]"
+            """Phis named acc(t, block's suffix) over sources [(value suffix, from block)]."""
+            return "".join(f"  {acc(t, block)} = phi <16 x float> "
+                           + ", ".join(f"[{'zeroinitializer' if v is None else acc(t, v)}, %{src}]"
                                        for v, src in sources) + "\n"
-                           for t in range(T) for j in range(n))
+                           for t in range(T))
 
         def body(sfx: str, g0: str, pair: bool, into: str) -> str:
             """One step's instructions (suffix sfx): two groups from group %g0 (pair), or the one group %g0 with the
             upper half zero; adds into the sums of suffix `into`, making those of suffix sfx."""
             B = []
-            for j in range(n):
-                if pair:
-                    B.append(f"  %{lab}.qa{j}{sfx} = mul i64 {g0}, 16\n"
-                             + _load("i8", f"%{lab}.qp{j}", f"%{lab}.qa{j}{sfx}", f"%{lab}.qv{j}{sfx}", "<32 x i8>"))
-                    B.append(_load("float", f"%{lab}.sp{j}", g0, f"%{lab}.sv{j}{sfx}", "<2 x float>"))
-                    if Q4_PREFETCH:  # (a hint: past the weight's end it never faults)
-                        B.append(f"  %{lab}.pq{j}{sfx} = add i64 %{lab}.qa{j}{sfx}, {Q4_PREFETCH}\n"
-                                 f"  %{lab}.pqa{j}{sfx} = getelementptr i8, ptr %{lab}.qp{j}, i64 %{lab}.pq{j}{sfx}\n"
-                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.pqa{j}{sfx}, i32 0, i32 0, i32 1)\n"
-                                 f"  %{lab}.ps{j}{sfx} = add i64 {g0}, {Q4_PREFETCH // 16}\n"
-                                 f"  %{lab}.psa{j}{sfx} = getelementptr float, ptr %{lab}.sp{j}, i64 %{lab}.ps{j}{sfx}\n"
-                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.psa{j}{sfx}, i32 0, i32 0, i32 1)\n"
-                                 f"  %{lab}.pza{j}{sfx} = getelementptr float, ptr %{lab}.zp{j}, i64 %{lab}.ps{j}{sfx}\n"
-                                 f"  call void @llvm.prefetch.p0(ptr %{lab}.pza{j}{sfx}, i32 0, i32 0, i32 1)\n")
-                    B.append(f"  %{lab}.S{j}{sfx} = shufflevector <2 x float> %{lab}.sv{j}{sfx}, <2 x float> poison, "
-                             f"{pick}\n")
-                else:
-                    B.append(f"  %{lab}.qa{j}{sfx} = mul i64 {g0}, 16\n"
-                             + _load("i8", f"%{lab}.qp{j}", f"%{lab}.qa{j}{sfx}", f"%{lab}.qh{j}{sfx}", "<16 x i8>"))
-                    B.append(f"  %{lab}.qv{j}{sfx} = shufflevector <16 x i8> %{lab}.qh{j}{sfx}, <16 x i8> "
-                             f"zeroinitializer, <32 x i32> <{_seq(0, 32)}>\n")
-                    B.append(_load("float", f"%{lab}.sp{j}", g0, f"%{lab}.s1{j}{sfx}"))
-                    B.append(f"  %{lab}.sv{j}{sfx} = insertelement <2 x float> zeroinitializer, float "
-                             f"%{lab}.s1{j}{sfx}, i64 0\n"
-                             f"  %{lab}.S{j}{sfx} = shufflevector <2 x float> %{lab}.sv{j}{sfx}, <2 x float> poison, "
-                             f"{pick}\n")
-                B.append(f"  %{lab}.lo{j}{sfx} = and <32 x i8> %{lab}.qv{j}{sfx}, {_splat('i8', 32, 15)}\n"
-                         f"  %{lab}.hi{j}{sfx} = lshr <32 x i8> %{lab}.qv{j}{sfx}, {_splat('i8', 32, 4)}\n"
-                         f"  %{lab}.w{j}{sfx} = shufflevector <32 x i8> %{lab}.lo{j}{sfx}, <32 x i8> %{lab}.hi{j}{sfx}, "
-                         "<64 x i32> <" + ", ".join(f"i32 {i}" for i in order) + ">\n"
-                         f"  %{lab}.wi{j}{sfx} = bitcast <64 x i8> %{lab}.w{j}{sfx} to <16 x i32>\n")
+            if pair:
+                B.append(f"  %{lab}.qa{sfx} = mul i64 {g0}, 16\n"
+                         + _load("i8", f"%{lab}.qp", f"%{lab}.qa{sfx}", f"%{lab}.qv{sfx}", "<32 x i8>"))
+                B.append(_load("float", f"%{lab}.sp", g0, f"%{lab}.sv{sfx}", "<2 x float>"))
+                if Q4_PREFETCH:  # (a hint: past the weight's end it never faults)
+                    B.append(f"  %{lab}.pq{sfx} = add i64 %{lab}.qa{sfx}, {Q4_PREFETCH}\n"
+                             f"  %{lab}.pqa{sfx} = getelementptr i8, ptr %{lab}.qp, i64 %{lab}.pq{sfx}\n"
+                             f"  call void @llvm.prefetch.p0(ptr %{lab}.pqa{sfx}, i32 0, i32 0, i32 1)\n"
+                             f"  %{lab}.ps{sfx} = add i64 {g0}, {Q4_PREFETCH // 16}\n"
+                             f"  %{lab}.psa{sfx} = getelementptr float, ptr %{lab}.sp, i64 %{lab}.ps{sfx}\n"
+                             f"  call void @llvm.prefetch.p0(ptr %{lab}.psa{sfx}, i32 0, i32 0, i32 1)\n"
+                             f"  %{lab}.pza{sfx} = getelementptr float, ptr %{lab}.zp, i64 %{lab}.ps{sfx}\n"
+                             f"  call void @llvm.prefetch.p0(ptr %{lab}.pza{sfx}, i32 0, i32 0, i32 1)\n")
+                B.append(f"  %{lab}.S{sfx} = shufflevector <2 x float> %{lab}.sv{sfx}, <2 x float> poison, "
+                         f"{pick}\n")
+            else:
+                B.append(f"  %{lab}.qa{sfx} = mul i64 {g0}, 16\n"
+                         + _load("i8", f"%{lab}.qp", f"%{lab}.qa{sfx}", f"%{lab}.qh{sfx}", "<16 x i8>"))
+                B.append(f"  %{lab}.qv{sfx} = shufflevector <16 x i8> %{lab}.qh{sfx}, <16 x i8> "
+                         f"zeroinitializer, <32 x i32> <{_seq(0, 32)}>\n")
+                B.append(_load("float", f"%{lab}.sp", g0, f"%{lab}.s1{sfx}"))
+                B.append(f"  %{lab}.sv{sfx} = insertelement <2 x float> zeroinitializer, float "
+                         f"%{lab}.s1{sfx}, i64 0\n"
+                         f"  %{lab}.S{sfx} = shufflevector <2 x float> %{lab}.sv{sfx}, <2 x float> poison, "
+                         f"{pick}\n")
+            B.append(f"  %{lab}.lo{sfx} = and <32 x i8> %{lab}.qv{sfx}, {_splat('i8', 32, 15)}\n"
+                     f"  %{lab}.hi{sfx} = lshr <32 x i8> %{lab}.qv{sfx}, {_splat('i8', 32, 4)}\n"
+                     f"  %{lab}.w{sfx} = shufflevector <32 x i8> %{lab}.lo{sfx}, <32 x i8> %{lab}.hi{sfx}, "
+                     "<64 x i32> <" + ", ".join(f"i32 {i}" for i in order) + ">\n"
+                     f"  %{lab}.wi{sfx} = bitcast <64 x i8> %{lab}.w{sfx} to <16 x i32>\n")
             B.append(f"  %{lab}.xo{sfx} = mul i64 {g0}, 32\n")
             for t in range(T):
                 if pair:
@@ -411,14 +409,13 @@ def kernel_ir_vnni4(T: int) -> str:
                 B.append(f"  %{lab}.xi{t}{sfx} = bitcast <64 x i8> %{lab}.xv{t}{sfx} to <16 x i32>\n"
                          f"  %{lab}.D{t}{sfx} = shufflevector <2 x float> %{lab}.dv{t}{sfx}, <2 x float> poison, "
                          f"{pick}\n")
-                for j in range(n):
-                    p = f"%{lab}.p{t}.{j}{sfx}"
-                    B.append(f"  {p} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
-                             f"<16 x i32> %{lab}.wi{j}{sfx}, <16 x i32> %{lab}.xi{t}{sfx})\n"
-                             f"  {p}.f = sitofp <16 x i32> {p} to <16 x float>\n"
-                             f"  {p}.sd = fmul <16 x float> %{lab}.S{j}{sfx}, %{lab}.D{t}{sfx}\n"
-                             f"  {acc(t, j, sfx)} = call <16 x float> @llvm.fma.v16f32(<16 x float> {p}.f, "
-                             f"<16 x float> {p}.sd, <16 x float> {acc(t, j, into)})\n")
+                p = f"%{lab}.p{t}{sfx}"
+                B.append(f"  {p} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                         f"<16 x i32> %{lab}.wi{sfx}, <16 x i32> %{lab}.xi{t}{sfx})\n"
+                         f"  {p}.f = sitofp <16 x i32> {p} to <16 x float>\n"
+                         f"  {p}.sd = fmul <16 x float> %{lab}.S{sfx}, %{lab}.D{t}{sfx}\n"
+                         f"  {acc(t, sfx)} = call <16 x float> @llvm.fma.v16f32(<16 x float> {p}.f, "
+                         f"<16 x float> {p}.sd, <16 x float> {acc(t, into)})\n")
             return "".join(B)
 
         # pairs of groups
@@ -442,32 +439,29 @@ def kernel_ir_vnni4(T: int) -> str:
                  f"  %{lab}.zli = insertelement <16 x i32> poison, i32 %{lab}.zl32, i64 0\n"
                  f"  %{lab}.zls = shufflevector <16 x i32> %{lab}.zli, <16 x i32> poison, <16 x i32> zeroinitializer\n"
                  f"  %{lab}.zm = icmp ult {lanes}, %{lab}.zls\n")
-        for j in range(n):
-            P.append(f"  %{lab}.za{j} = getelementptr float, ptr %{lab}.zp{j}, i64 %{lab}.zg\n"
-                     f"  %{lab}.zv{j} = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.za{j}, i32 4, "
-                     f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
+        P.append(f"  %{lab}.za = getelementptr float, ptr %{lab}.zp, i64 %{lab}.zg\n"
+                 f"  %{lab}.zv = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.za, i32 4, "
+                 f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
         for t in range(T):
             P.append(f"  %{lab}.xa{t} = getelementptr float, ptr %sb{t}, i64 %{lab}.zg\n"
                      f"  %{lab}.xsv{t} = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.xa{t}, i32 4, "
                      f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
-            for j in range(n):
-                P.append(f"  {acc(t, j, '.zn')} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.zv{j}, "
-                         f"<16 x float> %{lab}.xsv{t}, <16 x float> {acc(t, j, '.z')})\n")
+            P.append(f"  {acc(t, '.zn')} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.zv, "
+                     f"<16 x float> %{lab}.xsv{t}, <16 x float> {acc(t, '.z')})\n")
         P.append(f"  %{lab}.zc1 = add i64 %{lab}.zc, 1\n  %{lab}.zmore = icmp ult i64 %{lab}.zc1, %zn\n"
                  f"  br i1 %{lab}.zmore, label %{lab}.z, label %{lab}.end\n")
         P.append(f"{lab}.end:\n")
         for t in range(T):
-            for j in range(n):
-                P.append(f"  %{lab}.tot{t}.{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
-                         f"<16 x float> {acc(t, j, '.zn')})\n"
-                         f"  %{lab}.o{t}.{j} = getelementptr float, ptr %ob{t}, i64 %{lab}.r{j}\n"
-                         f"  store float %{lab}.tot{t}.{j}, ptr %{lab}.o{t}.{j}, align 4\n")
+            P.append(f"  %{lab}.tot{t} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
+                     f"<16 x float> {acc(t, '.zn')})\n"
+                     f"  %{lab}.o{t} = getelementptr float, ptr %ob{t}, i64 %r\n"
+                     f"  store float %{lab}.tot{t}, ptr %{lab}.o{t}, align 4\n")
         P.append("  br label %head\n")
         return "".join(P)
 
     L.append("head:\n  %r = phi i64 [%n0.i, %entry], [%r1, %one.end]\n  %r1 = add i64 %r, 1\n"
              "  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %done\n")
-    L.append(rows(1, "one"))
+    L.append(row("one"))
     L.append("done:\n  ret void\n}\n")
     return "".join(L)
 
