@@ -7,8 +7,8 @@ one row (`bench --compare hf`: 0.88x transformers with the kernel). Which is fas
 the code, so it is measured: for a weight [N, K] and a row count T (1, 2, 4, 8: the kernel's tiles), both run on
 the weight itself with random rows, alternately, after a warm-up, and the lower median wins. The picks are kept in
 $KVSCOPE_CACHE_DIR/kernel-choice.json under a key naming the CPU (its model name, LLVM's name for it, torch's thread
-count and version), so a later process on the same CPU measures nothing; a file that cannot be read or parsed is
-measured anew and rewritten. KVSCOPE_F32_KERNEL=ir or mkl forces one side (the tests compare both).
+count and version) and the kernel's code, so a later process on the same CPU and code measures nothing; a file that
+cannot be read or parsed is measured anew and rewritten. KVSCOPE_F32_KERNEL=ir or mkl forces one side (the tests compare both).
 
 A decoder layer's fp32 matmuls run fused into two compiled calls (engine/model/quant_layer.py) only where the kernel
 wins the layer: `fuse_layer` compares the sum of its four matmuls' medians at one row.
@@ -16,6 +16,7 @@ wins the layer: `fuse_layer` compares the sum of its four matmuls' medians at on
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -51,7 +52,8 @@ def forced() -> str | None:
 
 
 def cpu_key() -> str:
-    """The CPU a pick holds for: its model name, LLVM's name for it, torch's threads and version."""
+    """The CPU a pick holds for: its model name, LLVM's name for it, torch's threads and version, and the f32 kernel's
+    code (a digest of its IR: a changed kernel is measured anew)."""
     name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
@@ -62,7 +64,9 @@ def cpu_key() -> str:
     except OSError:
         pass
     lib = quant_ir.library()
-    return f"{name} | {lib.cpu if lib else 'no IR kernels'} | {torch.get_num_threads()} threads | torch {torch.__version__}"
+    code = hashlib.sha256("".join(quant_ir.kernel_ir_f32(t) for t in TILES).encode()).hexdigest()[:12]
+    return (f"{name} | {lib.cpu if lib else 'no IR kernels'} | {torch.get_num_threads()} threads | torch "
+            f"{torch.__version__} | f32 kernel {code}")
 
 
 def _path() -> str:

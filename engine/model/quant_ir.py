@@ -306,10 +306,17 @@ declare <16 x float> @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, <16 x floa
 VNNI_KINDS = {"q4v": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
 
 
+def _prefetch(ptr: str, locality: int) -> str:
+    """A read prefetch of the line at %ptr (a hint: it never faults, past an array's end included). locality is
+    llvm.prefetch's: 0 prefetchnta, 1 prefetcht2, 2 prefetcht1 (into the L2 on Zen 4 and Intel cores), 3 prefetcht0."""
+    return f"  call void @llvm.prefetch.p0(ptr {ptr}, i32 0, i32 {locality}, i32 1)\n"
+
+
 # Bytes of packed weights ahead of each step that the int4 VNNI kernel prefetches (scales and zeros: the same
 # groups ahead, 16 bytes of weights a group): 2 KiB takes 13 % off at 1 row of x, 2 % at 8, over the default model's
 # 120 matmuls (which do not fit the cache); 4 and 8 KiB measure the same, 512 B and 1 KiB less.
 Q4_PREFETCH = 2048
+Q4_LOCALITY = 0  # prefetchnta: over the 120 matmuls 2.69 ms at 1 row against 3.04 with prefetcht1 (8.85 vs 9.29 at 8)
 
 
 def kernel_ir_vnni4(T: int) -> str:
@@ -371,12 +378,12 @@ def kernel_ir_vnni4(T: int) -> str:
                 if Q4_PREFETCH:  # (a hint: past the weight's end it never faults)
                     B.append(f"  %{lab}.pq{sfx} = add i64 %{lab}.qa{sfx}, {Q4_PREFETCH}\n"
                              f"  %{lab}.pqa{sfx} = getelementptr i8, ptr %{lab}.qp, i64 %{lab}.pq{sfx}\n"
-                             f"  call void @llvm.prefetch.p0(ptr %{lab}.pqa{sfx}, i32 0, i32 0, i32 1)\n"
+                             + _prefetch(f"%{lab}.pqa{sfx}", Q4_LOCALITY) +
                              f"  %{lab}.ps{sfx} = add i64 {g0}, {Q4_PREFETCH // 16}\n"
                              f"  %{lab}.psa{sfx} = getelementptr float, ptr %{lab}.sp, i64 %{lab}.ps{sfx}\n"
-                             f"  call void @llvm.prefetch.p0(ptr %{lab}.psa{sfx}, i32 0, i32 0, i32 1)\n"
+                             + _prefetch(f"%{lab}.psa{sfx}", Q4_LOCALITY) +
                              f"  %{lab}.pza{sfx} = getelementptr float, ptr %{lab}.zp, i64 %{lab}.ps{sfx}\n"
-                             f"  call void @llvm.prefetch.p0(ptr %{lab}.pza{sfx}, i32 0, i32 0, i32 1)\n")
+                             + _prefetch(f"%{lab}.pza{sfx}", Q4_LOCALITY))
                 B.append(f"  %{lab}.S{sfx} = shufflevector <2 x float> %{lab}.sv{sfx}, <2 x float> poison, "
                          f"{pick}\n")
             else:
@@ -534,7 +541,13 @@ declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
 declare void @llvm.prefetch.p0(ptr, i32, i32, i32)
 """
-F32_PREFETCH = 256  # floats ahead of each weight row's load that the f32 kernel prefetches (1 KiB: +10-15 % at 8 rows)
+# The f32 kernel's prefetches fill the L2 (prefetcht1). A prefetch into the L1 (prefetcht0, and prefetcht2 or
+# prefetchnta as Zen 4 runs them) holds one of the core's few L1 miss buffers until its line comes: with 8 rows' FMAs
+# between loads one core streamed the default model's fp32 weights at 11.0 GB/s so, at 21.1 GB/s with prefetcht1 (its
+# rate from the L3: 22.7), and two cores at 27.6 GB/s against 20.5 (AMD EPYC znver4, 2026-12-07, A/B in one process).
+F32_LOCALITY = 2
+F32_PREFETCH = 2048  # floats ahead of each weight row's load that the f32 kernel prefetches (8 KiB; 4 KiB measured
+# 7 % slower at 8 rows, 16 and 32 KiB the same)
 F32_ROWS = {1: 4, 2: 4, 4: 2, 8: 2}  # weight rows a step of the f32 kernel for T rows of x (its sums: T x rows)
 
 
@@ -573,7 +586,7 @@ def kernel_ir_f32(T: int) -> str:
             if F32_PREFETCH:  # (a prefetch past the weight's end is a hint and never faults)
                 out.append(f"  %{lab}.pfo{j} = add i64 %{lab}.o, {F32_PREFETCH}\n"
                            f"  %{lab}.pfa{j} = getelementptr float, ptr %{lab}.wb{j}, i64 %{lab}.pfo{j}\n"
-                           f"  call void @llvm.prefetch.p0(ptr %{lab}.pfa{j}, i32 0, i32 0, i32 1)\n")
+                           + _prefetch(f"%{lab}.pfa{j}", F32_LOCALITY))
         for t in range(T):
             out.append(_load("float", f"%xb{t}", f"%{lab}.o", f"%{lab}.x{t}", "<16 x float>"))
             for j in range(n):
