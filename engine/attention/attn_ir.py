@@ -39,7 +39,7 @@ except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
 
 FORMATS = ("f32", "f16", "bf16")  # the element each kernel reads: fp32, fp16 bits, bf16 bits (FORMAT_CODE's order)
 MAX_VECTORS = 16  # G x D/16 at most: the sums (and the query rows) kept in registers
-NONE = np.zeros(2 * len(FORMATS), dtype=np.int64)  # kernels() where there are none: decode_plain's own loops
+NONE = np.zeros(2 * len(FORMATS) + 1, dtype=np.int64)  # kernels() where there are none: decode_plain's own loops
 
 if llvm is not None:
 
@@ -63,6 +63,9 @@ if llvm is not None:
 _DECLARE = """
 declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)
 declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)
+declare <16 x float> @llvm.floor.v16f32(<16 x float>)
+declare float @llvm.floor.f32(float)
+declare float @llvm.fma.f32(float, float, float)
 """
 
 
@@ -190,8 +193,137 @@ def vacc_ir(fmt: str, G: int, C: int) -> str:
     return "".join(L)
 
 
+def _exp(ty: str, x: str, out: str) -> str:
+    """%out = exp(%x) of type ty (float or <16 x float>) as numba_kernel.exp_row computes it, Cephes' expf (expf_parts:
+    x clamped to fp32's range, Cody-Waite reduction, the degree-6 polynomial) times 2^k built from its bits, 0 where x
+    is -inf; here with fused multiply-adds (exp_row rounds each product: the two differ by an ulp or so)."""
+    vec = ty != "float"
+    itype = "<16 x i32>" if vec else "i32"
+
+    def c(v: float | int, t: str = ty) -> str:
+        lit = f"{v}" if "i32" in t else f"0x{np.array(v, np.float32).astype(np.float64).view(np.uint64):016X}"
+        return f"<{', '.join([('i32 ' if 'i32' in t else 'float ') + lit] * 16)}>" if vec else lit
+
+    fl = "@llvm.floor.v16f32" if vec else "@llvm.floor.f32"
+    fma = "@llvm.fma.v16f32" if vec else "@llvm.fma.f32"
+    return (f"  {out}.lo = fcmp olt {ty} {x}, {c(-87.33654)}\n"
+            f"  {out}.c0 = select {'<16 x i1>' if vec else 'i1'} {out}.lo, {ty} {c(-87.33654)}, {ty} {x}\n"
+            f"  {out}.hi = fcmp ogt {ty} {out}.c0, {c(88.72283)}\n"
+            f"  {out}.c = select {'<16 x i1>' if vec else 'i1'} {out}.hi, {ty} {c(88.72283)}, {ty} {out}.c0\n"
+            f"  {out}.f1 = call {ty} {fma}({ty} {out}.c, {ty} {c(1.44269504088896341)}, {ty} {c(0.5)})\n"
+            f"  {out}.fx = call {ty} {fl}({ty} {out}.f1)\n"
+            f"  {out}.r1 = call {ty} {fma}({ty} {out}.fx, {ty} {c(-0.693359375)}, {ty} {out}.c)\n"
+            f"  {out}.r = call {ty} {fma}({ty} {out}.fx, {ty} {c(2.12194440e-4)}, {ty} {out}.r1)\n"
+            f"  {out}.y1 = call {ty} {fma}({ty} {c(1.9875691500e-4)}, {ty} {out}.r, {ty} {c(1.3981999507e-3)})\n"
+            + "".join(f"  {out}.y{i} = call {ty} {fma}({ty} {out}.y{i - 1}, {ty} {out}.r, {ty} {c(k)})\n"
+                      for i, k in enumerate((8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1),
+                                            start=2)) +
+            f"  {out}.xx = fmul {ty} {out}.r, {out}.r\n"
+            f"  {out}.p1 = call {ty} {fma}({ty} {out}.y5, {ty} {out}.xx, {ty} {out}.r)\n"
+            f"  {out}.p = fadd {ty} {out}.p1, {c(1.0)}\n"
+            f"  {out}.k = fptosi {ty} {out}.fx to {itype}\n  {out}.k1 = add {itype} {out}.k, {c(127, itype)}\n"
+            f"  {out}.kb = shl {itype} {out}.k1, {c(23, itype)}\n  {out}.two = bitcast {itype} {out}.kb to {ty}\n"
+            f"  {out}.ninf = fcmp oeq {ty} {x}, {c(float('-inf'))}\n"
+            f"  {out}.pz = select {'<16 x i1>' if vec else 'i1'} {out}.ninf, {ty} {c(0.0)}, {ty} {out}.p\n"
+            f"  {out} = fmul {ty} {out}.pz, {out}.two\n")
+
+
+def softmax_ir() -> str:
+    """softmax(s, n, m, l): the max of the n >= 1 floats at s into *m, each replaced by exp(it - max) (_exp: as
+    exp_row), and their sum into *l. 16 at a time, the rest one by one; max and sum over lanes, then across them."""
+    ninf = "0x" + "FFF0000000000000"
+    v = lambda x: "<" + ", ".join([f"float {x}"] * 16) + ">"  # noqa: E731
+    return f"""
+define void @softmax(i64 %s.i, i64 %n, i64 %m.i, i64 %l.i) {{
+entry:
+  %s = inttoptr i64 %s.i to ptr
+  %m = inttoptr i64 %m.i to ptr
+  %l = inttoptr i64 %l.i to ptr
+  %n16 = and i64 %n, -16
+  %has16 = icmp sgt i64 %n16, 0
+  br i1 %has16, label %vmax, label %vmaxend
+vmax:
+  %t = phi i64 [0, %entry], [%t1, %vmax]
+  %mv = phi <16 x float> [{v(ninf)}, %entry], [%mv1, %vmax]
+  %a = getelementptr float, ptr %s, i64 %t
+  %x = load <16 x float>, ptr %a, align 4
+  %gt = fcmp ogt <16 x float> %x, %mv
+  %mv1 = select <16 x i1> %gt, <16 x float> %x, <16 x float> %mv
+  %t1 = add i64 %t, 16
+  %more = icmp slt i64 %t1, %n16
+  br i1 %more, label %vmax, label %vmaxend
+vmaxend:
+  %mvf = phi <16 x float> [{v(ninf)}, %entry], [%mv1, %vmax]
+{_lane_max("%mvf", "%mlanes")}
+  %rest = icmp slt i64 %n16, %n
+  br i1 %rest, label %smax, label %maxed
+smax:
+  %u = phi i64 [%n16, %vmaxend], [%u1, %smax]
+  %ms = phi float [%mlanes, %vmaxend], [%ms1, %smax]
+  %ua = getelementptr float, ptr %s, i64 %u
+  %ux = load float, ptr %ua, align 4
+  %ugt = fcmp ogt float %ux, %ms
+  %ms1 = select i1 %ugt, float %ux, float %ms
+  %u1 = add i64 %u, 1
+  %umore = icmp slt i64 %u1, %n
+  br i1 %umore, label %smax, label %maxed
+maxed:
+  %mx = phi float [%mlanes, %vmaxend], [%ms1, %smax]
+  store float %mx, ptr %m, align 4
+  %mxv.i = insertelement <16 x float> poison, float %mx, i64 0
+  %mxv = shufflevector <16 x float> %mxv.i, <16 x float> poison, <16 x i32> zeroinitializer
+  br i1 %has16, label %vexp, label %vexpend
+vexp:
+  %e = phi i64 [0, %maxed], [%e1, %vexp]
+  %sv = phi <16 x float> [zeroinitializer, %maxed], [%sv1, %vexp]
+  %ea = getelementptr float, ptr %s, i64 %e
+  %ex = load <16 x float>, ptr %ea, align 4
+  %ed = fsub <16 x float> %ex, %mxv
+{_exp("<16 x float>", "%ed", "%ev")}
+  store <16 x float> %ev, ptr %ea, align 4
+  %sv1 = fadd <16 x float> %sv, %ev
+  %e1 = add i64 %e, 16
+  %emore = icmp slt i64 %e1, %n16
+  br i1 %emore, label %vexp, label %vexpend
+vexpend:
+  %svf = phi <16 x float> [zeroinitializer, %maxed], [%sv1, %vexp]
+  %vsum = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> %svf)
+  br i1 %rest, label %sexp, label %done
+sexp:
+  %w = phi i64 [%n16, %vexpend], [%w1, %sexp]
+  %ss = phi float [%vsum, %vexpend], [%ss1, %sexp]
+  %wa = getelementptr float, ptr %s, i64 %w
+  %wx = load float, ptr %wa, align 4
+  %wd = fsub float %wx, %mx
+{_exp("float", "%wd", "%we")}
+  store float %we, ptr %wa, align 4
+  %ss1 = fadd float %ss, %we
+  %w1 = add i64 %w, 1
+  %wmore = icmp slt i64 %w1, %n
+  br i1 %wmore, label %sexp, label %done
+done:
+  %tot = phi float [%vsum, %vexpend], [%ss1, %sexp]
+  store float %tot, ptr %l, align 4
+  ret void
+}}
+"""
+
+
+def _lane_max(x: str, out: str) -> str:
+    """%out = the largest of vector %x's 16 lanes (halving: 8, 4, 2, 1 lanes compared at a time)."""
+    L, cur = [], x
+    for w in (8, 4, 2, 1):
+        idx = ", ".join(f"i32 {i + w if i < w else i}" for i in range(16))
+        L.append(f"  {out}.s{w} = shufflevector <16 x float> {cur}, <16 x float> poison, <16 x i32> <{idx}>\n"
+                 f"  {out}.g{w} = fcmp ogt <16 x float> {out}.s{w}, {cur}\n"
+                 f"  {out}.m{w} = select <16 x i1> {out}.g{w}, <16 x float> {out}.s{w}, <16 x float> {cur}\n")
+        cur = f"{out}.m{w}"
+    L.append(f"  {out} = extractelement <16 x float> {cur}, i64 0\n")
+    return "".join(L)
+
+
 def module_ir(G: int, C: int) -> str:
-    return _DECLARE + "".join(kscore_ir(f, G, C) + vacc_ir(f, G, C) for f in FORMATS)
+    return _DECLARE + softmax_ir() + "".join(kscore_ir(f, G, C) + vacc_ir(f, G, C) for f in FORMATS)
 
 
 _lock = threading.Lock()
@@ -200,9 +332,14 @@ _engines: list = []  # the compiled modules' owners, kept alive with the process
 _error = _IMPORT_ERROR
 
 
+def for_format(fns: np.ndarray, code: int) -> np.ndarray:
+    """[kscore, vacc, softmax] of kernels() for blocks of format FORMATS[code]: what decode_plain takes."""
+    return np.array([fns[2 * code], fns[2 * code + 1], fns[-1]], dtype=np.int64)
+
+
 def kernels(G: int, D: int) -> np.ndarray:
     """The kernels for G query rows a kv head and head dim D: int64 [kscore f32, vacc f32, kscore f16, vacc f16,
-    kscore bf16, vacc bf16] addresses, or NONE (zeros: decode_plain's numba loops) where there are none: D not in
+    kscore bf16, vacc bf16, softmax] addresses (for_format: those one storage format's blocks take), or NONE (zeros: decode_plain's numba loops) where there are none: D not in
     16s, G x D/16 > MAX_VECTORS, no llvmlite, KVSCOPE_ATTN_IR=off, or an LLVM that refused the IR (status())."""
     global _error
     C = D // 16
@@ -255,7 +392,7 @@ def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
     engine.finalize_object()
     _engines.append(engine)
     return np.array([engine.get_function_address(f"{kind}_{f}_g{G}_c{C}") for f in FORMATS
-                     for kind in ("kscore", "vacc")], dtype=np.int64)
+                     for kind in ("kscore", "vacc")] + [engine.get_function_address("softmax")], dtype=np.int64)
 
 
 def status() -> str:

@@ -347,7 +347,8 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     slot's K, then its V, are one contiguous run: a stream the prefetcher follows). Writes item (b, h)'s segment
     seg of S: acc [U, G, D] unnormalized, mo [U, G] max score, lo_ [U, G] sum of exp(score - max), U = b*Hkv*S +
     h*S + seg; scores are q . k * scale (q [B, H, D] as the model gives it, unscaled). fns: the block loops of
-    engine/attention/attn_ir.py for this data's format ([kscore, vacc] addresses), or zeros: the loops below."""
+    engine/attention/attn_ir.py for this data's format ([kscore, vacc, softmax] addresses: attn_ir.for_format), or
+    zeros: the loops below."""
     D = q.shape[2]
     Hkv = kd.shape[1]
     bs = kd.shape[2]
@@ -369,7 +370,7 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     s = np.empty((Hkv * G, L), dtype=np.float32)
     ebuf = np.empty(L, dtype=np.int32)
     efl = ebuf.view(np.float32)
-    kf, vf, isz = fns[0], fns[1], kd.itemsize
+    kf, vf, sf, isz = fns[0], fns[1], fns[2], kd.itemsize
     for j in range(lo // bs, (hi + bs - 1) // bs):
         on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
         kdat = akd if on_alt else kd
@@ -391,6 +392,10 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
         u = (b * Hkv + h) * S + seg
         for r in range(G):
             row = h * G + r
+            if sf != 0:  # the same max, exps and sum, as vector code
+                _call_ir(sf, (np.int64(s.ctypes.data + row * L * 4), np.int64(L),
+                              np.int64(mo.ctypes.data + (u * G + r) * 4), np.int64(lo_.ctypes.data + (u * G + r) * 4)))
+                continue
             mx = s[row, 0]
             for c in range(1, L):
                 mx = max(mx, s[row, c])

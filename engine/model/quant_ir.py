@@ -564,6 +564,10 @@ def kernel_ir_f32(T: int) -> str:
     for n in ("q", "x", "out"):
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append("  %steps = udiv i64 %K.i, 16\n")
+    # Prefetch distance: whole groups of R rows, at least F32_PREFETCH floats: each row's load is prefetched at the
+    # same place of its row that many groups on, so every line is prefetched that far ahead whatever K is.
+    L.append(f"  %grp = mul i64 %K.i, {R}\n  %pfg = add i64 %grp, {F32_PREFETCH - 1}\n"
+             f"  %pfn = udiv i64 %pfg, %grp\n  %pfd = mul i64 %pfn, %grp\n")
     for t in range(T):
         L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr float, ptr %x, i64 %xo{t}\n")
         L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
@@ -584,7 +588,7 @@ def kernel_ir_f32(T: int) -> str:
         for j in range(n):
             out.append(_load("float", f"%{lab}.wb{j}", f"%{lab}.o", f"%{lab}.w{j}", "<16 x float>"))
             if F32_PREFETCH:  # (a prefetch past the weight's end is a hint and never faults)
-                out.append(f"  %{lab}.pfo{j} = add i64 %{lab}.o, {F32_PREFETCH}\n"
+                out.append(f"  %{lab}.pfo{j} = add i64 %{lab}.o, %pfd\n"
                            f"  %{lab}.pfa{j} = getelementptr float, ptr %{lab}.wb{j}, i64 %{lab}.pfo{j}\n"
                            + _prefetch(f"%{lab}.pfa{j}", F32_LOCALITY))
         for t in range(T):

@@ -87,8 +87,8 @@ def test_block_loops_compute_decode_attention(isa, fmt, G, D, bs, window, S):
     scale = D ** -0.5
     lut = FORMATS[fmt][1]
     got, loops = (np.empty(q.shape, np.float32) for _ in range(2))
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, fns[2 * code:][:2])
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, attn_ir.NONE[:2])
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, attn_ir.for_format(fns, code))
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, attn_ir.for_format(attn_ir.NONE, 0))
     want = _want(q, qpos, table, alt, ctx, window, stored, scale, bs)
     # fp32 sums of D products and of up to 70 weighted values, in another order: a few ulp of the largest term
     tol = 64 * np.finfo(np.float32).eps * np.abs(want).max()
@@ -110,3 +110,46 @@ def test_describe_says_which_loops_run_and_why(monkeypatch):
     assert attn_ir.describe(8, 256) == "numba's loops (8 x 16 sums past the 16 registers kept)"
     monkeypatch.setenv("KVSCOPE_ATTN_IR", "off")
     assert attn_ir.describe(3, 64) == "numba's loops (KVSCOPE_ATTN_IR=off)"
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 100, 2056])
+def test_softmax_kernel_computes_exp_rows_max_exps_and_sum(isa, n):
+    """The max, exps and sum of a row of scores: the max exact, each exp Cephes' expf as exp_row computes it (within
+    4 ulp of float64's exp of the same fp32 difference, and within 2 of exp_row's), the sum within n ulp of the exps'
+    float64 sum; -inf scores (hidden keys) give 0, and a difference past fp32's exp range is clamped as exp_row
+    clamps it."""
+    if isa == "avx2" and not _has_avx2():
+        pytest.skip("this CPU has no AVX2")
+    fns = attn_ir.kernels(3, 64) if isa == "native" else attn_ir._compile(3, 4, isa)
+    g = np.random.default_rng(n)
+    s = (g.standard_normal(n) * 30).astype(np.float32)
+    if n > 2:
+        s[1] = -np.inf
+        s[2] = np.float32(-200.0)  # 200 below the others: past the clamp
+    got = s.copy()
+    m, tot = np.zeros(1, np.float32), np.zeros(1, np.float32)
+    _softmax(fns[-1], got, m, tot)
+    assert m[0] == s.max()
+    d = s - s.max()  # fp32, as both compute it
+    ebuf = np.empty(n, np.int32)
+    rows = s.reshape(1, n).copy()
+    numba_kernel.exp_row(rows, 0, n, s.max(), ebuf, ebuf.view(np.float32))
+    eps = float(np.finfo(np.float32).eps)
+    inside = d >= np.float32(-87.33654)
+    want = np.exp(d.astype(np.float64))
+    assert np.all(np.abs(got[inside] - want[inside]) <= 4 * eps * want[inside])
+    assert np.all(np.abs(got - rows[0]) <= 2 * eps * rows[0])
+    if n > 2:
+        assert got[1] == 0.0 and got[2] == rows[0, 2] > 0.0
+    exact = got.astype(np.float64).sum()
+    assert abs(float(tot[0]) - exact) <= n * eps * exact
+
+
+def _softmax(fn: int, s: np.ndarray, m: np.ndarray, tot: np.ndarray) -> None:
+    _call_softmax(np.int64(fn), s, m, tot)
+
+
+@numba_kernel.njit
+def _call_softmax(fn, s, m, tot):
+    attn_ir.call(fn, (np.int64(s.ctypes.data), np.int64(s.shape[0]), np.int64(m.ctypes.data), np.int64(tot.ctypes.data)))
