@@ -551,12 +551,19 @@ F32_PREFETCH = 2048  # floats ahead of each weight row's load that the f32 kerne
 F32_ROWS = {1: 4, 2: 4, 4: 2, 8: 2}  # weight rows a step of the f32 kernel for T rows of x (its sums: T x rows)
 
 
+F32_PANEL_BYTES = 24 << 10  # the most bytes of x (T rows x a panel of inputs) a pass over the weight rows reads
+
+
 def kernel_ir_f32(T: int) -> str:
     """fp32 weights [N, K] (K in 16s) times T rows of fp32 x: R = F32_ROWS[T] weight rows at a time, 16 inputs a
-    step: each row's 16 floats loaded once (and F32_PREFETCH floats ahead prefetched), each x row's 16 once,
+    step: each row's 16 floats loaded once (and prefetched F32_PREFETCH floats or more ahead), each x row's 16 once,
     multiplied into T x R 16-lane sums (fma); at the rows' end each sum added across its lanes. Rows left over
     (fewer than R) one at a time. The weight is read once for the T rows, where MKL's gemm at 5-8 rows streams it
     at half the memory's rate (`kvscope bench --long`).
+    Where T rows of x are more than F32_PANEL_BYTES (K > 768 at 8 rows) the inputs are cut into equal panels and
+    the rows passed over once a panel, each row's sums added into out after the first: x read from the L1 (one core
+    streamed an fp32 [576, 1536] weight at 8 rows at 9.2 GB/s with x from the L2, 14.7 in panels of 24 KiB (16 KiB:
+    14.2, 12 KiB: 13.5), 21.6 at K 576).
     Sums in another order than MKL's: equal up to float rounding. Arguments as the other kernels' (s, z, dx, xs,
     gidx, Gw unused); K >= 16."""
     R = F32_ROWS[T]
@@ -564,6 +571,10 @@ def kernel_ir_f32(T: int) -> str:
     for n in ("q", "x", "out"):
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append("  %steps = udiv i64 %K.i, 16\n")
+    # Panels: n = ceil(T K 4 / F32_PANEL_BYTES) of ceil(steps / n) steps each (the last one shorter).
+    L.append(f"  %xbytes = mul i64 %K.i, {4 * T}\n  %np0 = add i64 %xbytes, {F32_PANEL_BYTES - 1}\n"
+             f"  %np = udiv i64 %np0, {F32_PANEL_BYTES}\n  %pl0 = add i64 %steps, %np\n  %pl1 = sub i64 %pl0, 1\n"
+             "  %plen = udiv i64 %pl1, %np\n")
     # Prefetch distance: whole groups of R rows, at least F32_PREFETCH floats: each row's load is prefetched at the
     # same place of its row that many groups on, so every line is prefetched that far ahead whatever K is.
     L.append(f"  %grp = mul i64 %K.i, {R}\n  %pfg = add i64 %grp, {F32_PREFETCH - 1}\n"
@@ -571,15 +582,20 @@ def kernel_ir_f32(T: int) -> str:
     for t in range(T):
         L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr float, ptr %x, i64 %xo{t}\n")
         L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
-    L.append("  br label %head\n")
+    L.append("  br label %panel\n")
+    # panel: steps [%cs, %ce) of every row
+    L.append("panel:\n  %cs = phi i64 [0, %entry], [%ce, %pdone]\n  %ce0 = add i64 %cs, %plen\n"
+             "  %cfit = icmp ult i64 %ce0, %steps\n  %ce = select i1 %cfit, i64 %ce0, i64 %steps\n"
+             "  %later = icmp ne i64 %cs, 0\n  br label %head\n")
 
     def rows(n: int, lab: str, back: str) -> str:
-        """Blocks {lab}, {lab}.step, {lab}.end: rows %r .. %r + n - 1, then a branch to %back."""
+        """Blocks {lab}, {lab}.step, {lab}.end: rows %r .. %r + n - 1 over the panel's steps, then a branch to
+        %back."""
         out = [f"{lab}:\n"]
         for j in range(n):
             out.append(f"  %{lab}.r{j} = add i64 %r, {j}\n  %{lab}.wo{j} = mul i64 %{lab}.r{j}, %K.i\n"
                        f"  %{lab}.wb{j} = getelementptr float, ptr %q, i64 %{lab}.wo{j}\n")
-        out.append(f"  br label %{lab}.step\n{lab}.step:\n  %{lab}.c = phi i64 [0, %{lab}], [%{lab}.c1, %{lab}.step]\n")
+        out.append(f"  br label %{lab}.step\n{lab}.step:\n  %{lab}.c = phi i64 [%cs, %{lab}], [%{lab}.c1, %{lab}.step]\n")
         for t in range(T):
             for j in range(n):
                 out.append(f"  %{lab}.a{t}.{j} = phi <16 x float> [zeroinitializer, %{lab}], [%{lab}.n{t}.{j}, "
@@ -596,23 +612,27 @@ def kernel_ir_f32(T: int) -> str:
             for j in range(n):
                 out.append(f"  %{lab}.n{t}.{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.w{j}, "
                            f"<16 x float> %{lab}.x{t}, <16 x float> %{lab}.a{t}.{j})\n")
-        out.append(f"  %{lab}.c1 = add i64 %{lab}.c, 1\n  %{lab}.more = icmp ult i64 %{lab}.c1, %steps\n"
+        out.append(f"  %{lab}.c1 = add i64 %{lab}.c, 1\n  %{lab}.more = icmp ult i64 %{lab}.c1, %ce\n"
                    f"  br i1 %{lab}.more, label %{lab}.step, label %{lab}.end\n{lab}.end:\n")
         for t in range(T):
             for j in range(n):
                 out.append(f"  %{lab}.s{t}.{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
                            f"<16 x float> %{lab}.n{t}.{j})\n"
                            f"  %{lab}.p{t}.{j} = getelementptr float, ptr %ob{t}, i64 %{lab}.r{j}\n"
-                           f"  store float %{lab}.s{t}.{j}, ptr %{lab}.p{t}.{j}, align 4\n")
+                           f"  %{lab}.q{t}.{j} = load float, ptr %{lab}.p{t}.{j}, align 4\n"  # (the first panel's: unused)
+                           f"  %{lab}.b{t}.{j} = select i1 %later, float %{lab}.q{t}.{j}, float 0.0\n"
+                           f"  %{lab}.t{t}.{j} = fadd float %{lab}.b{t}.{j}, %{lab}.s{t}.{j}\n"
+                           f"  store float %{lab}.t{t}.{j}, ptr %{lab}.p{t}.{j}, align 4\n")
         out.append(f"  br label %{back}\n")
         return "".join(out)
 
-    # head: R rows while R are left, then single rows while any are left
-    L.append(f"head:\n  %r = phi i64 [%n0.i, %entry], [%rR, %many.end], [%r1, %one.end]\n"
+    # head: R rows while R are left, then single rows while any are left; then the next panel
+    L.append(f"head:\n  %r = phi i64 [%n0.i, %panel], [%rR, %many.end], [%r1, %one.end]\n"
              f"  %rR = add i64 %r, {R}\n  %r1 = add i64 %r, 1\n  %fitR = icmp sle i64 %rR, %n1.i\n"
              f"  br i1 %fitR, label %many, label %left\n"
-             f"left:\n  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %done\n")
+             f"left:\n  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %pdone\n")
     L.append(rows(R, "many", "head") + rows(1, "one", "head"))
+    L.append("pdone:\n  %pmore = icmp ult i64 %ce, %steps\n  br i1 %pmore, label %panel, label %done\n")
     L.append("done:\n  ret void\n}\n")
     return "".join(L)
 

@@ -119,8 +119,8 @@ def test_status_names_the_build():
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])
-@pytest.mark.parametrize("shape", [(96, 576), (203, 1536), (17, 64), (5, 16), (1, 48)])  # rows past a multiple of
-def test_fp32_kernel_is_the_product(lib, rows, shape):                                   # F32_ROWS; 1 or 3 steps
+@pytest.mark.parametrize("shape", [(96, 576), (203, 1536), (7, 1552), (17, 64), (5, 16), (1, 48)])  # rows past a
+def test_fp32_kernel_is_the_product(lib, rows, shape):  # multiple of F32_ROWS; 2 and 3 (unequal) panels; 1 or 3 steps
     """The fp32-weight kernel (decode steps of fp32 models): x @ W.T up to float32 rounding, every tile of x rows
     and weight-row grouping, into rows of its own; what it cannot take (K not in 16s, strided, other dtypes) it
     returns None for, for the caller's gemm."""
