@@ -75,9 +75,7 @@ class ChunkedPagedBackend(DecodeAsPrefill):
         kfmt, vfmt = kv_formats(paged.dtype)
         table = batch.block_table.long()  # [B, NB]
         NB = table.shape[1]
-        hidden = ~visibility(batch, Q, NB * bs, window)[:, None, None]  # [B, 1, 1, Q, S]
-        # Rows (g, q) of each kv head: [B, Hkv, G*Q, D], pre-scaled.
-        qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        visible = visibility(batch, Q, NB * bs, window)  # [B, Q, S]
         first, last = 0, NB
         if batch.key_pos is None and not q.is_cuda:  # key i at position i; .item() is free on the CPU
             qpos = query_positions(batch, B, Q)
@@ -89,10 +87,13 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             cols = slice(first, last)
             k = read_blocks(paged, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
             v = read_blocks(paged, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
-            mask = ~hidden[:, 0, 0, :, first * bs : last * bs][:, None]  # [B, 1, Q, n]
+            mask = visible[:, None, :, first * bs : last * bs]  # [B, 1, Q, n]
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]
             return o.transpose(1, 2).to(q.dtype)
+        # Rows (g, q) of each kv head: [B, Hkv, G*Q, D], pre-scaled.
+        qg = (q.float() * scale).view(B, Q, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * Q, D)
+        hidden = ~visible[:, None, None]  # [B, 1, 1, Q, S]
         acc, l, m = self._online(qg, layer, paged, batch, (kfmt, vfmt), hidden, first, last)
         if sinks is not None:  # rows (g, q) of each kv head, as qg's: [1, Hkv, G*Q, 1]
             sink = sinks.float().to(q.device).view(1, Hkv, G, 1).repeat_interleave(Q, dim=2)

@@ -129,7 +129,10 @@ class StepProbe:
             t.held.append((k.float().to(dev), _to(_pick(self.kc, self.k_axes, parts_k, layer, a), dev),
                            v.float().to(dev), _to(_pick(self.vc, self.v_axes, parts_v, layer, a), dev)))
             return
-        x_hat = (stored(self.kc, self.k_axes, parts_k, layer, a), stored(self.vc, self.v_axes, parts_v, layer, a))
+        if type(self.kc) is Codec and type(self.vc) is Codec:  # plain storage: what the tier holds is x rounded to it
+            x_hat = (k.to(self.kc.storage).float(), v.to(self.vc.storage).float())  # (read back: the same values)
+        else:
+            x_hat = (stored(self.kc, self.k_axes, parts_k, layer, a), stored(self.vc, self.v_axes, parts_v, layer, a))
         _reduce(t, torch.stack((k.float(), v.float()))[:, None].to(dev), torch.stack(x_hat)[:, None].to(dev))
 
     def direct(self, tokens: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
