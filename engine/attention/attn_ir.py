@@ -1,5 +1,5 @@
-"""Decode attention's two inner loops as LLVM IR vector code, compiled for this CPU by llvmlite (the LLVM numba
-brings) and called from numba_kernel.decode_plain, block by block.
+"""Decode attention's two inner loops, and the softmax between them, as LLVM IR vector code, compiled for this CPU by
+llvmlite (the LLVM numba brings) and called from numba_kernel.decode_plain, block by block.
 
 For one block of one kv head (its n tokens' K or V: n x D contiguous elements of the pool, fp32, fp16 bits or bf16
 bits) and the G query rows that share the head:
@@ -9,8 +9,10 @@ bits) and the G query rows that share the head:
       the G dot products (D/16 FMAs each), then summed across its lanes.
   vacc:   acc[r] += p[r * ps + t] * v[t] over the block's tokens, the G x D sums held in registers for the whole
       block and stored once at its end (the numba loop kept them in memory: a load and a store per key and row).
+  softmax: between the two passes, each query row's scores replaced by exp(score - max), their max and sum
+      written out (Cephes' expf as numba_kernel.exp_row computes it, with fused multiply-adds, 16 lanes at a time).
 
-numba compiles both loops too (the fallback, KVSCOPE_ATTN_IR=off), but it cannot keep the sums in registers across
+numba compiles these loops too (the fallback, KVSCOPE_ATTN_IR=off), but it cannot keep the sums in registers across
 keys (they are array elements) and converts each key once per query row; these take 2-3x less time per block.
 Sums are reassociated (each dot's lanes added in a tree): equal to the numba loops up to float rounding.
 

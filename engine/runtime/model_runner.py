@@ -43,7 +43,7 @@ class StepInputs:
         self.dev: dict[str, torch.Tensor] = {}
 
     def put(self, name: str, a: np.ndarray) -> torch.Tensor:
-        """The array as a tensor on the model's device, through `name`'s buffers: shape and dtype kept."""
+        """The array as a tensor on the model's device (on CUDA through `name`'s buffers): shape and dtype kept."""
         if not self.cuda:  # a copy: the caller's array may change after the step
             return torch.from_numpy(np.array(a, dtype=np.bool_ if a.dtype == np.bool_ else np.int64, order="C"))
         a = np.ascontiguousarray(a)
@@ -52,9 +52,8 @@ class StepInputs:
         buf = self.host.get(name)
         if buf is None or buf.numel() < n or buf.dtype != dtype:
             size = max(64, 1 << max(n - 1, 1).bit_length())
-            self.host[name] = buf = torch.empty(size, dtype=dtype, pin_memory=self.cuda)
-            if self.cuda:
-                self.dev[name] = torch.empty(size, dtype=dtype, device=self.device)
+            self.host[name] = buf = torch.empty(size, dtype=dtype, pin_memory=True)
+            self.dev[name] = torch.empty(size, dtype=dtype, device=self.device)
         host = buf[:n]
         host.copy_(torch.from_numpy(a.reshape(-1).astype(np.bool_ if dtype is torch.bool else np.int64, copy=False)))
         out = self.dev[name][:n]
