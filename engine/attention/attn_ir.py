@@ -341,8 +341,9 @@ def for_format(fns: np.ndarray, code: int) -> np.ndarray:
 
 def kernels(G: int, D: int) -> np.ndarray:
     """The kernels for G query rows a kv head and head dim D: int64 [kscore f32, vacc f32, kscore f16, vacc f16,
-    kscore bf16, vacc bf16, softmax] addresses (for_format: those one storage format's blocks take), or NONE (zeros: decode_plain's numba loops) where there are none: D not in
-    16s, G x D/16 > MAX_VECTORS, no llvmlite, KVSCOPE_ATTN_IR=off, or an LLVM that refused the IR (status())."""
+    kscore bf16, vacc bf16, softmax] addresses (for_format: those one storage format's blocks take), or NONE (zeros:
+    decode_plain's numba loops) where there are none: D not in 16s, G x D/16 > MAX_VECTORS, no llvmlite,
+    KVSCOPE_ATTN_IR=off, or an LLVM that refused the IR (status())."""
     global _error
     C = D // 16
     if _error or D % 16 or D <= 0 or G <= 0 or G * C > MAX_VECTORS or os.environ.get("KVSCOPE_ATTN_IR") == "off":

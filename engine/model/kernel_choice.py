@@ -8,7 +8,8 @@ the code, so it is measured: for a weight [N, K] and a row count T (1, 2, 4, 8: 
 the weight itself with random rows, alternately, after a warm-up, and the lower median wins. The picks are kept in
 $KVSCOPE_CACHE_DIR/kernel-choice.json under a key naming the CPU (its model name, LLVM's name for it, torch's thread
 count and version) and the kernel's code, so a later process on the same CPU and code measures nothing; a file that
-cannot be read or parsed is measured anew and rewritten. KVSCOPE_F32_KERNEL=ir or mkl forces one side (the tests compare both).
+cannot be read or parsed is measured anew and rewritten. KVSCOPE_F32_KERNEL=ir or mkl forces one side (the tests
+compare both).
 
 A decoder layer's fp32 matmuls run fused into two compiled calls (engine/model/quant_layer.py) only where the kernel
 wins the layer: `fuse_layer` compares the sum of its four matmuls' medians at one row.

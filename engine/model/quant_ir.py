@@ -595,7 +595,8 @@ def kernel_ir_f32(T: int) -> str:
         for j in range(n):
             out.append(f"  %{lab}.r{j} = add i64 %r, {j}\n  %{lab}.wo{j} = mul i64 %{lab}.r{j}, %K.i\n"
                        f"  %{lab}.wb{j} = getelementptr float, ptr %q, i64 %{lab}.wo{j}\n")
-        out.append(f"  br label %{lab}.step\n{lab}.step:\n  %{lab}.c = phi i64 [%cs, %{lab}], [%{lab}.c1, %{lab}.step]\n")
+        out.append(f"  br label %{lab}.step\n{lab}.step:\n"
+                   f"  %{lab}.c = phi i64 [%cs, %{lab}], [%{lab}.c1, %{lab}.step]\n")
         for t in range(T):
             for j in range(n):
                 out.append(f"  %{lab}.a{t}.{j} = phi <16 x float> [zeroinitializer, %{lab}], [%{lab}.n{t}.{j}, "
@@ -619,7 +620,8 @@ def kernel_ir_f32(T: int) -> str:
                 out.append(f"  %{lab}.s{t}.{j} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
                            f"<16 x float> %{lab}.n{t}.{j})\n"
                            f"  %{lab}.p{t}.{j} = getelementptr float, ptr %ob{t}, i64 %{lab}.r{j}\n"
-                           f"  %{lab}.q{t}.{j} = load float, ptr %{lab}.p{t}.{j}, align 4\n"  # (the first panel's: unused)
+                           # (the first panel loads and drops what out held)
+                           f"  %{lab}.q{t}.{j} = load float, ptr %{lab}.p{t}.{j}, align 4\n"
                            f"  %{lab}.b{t}.{j} = select i1 %later, float %{lab}.q{t}.{j}, float 0.0\n"
                            f"  %{lab}.t{t}.{j} = fadd float %{lab}.b{t}.{j}, %{lab}.s{t}.{j}\n"
                            f"  store float %{lab}.t{t}.{j}, ptr %{lab}.p{t}.{j}, align 4\n")

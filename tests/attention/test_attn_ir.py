@@ -87,8 +87,9 @@ def test_block_loops_compute_decode_attention(isa, fmt, G, D, bs, window, S):
     scale = D ** -0.5
     lut = FORMATS[fmt][1]
     got, loops = (np.empty(q.shape, np.float32) for _ in range(2))
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, attn_ir.for_format(fns, code))
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, attn_ir.for_format(attn_ir.NONE, 0))
+    ir_loops, numba_loops = attn_ir.for_format(fns, code), attn_ir.for_format(attn_ir.NONE, 0)
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, ir_loops)
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, numba_loops)
     want = _want(q, qpos, table, alt, ctx, window, stored, scale, bs)
     # fp32 sums of D products and of up to 70 weighted values, in another order: a few ulp of the largest term
     tol = 64 * np.finfo(np.float32).eps * np.abs(want).max()
@@ -152,4 +153,5 @@ def _softmax(fn: int, s: np.ndarray, m: np.ndarray, tot: np.ndarray) -> None:
 
 @numba_kernel.njit
 def _call_softmax(fn, s, m, tot):
-    attn_ir.call(fn, (np.int64(s.ctypes.data), np.int64(s.shape[0]), np.int64(m.ctypes.data), np.int64(tot.ctypes.data)))
+    attn_ir.call(fn, (np.int64(s.ctypes.data), np.int64(s.shape[0]), np.int64(m.ctypes.data),
+                      np.int64(tot.ctypes.data)))
