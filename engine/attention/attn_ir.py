@@ -41,7 +41,7 @@ except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
 
 FORMATS = ("f32", "f16", "bf16")  # the element each kernel reads: fp32, fp16 bits, bf16 bits (FORMAT_CODE's order)
 MAX_VECTORS = 16  # G x D/16 at most: the sums (and the query rows) kept in registers
-NONE = np.zeros(2 * len(FORMATS) + 1, dtype=np.int64)  # kernels() where there are none: decode_plain's own loops
+NONE = np.zeros((len(FORMATS), 3), dtype=np.int64)  # kernels() where there are none: decode_plain's own loops
 
 if llvm is not None:
 
@@ -334,16 +334,11 @@ _engines: list = []  # the compiled modules' owners, kept alive with the process
 _error = _IMPORT_ERROR
 
 
-def for_format(fns: np.ndarray, code: int) -> np.ndarray:
-    """[kscore, vacc, softmax] of kernels() for blocks of format FORMATS[code]: what decode_plain takes."""
-    return np.array([fns[2 * code], fns[2 * code + 1], fns[-1]], dtype=np.int64)
-
-
 def kernels(G: int, D: int) -> np.ndarray:
-    """The kernels for G query rows a kv head and head dim D: int64 [kscore f32, vacc f32, kscore f16, vacc f16,
-    kscore bf16, vacc bf16, softmax] addresses (for_format: those one storage format's blocks take), or NONE (zeros:
-    decode_plain's numba loops) where there are none: D not in 16s, G x D/16 > MAX_VECTORS, no llvmlite,
-    KVSCOPE_ATTN_IR=off, or an LLVM that refused the IR (status())."""
+    """The kernels for G query rows a kv head and head dim D: int64 [format, 3], row FORMATS' index, the [kscore,
+    vacc, softmax] addresses decode_plain takes for blocks of that format; or NONE (zeros: decode_plain's numba
+    loops) where there are none: D not in 16s, G x D/16 > MAX_VECTORS, no llvmlite, KVSCOPE_ATTN_IR=off, or an LLVM
+    that refused the IR (status())."""
     global _error
     C = D // 16
     if _error or D % 16 or D <= 0 or G <= 0 or G * C > MAX_VECTORS or os.environ.get("KVSCOPE_ATTN_IR") == "off":
@@ -394,8 +389,9 @@ def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
     _engines.append(engine)
-    return np.array([engine.get_function_address(f"{kind}_{f}_g{G}_c{C}") for f in FORMATS
-                     for kind in ("kscore", "vacc")] + [engine.get_function_address("softmax")], dtype=np.int64)
+    softmax = engine.get_function_address("softmax")
+    return np.array([[engine.get_function_address(f"kscore_{f}_g{G}_c{C}"),
+                      engine.get_function_address(f"vacc_{f}_g{G}_c{C}"), softmax] for f in FORMATS], dtype=np.int64)
 
 
 def status() -> str:

@@ -347,8 +347,8 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
     slot's K, then its V, are one contiguous run: a stream the prefetcher follows). Writes item (b, h)'s segment
     seg of S: acc [U, G, D] unnormalized, mo [U, G] max score, lo_ [U, G] sum of exp(score - max), U = b*Hkv*S +
     h*S + seg; scores are q . k * scale (q [B, H, D] as the model gives it, unscaled). fns: the block loops of
-    engine/attention/attn_ir.py for this data's format ([kscore, vacc, softmax] addresses: attn_ir.for_format), or
-    zeros: the loops below."""
+    engine/attention/attn_ir.py for this data's format ([kscore, vacc, softmax] addresses: a row of
+    attn_ir.kernels), or zeros: the loops below."""
     D = q.shape[2]
     Hkv = kd.shape[1]
     bs = kd.shape[2]
@@ -368,9 +368,9 @@ def _decode_part(q, scale, b, G, lo, hi, table, alt, kd, vd, akd, avd, dlut, acc
             for d in range(D):
                 qs[h, r, d] = q[b, h * G + r, d] * scale
     s = np.empty((Hkv * G, L), dtype=np.float32)
-    ebuf = np.empty(L, dtype=np.int32)
-    efl = ebuf.view(np.float32)
     kf, vf, sf, isz = fns[0], fns[1], fns[2], kd.itemsize
+    ebuf = np.empty(L if sf == 0 else 0, dtype=np.int32)  # exp_row's 2^k (the softmax kernel needs none)
+    efl = ebuf.view(np.float32)
     for j in range(lo // bs, (hi + bs - 1) // bs):
         on_alt, sl, t0, t1 = _block_span(b, j, lo, hi, bs, alt, table)
         kdat = akd if on_alt else kd

@@ -266,8 +266,7 @@ class NumbaPagedBackend(ChunkedPagedBackend):
         rows = self._rows(batch, paged, alt_table, B, 1)
         n = max(1, torch.get_num_threads())
         code = _IR_FORMAT.get(kt.dtype)
-        fns = attn_ir.for_format(attn_ir.NONE if code is None else attn_ir.kernels(H // paged.kv_heads, kt.shape[-1]),
-                                 code or 0)
+        fns = attn_ir.NONE[0] if code is None else attn_ir.kernels(H // paged.kv_heads, kt.shape[-1])[code]
         # >= 2 (sequence, segment) units a thread
         return (*rows[:4], _data_lut(kt), max(1, -(-2 * n // B)), fns), alt_kv
 

@@ -87,9 +87,8 @@ def test_block_loops_compute_decode_attention(isa, fmt, G, D, bs, window, S):
     scale = D ** -0.5
     lut = FORMATS[fmt][1]
     got, loops = (np.empty(q.shape, np.float32) for _ in range(2))
-    ir_loops, numba_loops = attn_ir.for_format(fns, code), attn_ir.for_format(attn_ir.NONE, 0)
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, ir_loops)
-    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, numba_loops)
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, got, S, fns[code])
+    numba_kernel.decode_plain(q, scale, qpos, table, alt, ctx, window, *data, lut, loops, S, attn_ir.NONE[code])
     want = _want(q, qpos, table, alt, ctx, window, stored, scale, bs)
     # fp32 sums of D products and of up to 70 weighted values, in another order: a few ulp of the largest term
     tol = 64 * np.finfo(np.float32).eps * np.abs(want).max()
@@ -130,7 +129,7 @@ def test_softmax_kernel_computes_exp_rows_max_exps_and_sum(isa, n):
         s[2] = np.float32(-200.0)  # 200 below the others: past the clamp
     got = s.copy()
     m, tot = np.zeros(1, np.float32), np.zeros(1, np.float32)
-    _softmax(fns[-1], got, m, tot)
+    _softmax(fns[0, 2], got, m, tot)
     assert m[0] == s.max()
     d = s - s.max()  # fp32, as both compute it
     ebuf = np.empty(n, np.int32)
