@@ -387,10 +387,11 @@ def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
     # 2 rows of 40 + 1 warm-up + 3 timed steps (+ the token being computed) = 45 keys = 3 blocks of 16 each
     assert res["kv_bytes_read"] == 2 * 3 * _block_bytes(tiny_llama, 16)
     assert res["floor_ms"] > 0 and res["step_ms_median"] > 0 and res["step_over_floor"] > 0
-    # each step is held against the floor at the rate of the streaming read before it; the ratio is their median,
-    # and the floor shown is the bytes over the reads' median rate
-    each = res["step_over_floor_each"]
+    # each step is held against the floor at the faster of the streaming reads just before and just after it; the
+    # ratio is their median, and the floor shown is the bytes over those rates' median
+    each, reads = res["step_over_floor_each"], res["reads_gbps"]
     assert len(each) == 3 and res["step_over_floor"] == pytest.approx(sorted(each)[1])
+    assert len(reads) == 4 and res["read_gbps"] == pytest.approx(sorted(max(a, b) for a, b in zip(reads, reads[1:]))[1])
     assert res["read_gbps_min"] <= res["read_gbps"] <= res["read_gbps_max"] and res["read_mib"] == 64
     assert res["floor_ms"] == pytest.approx((res["weights_bytes"] + res["kv_bytes_read"]) / res["read_gbps"] / 1e6)
     # the compute floor: 2 FLOP per weight of each matrix per row, 4 per attended key per head dimension per
@@ -424,7 +425,7 @@ def test_long_bench_refuses_a_step_faster_than_its_floor(tiny_llama, monkeypatch
                                       "--attention", "cpu", "--json"])
     assert bench.cmd_bench_long(args) == 1
     out = capsys.readouterr()
-    assert "faster than the streaming read just before it" in out.err and "the floor is not a floor" in out.err
+    assert "faster than the streaming reads just before and after it" in out.err and "the floor is not a floor" in out.err
     res = json.loads(out.out.strip().splitlines()[-1])
     assert min(res["step_over_floor_each"]) < 1.0 and res["error"]
 
