@@ -384,6 +384,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "memory": mem,
         "self_checks": engine.runner.checks.summary(),
         "kernels": _kernels(s),
+        "pages": _pages(engine),
     }
     if args.json:
         print(json.dumps(info, indent=2))
@@ -419,6 +420,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         print(f"self-check {name:<10} " + (c["message"] if "message" in c else "not run yet (checked at first use)"))
     k = info["kernels"]
     print(f"kernels    packed weights: {k['packed_weights']}; decode attention's block loops: {k['attention_blocks']}")
+    pg = info["pages"]
+    held = "".join(f"; {name} {m['bytes'] / 2**20:.0f} MiB: {m['advised'] / 2**20:.0f} advised, {m['huge'] / 2**20:.0f} "
+                   "on 2 MiB pages now" for name, m in (("weights", pg["weights"]), ("KV pool", pg["kv_pool"])) if m)
+    print(f"pages      {pg['mode']}{held}")
     return 0
 
 
@@ -428,5 +433,20 @@ def _kernels(spec) -> dict:
     from engine.attention import attn_ir
     from engine.model import quant_ir
 
+    from engine.runtime import hugepages
+
     G = spec.num_heads // max(1, spec.num_kv_heads)
     return {"packed_weights": quant_ir.status(), "attention_blocks": attn_ir.describe(G, spec.head_dim)}
+
+
+def _pages(engine) -> dict:
+    """The pages the CPU weights and KV pool are on (engine/runtime/hugepages.py): the mode, and per kind the bytes,
+    those advised onto 2 MiB pages and those on them now (the pool's are committed as blocks are first written);
+    a kind's entry None where the system does not say or nothing of it is in CPU memory."""
+    from engine.runtime import hugepages
+    from engine.runtime.bandwidth import _weight_tensors
+
+    pool = [t for p in engine.kv.pools for tier in p.tiers for parts in (tier.k, tier.v) for layers in parts.values()
+            for t in layers if t is not None and t.device.type == "cpu"]
+    return {"mode": hugepages.describe(), "weights": hugepages.mappings(_weight_tensors(engine.model)) or None,
+            "kv_pool": hugepages.mappings(pool) if pool else None}

@@ -19,12 +19,12 @@ appending their tokens one by one would.
 from __future__ import annotations
 
 import dataclasses
-import mmap
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import KVDtype
+from engine.runtime import hugepages
 
 class Layers(list):
     """A part's tensors, one per layer: `parts[name][layer]` is layer `layer`'s [N, ...] tensor.
@@ -315,25 +315,9 @@ def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
 
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """CPU zeros whose memory the OS commits page by page as it is first written, not up front.
-
-    torch.zeros writes every byte (a 16 GB host tier would commit 16 GB at start). A private anonymous
-    mapping is zero pages until written. Not numpy's calloc'd zeros: numpy asks for transparent huge pages on
-    large arrays, and since a tier is one tensor per layer, the first block written would commit a 2 MB page
-    in every layer of K and of V (~120 MB per tier on SmolLM2). Bytes reinterpreted as `dtype` (bf16 and fp8
-    have no numpy dtype); the mapping lives as long as the tensor.
-    """
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
-        return torch.zeros(shape, dtype=dtype)
-    nbytes = numel * _itemsize(dtype)
-    if hasattr(mmap, "MAP_PRIVATE"):
-        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:  # Windows: pagefile-backed, also committed lazily
-        buf = mmap.mmap(-1, nbytes)
-    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+    """CPU zeros committed as they are first written; a layer of hugepages.POOL_MIN or more on 2 MiB pages where the
+    system allows (engine/runtime/hugepages.py: a decode step's scattered block reads miss the TLB less)."""
+    return hugepages.zeros(shape, dtype, min_bytes=hugepages.POOL_MIN)
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -17,6 +17,7 @@ import torch
 
 from engine.model.quant import can_quantize, quantize
 from engine.model.spec import ModelLoadError, read_json
+from engine.runtime import hugepages
 
 
 # The weights `--weights-dtype int8|int4` packs as they are read (the forward's linear weights and embeddings).
@@ -157,15 +158,23 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
             parts = [entries.get(prefix + g) for g in group]
             if any(p is None for p in parts) or len({p.shape[1:] for p in parts}) != 1 or not parts[0].shape:
                 continue  # not fusable: each part gets its own tensor below (shapes are checked later)
-            fused = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, device=device)
+            fused = _empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype, device)
             row = 0
             for p in parts:
                 weights[p.name] = fused[row: row + p.shape[0]]
                 row += p.shape[0]
     for name, e in entries.items():
         if name not in weights:
-            weights[name] = torch.empty(e.shape, dtype=dtype, device=device)
+            weights[name] = _empty(tuple(e.shape), dtype, device)
     return weights
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A weight's final tensor: on the CPU on 2 MiB pages where it is that large and the system allows
+    (engine/runtime/hugepages.py: a decode step streams every weight), else torch.empty."""
+    if torch.device(device).type == "cpu":
+        return hugepages.empty(shape, dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def _read_into(f: BinaryIO, e: _Entry, dst: torch.Tensor) -> None:
