@@ -433,17 +433,17 @@ def _kernels(spec) -> dict:
     from engine.attention import attn_ir
     from engine.model import quant_ir
 
-    from engine.runtime import hugepages
+    from engine import hugepages
 
     G = spec.num_heads // max(1, spec.num_kv_heads)
     return {"packed_weights": quant_ir.status(), "attention_blocks": attn_ir.describe(G, spec.head_dim)}
 
 
 def _pages(engine) -> dict:
-    """The pages the CPU weights and KV pool are on (engine/runtime/hugepages.py): the mode, and per kind the bytes,
+    """The pages the CPU weights and KV pool are on (engine/hugepages.py): the mode, and per kind the bytes,
     those advised onto 2 MiB pages and those on them now (the pool's are committed as blocks are first written);
     a kind's entry None where the system does not say or nothing of it is in CPU memory."""
-    from engine.runtime import hugepages
+    from engine import hugepages
     from engine.runtime.bandwidth import _weight_tensors
 
     pool = [t for p in engine.kv.pools for tier in p.tiers for parts in (tier.k, tier.v) for layers in parts.values()

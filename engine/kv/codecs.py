@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import KVDtype
-from engine.runtime import hugepages
+from engine import hugepages
 
 class Layers(list):
     """A part's tensors, one per layer: `parts[name][layer]` is layer `layer`'s [N, ...] tensor.
@@ -316,7 +316,7 @@ def fp16_ceil(x: torch.Tensor) -> torch.Tensor:
 
 def _lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """CPU zeros committed as they are first written; a layer of hugepages.POOL_MIN or more on 2 MiB pages where the
-    system allows (engine/runtime/hugepages.py: a decode step's scattered block reads miss the TLB less)."""
+    system allows (engine/hugepages.py: a decode step's scattered block reads miss the TLB less)."""
     return hugepages.zeros(shape, dtype, min_bytes=hugepages.POOL_MIN)
 
 

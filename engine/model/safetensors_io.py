@@ -17,7 +17,7 @@ import torch
 
 from engine.model.quant import can_quantize, quantize
 from engine.model.spec import ModelLoadError, read_json
-from engine.runtime import hugepages
+from engine import hugepages
 
 
 # The weights `--weights-dtype int8|int4` packs as they are read (the forward's linear weights and embeddings).
@@ -171,7 +171,7 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A weight's final tensor: on the CPU on 2 MiB pages where it is that large and the system allows
-    (engine/runtime/hugepages.py: a decode step streams every weight), else torch.empty."""
+    (engine/hugepages.py: a decode step streams every weight), else torch.empty."""
     if torch.device(device).type == "cpu":
         return hugepages.empty(shape, dtype)
     return torch.empty(shape, dtype=dtype, device=device)

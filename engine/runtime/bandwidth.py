@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.runtime import hugepages
+from engine import hugepages
 
 READ_MIB = 512  # the buffer of a streaming read: larger than any last-level cache it is meant to miss
 REPEATS = 3

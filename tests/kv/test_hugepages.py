@@ -1,4 +1,4 @@
-"""The CPU buffers a decode step streams on 2 MiB pages (engine/runtime/hugepages.py): the KV pool's large tier
+"""The CPU buffers a decode step streams on 2 MiB pages (engine/hugepages.py): the KV pool's large tier
 layers, the weights read from safetensors and the streaming read of the memory floor are advised onto them (VmFlags "hg" in
 /proc/self/smaps: the advice, whatever pages the kernel found), lazily committed and zero; small buffers and
 KVSCOPE_HUGE_PAGES=off keep plain pages."""
@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from engine.runtime import hugepages
+from engine import hugepages
 
 pytestmark = pytest.mark.skipif(hugepages.mappings([torch.zeros(1)]) is None, reason="no /proc/self/smaps here")
 needs_thp = pytest.mark.skipif(not hugepages.enabled(),
