@@ -407,6 +407,11 @@ def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
     assert res["gemm_gflops"] > 0.1
     assert res["compute_floor_ms"] == pytest.approx(res["step_gflop"] / res["gemm_gflops"] * 1e3)
     assert res["step_over_compute_floor"] == pytest.approx(res["step_ms_median"] / res["compute_floor_ms"])
+    # between the floors: their sum, the share of the compute floor the step hid, the share 1.3x needs hidden
+    m, c, st = res["floor_ms"], res["compute_floor_ms"], res["step_ms_median"]
+    assert res["serial_floor_ms"] == pytest.approx(m + c)
+    assert res["compute_hidden_share"] == pytest.approx((m + c - st) / c)
+    assert res["compute_hidden_share_needed"] == pytest.approx(min(1.0, max(0.0, (c - 0.3 * m) / c)))
     assert res["outside_torch_ops_ms_per_step"] >= 0
     assert res["profile_top_ops"] and all({"op", "ms_per_step", "share"} <= set(op) for op in res["profile_top_ops"])
     assert build_parser().parse_args(["bench", "--long"]).long == 2048
