@@ -62,39 +62,55 @@ def describe() -> str:
     return f"4 KiB pages (transparent huge pages: {mode})"
 
 
+def _map(nbytes: int, huge: bool) -> tuple[mmap.mmap, int]:
+    """A private anonymous mapping of at least nbytes (zero pages until written) and the offset its buffer starts
+    at: 2 MiB aligned and its whole 2 MiB pages advised onto huge pages where `huge` (a last part page would commit
+    up to 2 MiB past the buffer's end; the slack before and after it is never touched)."""
+    buf = mmap.mmap(-1, nbytes + (PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if not huge:
+        return buf, 0
+    offset = -np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data % PAGE
+    buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // PAGE * PAGE)
+    return buf, offset
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, min_bytes: int = PAGE) -> torch.Tensor:
     """CPU zeros whose memory the OS commits as it is first written, not up front: a private anonymous mapping
     is zero pages until written (torch.zeros writes every byte: a 16 GB host tier would commit 16 GB at start).
     On 2 MiB pages where enabled() and the buffer is `min_bytes` or more (aligned to 2 MiB, each whole 2 MiB of it
-    one page, the rest past the last whole one on 4 KiB pages), else 4 KiB ones. Bytes reinterpreted as `dtype` (bf16 and fp8 have no numpy dtype); the mapping
-    lives as long as the tensor."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    one page, the rest past the last whole one on 4 KiB pages), else 4 KiB ones. Bytes reinterpreted as `dtype`
+    (bf16 and fp8 have no numpy dtype); the mapping lives as long as the tensor."""
+    nbytes = _numel(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: pagefile-backed, also committed lazily
         return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8).view(dtype).view(shape)
-    huge = nbytes >= max(PAGE, min_bytes) and enabled()
-    buf = mmap.mmap(-1, nbytes + (PAGE if huge else 0), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = 0
-    if huge:
-        offset = -np.frombuffer(buf, dtype=np.uint8, count=1).ctypes.data % PAGE  # (the slack past it: never touched)
-        # its whole 2 MiB pages only: a last part page would commit up to 2 MiB past the buffer's end
-        buf.madvise(mmap.MADV_HUGEPAGE, offset, nbytes // PAGE * PAGE)
+    buf, offset = _map(nbytes, nbytes >= max(PAGE, min_bytes) and enabled())
     return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
 
 
-def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A CPU tensor to be written whole (weights read from a file): zeros() where it is 2 MiB or more and enabled(),
-    else torch.empty."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel * torch.empty((), dtype=dtype).element_size() >= PAGE and enabled():
-        return zeros(shape, dtype)
-    return torch.empty(shape, dtype=dtype)
+def carve(shapes: list[tuple[int, ...]], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Uninitialized CPU tensors of `shapes`, each its own storage (64-byte aligned), all in one mapping on 2 MiB
+    pages where enabled() and they add up to 2 MiB or more, else torch.empty each: for buffers written whole at
+    once (weights), so a page committed is a page used, small tensors and each one's last part included."""
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = [_numel(shape) * item for shape in shapes]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // 64) * 64
+    if total < PAGE or not enabled():
+        return [torch.empty(shape, dtype=dtype) for shape in shapes]
+    buf, base = _map(total, True)
+    return [torch.frombuffer(buf, dtype=torch.uint8, count=size, offset=base + o).view(dtype).view(shape) if size
+            else torch.empty(shape, dtype=dtype) for o, size, shape in zip(offsets, sizes, shapes)]
 
 
 def mappings(tensors: list[torch.Tensor]) -> dict | None:

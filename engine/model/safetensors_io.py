@@ -148,8 +148,12 @@ _FUSED_GROUPS = (
 
 
 def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-    """Uninitialized final tensors for every entry, in `dtype` on `device`; fused groups share one buffer."""
-    weights: dict[str, torch.Tensor] = {}
+    """Uninitialized final tensors for every entry, in `dtype` on `device`; fused groups share one buffer. On the CPU
+    all of them carved out of one mapping on 2 MiB pages where the system allows (engine/hugepages.py: a decode step
+    streams every weight; one mapping, so small tensors and each one's last part are on those pages too), each its
+    own storage."""
+    plans: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []  # (buffer shape, [(entry name, rows)])
+    grouped: set[str] = set()
     for name in entries:
         for group in _FUSED_GROUPS:
             if not name.endswith("." + group[0]):
@@ -158,23 +162,23 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
             parts = [entries.get(prefix + g) for g in group]
             if any(p is None for p in parts) or len({p.shape[1:] for p in parts}) != 1 or not parts[0].shape:
                 continue  # not fusable: each part gets its own tensor below (shapes are checked later)
-            fused = _empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype, device)
-            row = 0
-            for p in parts:
-                weights[p.name] = fused[row: row + p.shape[0]]
-                row += p.shape[0]
-    for name, e in entries.items():
-        if name not in weights:
-            weights[name] = _empty(tuple(e.shape), dtype, device)
-    return weights
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A weight's final tensor: on the CPU on 2 MiB pages where it is that large and the system allows
-    (engine/hugepages.py: a decode step streams every weight), else torch.empty."""
+            plans.append(((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), [(p.name, p.shape[0]) for p in parts]))
+            grouped |= {p.name for p in parts}
+    plans += [(tuple(e.shape), [(name, -1)]) for name, e in entries.items() if name not in grouped]
     if torch.device(device).type == "cpu":
-        return hugepages.empty(shape, dtype)
-    return torch.empty(shape, dtype=dtype, device=device)
+        buffers = hugepages.carve([shape for shape, _ in plans], dtype)
+    else:
+        buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in plans]
+    weights: dict[str, torch.Tensor] = {}
+    for buf, (_, names) in zip(buffers, plans):
+        if names[0][1] < 0:
+            weights[names[0][0]] = buf
+            continue
+        row = 0
+        for n, rows in names:
+            weights[n] = buf[row: row + rows]
+            row += rows
+    return weights
 
 
 def _read_into(f: BinaryIO, e: _Entry, dst: torch.Tensor) -> None:

@@ -43,7 +43,7 @@ def test_small_buffers_and_off_keep_plain_pages(monkeypatch):
     assert not hugepages.enabled() and "KVSCOPE_HUGE_PAGES=off" in hugepages.describe()
     big = hugepages.zeros((4 << 18,), torch.float32)
     assert hugepages.mappings([big])["advised"] == 0 and not big.any()
-    assert hugepages.mappings([hugepages.empty((4 << 18,), torch.float32)])["advised"] == 0
+    assert all(hugepages.mappings([t])["advised"] == 0 for t in hugepages.carve([(4 << 18,), (5,)], torch.float32))
 
 
 def test_system_mode_reads_the_bracketed_setting(tmp_path, monkeypatch):
@@ -77,8 +77,9 @@ def test_pool_tiers_weights_and_the_floor_read_are_advised(tmp_path):
             for t in layers:
                 m = hugepages.mappings([t])
                 assert m["advised"] == (m["bytes"] if advised else 0) and not t.any()
-    # weights: each tensor of 2 MiB or more read from safetensors straight into advised memory
-    tensors = {"model.embed_tokens.weight": torch.randn(1024, 1024), "model.norm.weight": torch.randn(1024)}
+    # weights: read from safetensors straight into one advised mapping, each tensor its own storage, small ones
+    # too (here the norm, first in the file; the mapping's last part page, the embedding's last 4 KiB, is not)
+    tensors = {"model.norm.weight": torch.randn(1024), "model.embed_tokens.weight": torch.randn(1024, 1024)}
     header, blobs, off = {}, [], 0
     for name, t in tensors.items():
         raw = t.numpy().tobytes()
@@ -90,9 +91,11 @@ def test_pool_tiers_weights_and_the_floor_read_are_advised(tmp_path):
     w = read_safetensors(str(tmp_path))
     assert torch.equal(w["model.embed_tokens.weight"], tensors["model.embed_tokens.weight"])
     assert torch.equal(w["model.norm.weight"], tensors["model.norm.weight"])
-    emb = hugepages.mappings([w["model.embed_tokens.weight"]])
-    assert emb["advised"] == emb["bytes"] == 4 << 20
-    assert hugepages.mappings([w["model.norm.weight"]])["advised"] == 0
+    for t in w.values():
+        assert t.untyped_storage().nbytes() == t.numel() * 4  # its own storage: weight_bytes counts it alone
+    norm = hugepages.mappings([w["model.norm.weight"]])
+    assert norm["bytes"] == 4096 and norm["advised"] == 4096
+    assert hugepages.mappings([w["model.embed_tokens.weight"]])["advised"] == (4 << 20) - 4096
     # the floor's read: over the kind of pages the step reads
     probe = StreamRead("cpu", 8)
     assert hugepages.mappings([probe.buf])["advised"] == 8 << 20 and probe.buf.sum().item() == 2 << 20
