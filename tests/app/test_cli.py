@@ -65,6 +65,17 @@ def test_info_prints_the_sizing_formula(tiny_llama, capsys):
     assert info["kernels"]["attention_blocks"] == attn_ir.describe(2, 16)
     assert info["kernels"]["attention_blocks"].startswith(
         "LLVM IR kernels" if attn_ir.llvm is not None else "numba's loops (")
+    # the pages the weights and the pool are on: every byte counted once, those advised and those on 2 MiB pages
+    # (with THP "always", unadvised too) within it
+    from engine import hugepages
+
+    pages = info["pages"]
+    assert pages["mode"] == hugepages.describe()
+    for kind in ("weights", "kv_pool"):
+        if pages[kind] is not None:
+            m = pages[kind]
+            assert 0 <= m["huge"] <= m["bytes"] and 0 <= m["advised"] <= m["bytes"]
+    assert pages["weights"] is None or pages["weights"]["bytes"] == info["model"]["weights_bytes"]
 
 
 def test_info_on_a_model_whose_every_layer_slides_sizes_its_window(tiny_mistral, capsys):
