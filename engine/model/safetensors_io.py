@@ -51,7 +51,8 @@ def read_safetensors(directory: str, dtype: torch.dtype = torch.float32,
         entries |= {e.name: e for e in _safetensors_entries(path)}
     packed = {n for n, e in entries.items()
               if quant and n.endswith(PACKED_SUFFIXES) and n.split(".")[-2] in _PACKED and len(e.shape) == 2}
-    weights = _allocate({n: e for n, e in entries.items() if n not in packed}, dtype, device)
+    # (with quant, a float tensor the model packs later must be freed then: no shared mapping for those)
+    weights = _allocate({n: e for n, e in entries.items() if n not in packed}, dtype, device, shared=quant is None)
     by_file: dict[str, list[_Entry]] = {}
     for e in entries.values():
         by_file.setdefault(e.path, []).append(e)
@@ -147,11 +148,13 @@ _FUSED_GROUPS = (
 )
 
 
-def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.device,
+              shared: bool = True) -> dict[str, torch.Tensor]:
     """Uninitialized final tensors for every entry, in `dtype` on `device`; fused groups share one buffer. On the CPU
-    all of them carved out of one mapping on 2 MiB pages where the system allows (engine/hugepages.py: a decode step
-    streams every weight; one mapping, so small tensors and each one's last part are on those pages too), each its
-    own storage."""
+    and `shared`, all of them carved out of one mapping on 2 MiB pages where the system allows (engine/hugepages.py:
+    a decode step streams every weight; one mapping, so small tensors and each one's last part are on those pages
+    too), each its own storage; the mapping lives while any of them does, so not `shared` where some are replaced
+    after loading (packed by the model: their memory must go with them)."""
     plans: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []  # (buffer shape, [(entry name, rows)])
     grouped: set[str] = set()
     for name in entries:
@@ -165,7 +168,7 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
             plans.append(((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), [(p.name, p.shape[0]) for p in parts]))
             grouped |= {p.name for p in parts}
     plans += [(tuple(e.shape), [(name, -1)]) for name, e in entries.items() if name not in grouped]
-    if torch.device(device).type == "cpu":
+    if torch.device(device).type == "cpu" and shared:
         buffers = hugepages.carve([shape for shape, _ in plans], dtype)
     else:
         buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in plans]
