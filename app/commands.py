@@ -421,8 +421,9 @@ def cmd_info(args: argparse.Namespace) -> int:
     k = info["kernels"]
     print(f"kernels    packed weights: {k['packed_weights']}; decode attention's block loops: {k['attention_blocks']}")
     pg = info["pages"]
-    held = "".join(f"; {name} {m['bytes'] / 2**20:.0f} MiB: {m['advised'] / 2**20:.0f} advised, {m['huge'] / 2**20:.0f} "
-                   "on 2 MiB pages now" for name, m in (("weights", pg["weights"]), ("KV pool", pg["kv_pool"])) if m)
+    held = "".join(f"; {name} {m['bytes'] / 2**20:.0f} MiB: {m['advised'] / 2**20:.0f} advised, "
+                   f"{m['huge'] / 2**20:.0f} on 2 MiB pages now"
+                   for name, m in (("weights", pg["weights"]), ("KV pool", pg["kv_pool"])) if m)
     print(f"pages      {pg['mode']}{held}")
     return 0
 

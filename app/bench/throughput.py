@@ -232,8 +232,8 @@ class FloorError(RuntimeError):
 def long_context_bench(args: argparse.Namespace, say=print, read_mb: int = 512, steps: int = 10) -> dict:
     """B sequences x `args.long` tokens of context: prefill, then `steps` decode steps timed against the memory
     floor (the bytes a step reads over the rate of a streaming read of a `read_mb` MiB buffer, the faster of the
-    reads just before and just after each step), and the top ops of 3 more steps under the torch profiler. Raises FloorError where a step beats its
-    floor."""
+    reads just before and just after each step), and the top ops of 3 more steps under the torch profiler. Raises
+    FloorError where a step beats its floor."""
     import numpy as np
     import torch
 
@@ -364,9 +364,9 @@ def long_context_bench(args: argparse.Namespace, say=print, read_mb: int = 512, 
     if min(ratios) < 1.0:
         i = int(np.argmin(ratios))
         raise FloorError(f"decode step {i} took {1e3 * times[i]:.1f} ms for {(weights + kv_read) / 1e6:.0f} MB, "
-                         f"{(weights + kv_read) / times[i] / 1e9:.1f} GB/s, faster than the streaming reads just before "
-                         f"and after it ({reads[i] / 1e9:.1f} and {reads[i + 1] / 1e9:.1f} GB/s of a {read_mb} MiB "
-                         "buffer): the floor is not a floor here "
+                         f"{(weights + kv_read) / times[i] / 1e9:.1f} GB/s, faster than the streaming reads just "
+                         f"before and after it ({reads[i] / 1e9:.1f} and {reads[i + 1] / 1e9:.1f} GB/s of a "
+                         f"{read_mb} MiB buffer): the floor is not a floor here "
                          f"(a buffer inside the last-level cache, {llc and llc >> 20} MiB? a step that reads less than "
                          "counted?)", res)
     return res
@@ -400,8 +400,8 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
           f"and attention's q.k and v sums, x 2) / {res['gemm_gflops']:.0f} GFLOP/s (an fp32 2048^3 gemm here, every "
           f"thread) | step / compute floor {res['step_over_compute_floor']:.2f}x | the "
           f"{'memory' if res['floor_ms'] >= res['compute_floor_ms'] else 'compute'} floor is the higher")
-    print(f"overlap: the two floors' sum {res['serial_floor_ms']:.1f} ms (the bytes read, then the arithmetic); the step "
-          f"hid {100 * res['compute_hidden_share']:.0f} % of the compute floor under the memory floor, where "
+    print(f"overlap: the two floors' sum {res['serial_floor_ms']:.1f} ms (the bytes read, then the arithmetic); the "
+          f"step hid {100 * res['compute_hidden_share']:.0f} % of the compute floor under the memory floor, where "
           f"{res['target_over_floor']}x the memory floor needs {100 * res['compute_hidden_share_needed']:.0f} % hidden")
     if "paged_decode_gbps" in res:
         print(f"paged decode kernel: {res['paged_decode_ms_per_step']:.2f} ms per step for {res['kv_bytes_read'] / 1e6:.0f} MB "

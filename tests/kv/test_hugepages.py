@@ -1,7 +1,7 @@
 """The CPU buffers a decode step streams on 2 MiB pages (engine/hugepages.py): the KV pool's large tier
-layers, the weights read from safetensors and the streaming read of the memory floor are advised onto them (VmFlags "hg" in
-/proc/self/smaps: the advice, whatever pages the kernel found), lazily committed and zero; small buffers and
-KVSCOPE_HUGE_PAGES=off keep plain pages."""
+layers, the weights read from safetensors and the streaming read of the memory floor are advised onto them
+(VmFlags "hg" in /proc/self/smaps: the advice, whatever pages the kernel found), lazily committed and zero; small
+buffers and KVSCOPE_HUGE_PAGES=off keep plain pages."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import torch
 from engine import hugepages
 
 pytestmark = pytest.mark.skipif(hugepages.mappings([torch.zeros(1)]) is None, reason="no /proc/self/smaps here")
-needs_thp = pytest.mark.skipif(not hugepages.enabled(),
-                               reason=f"transparent huge pages: {hugepages.system_mode()} (the advice would be ignored)")
+needs_thp = pytest.mark.skipif(
+    not hugepages.enabled(), reason=f"transparent huge pages: {hugepages.system_mode()} (the advice would be ignored)")
 
 
 @needs_thp
