@@ -434,8 +434,6 @@ def _kernels(spec) -> dict:
     from engine.attention import attn_ir
     from engine.model import quant_ir
 
-    from engine import hugepages
-
     G = spec.num_heads // max(1, spec.num_kv_heads)
     return {"packed_weights": quant_ir.status(), "attention_blocks": attn_ir.describe(G, spec.head_dim)}
 

@@ -155,7 +155,8 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
     a decode step streams every weight; one mapping, so small tensors and each one's last part are on those pages
     too), each its own storage; the mapping lives while any of them does, so not `shared` where some are replaced
     after loading (packed by the model: their memory must go with them)."""
-    plans: list[tuple[tuple[int, ...], list[tuple[str, int]]]] = []  # (buffer shape, [(entry name, rows)])
+    # (buffer shape, [(entry name, its rows of the buffer; None: the whole buffer)])
+    plans: list[tuple[tuple[int, ...], list[tuple[str, int | None]]]] = []
     grouped: set[str] = set()
     for name in entries:
         for group in _FUSED_GROUPS:
@@ -167,20 +168,17 @@ def _allocate(entries: dict[str, _Entry], dtype: torch.dtype, device: torch.devi
                 continue  # not fusable: each part gets its own tensor below (shapes are checked later)
             plans.append(((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), [(p.name, p.shape[0]) for p in parts]))
             grouped |= {p.name for p in parts}
-    plans += [(tuple(e.shape), [(name, -1)]) for name, e in entries.items() if name not in grouped]
+    plans += [(tuple(e.shape), [(name, None)]) for name, e in entries.items() if name not in grouped]
     if torch.device(device).type == "cpu" and shared:
         buffers = hugepages.carve([shape for shape, _ in plans], dtype)
     else:
         buffers = [torch.empty(shape, dtype=dtype, device=device) for shape, _ in plans]
     weights: dict[str, torch.Tensor] = {}
     for buf, (_, names) in zip(buffers, plans):
-        if names[0][1] < 0:
-            weights[names[0][0]] = buf
-            continue
         row = 0
         for n, rows in names:
-            weights[n] = buf[row: row + rows]
-            row += rows
+            weights[n] = buf if rows is None else buf[row: row + rows]
+            row += rows or 0
     return weights
 
 

@@ -56,7 +56,7 @@ class StreamRead:
 
     def __init__(self, device: str | torch.device = "cpu", mib: int = READ_MIB):
         self.device = torch.device(device)
-        if self.device.type == "cpu":  # on the pages the pool and the weights are on (2 MiB where the system allows)
+        if self.device.type == "cpu":  # on 2 MiB pages where the system allows: the faster read, as the weights get
             self.buf = hugepages.zeros((mib << 18,), torch.float32).fill_(1.0)
         else:
             self.buf = torch.ones(mib << 18, dtype=torch.float32, device=self.device)
