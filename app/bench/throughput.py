@@ -300,14 +300,26 @@ def long_context_bench(args: argparse.Namespace, say=print, read_mb: int = 512, 
         fwd.append(engine.counters.forward_s - f0)
         reads.append(probe.rate())
         assert len(outs) == B, "every sequence decodes each step"
-    del probe
-    rates = [max(a, b) for a, b in zip(reads, reads[1:])]  # each step's: the faster read beside it
+    # What this machine can reach for such a step: the buffer read once with the step's arithmetic beside the read
+    # (its FLOPs as FMAs of 16 fp32 lanes, spread evenly: k per 64 bytes, rounded up), each such pass timed against
+    # the same kernel with no FMA (a plain read, on the same threads) just before it. Their ratio is the step at its
+    # floor plus the arithmetic a core could not hide under the stream: the yardstick for where a step over its
+    # floor loses (the machine or the engine's kernels).
     ctx_now = [engine.seqs[i].num_cached for i in ids]
     flops = step_flops(engine.model, B, [c + 1 for c in ctx_now])
-    gemm = gemm_rate(args.device)
     bs = engine.config.block_size
     kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
     weights = model_weight_bytes(engine.model)
+    fma_k = int(np.ceil(flops / 32 / ((weights + kv_read) / 64)))
+    attainable = []
+    for _ in range(5):
+        plain, with_fma = probe.rate_with_fma(0), probe.rate_with_fma(fma_k)
+        if plain is None or with_fma is None:
+            break
+        attainable.append(plain / with_fma)
+    del probe
+    rates = [max(a, b) for a, b in zip(reads, reads[1:])]  # each step's: the faster read beside it
+    gemm = gemm_rate(args.device)
     bw = float(np.median(rates))
     floor = (weights + kv_read) / bw
     ratios = [t * r / (weights + kv_read) for t, r in zip(times, rates)]  # each step / the floor at its rate
@@ -334,6 +346,9 @@ def long_context_bench(args: argparse.Namespace, say=print, read_mb: int = 512, 
     res["serial_floor_ms"] = 1e3 * (mem_s + comp_s)
     res["compute_hidden_share"] = (mem_s + comp_s - step_s) / comp_s
     res["compute_hidden_share_needed"] = min(1.0, max(0.0, (comp_s - (res["target_over_floor"] - 1) * mem_s) / comp_s))
+    res["attainable_fma_per_64_bytes"] = fma_k
+    res["attainable_over_floor_each"] = attainable
+    res["attainable_over_floor"] = float(np.median(attainable)) if attainable else None
     say("[bench] profiling 3 decode steps")
     from torch.profiler import ProfilerActivity, profile
 
@@ -403,6 +418,15 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
     print(f"overlap: the two floors' sum {res['serial_floor_ms']:.1f} ms (the bytes read, then the arithmetic); the "
           f"step hid {100 * res['compute_hidden_share']:.0f} % of the compute floor under the memory floor, where "
           f"{res['target_over_floor']}x the memory floor needs {100 * res['compute_hidden_share_needed']:.0f} % hidden")
+    if res["attainable_over_floor"] is not None:
+        a = res["attainable_over_floor_each"]
+        print(f"attainable: {res['attainable_over_floor']:.2f}x the floor ({min(a):.2f}-{max(a):.2f}, {len(a)} pairs) = "
+              f"the {res['read_mib']} MiB buffer read once with the step's arithmetic beside the read "
+              f"({res['attainable_fma_per_64_bytes']} FMAs of 16 fp32 lanes per 64 bytes, on every thread) against the "
+              f"same read without them just before it: what a step that streams its bytes once can reach here; the step's "
+              f"{res['step_over_floor']:.2f}x past it is its kernels'")
+    else:
+        print("attainable: not measured (no llvmlite, or not a CPU)")
     if "paged_decode_gbps" in res:
         print(f"paged decode kernel: {res['paged_decode_ms_per_step']:.2f} ms per step for {res['kv_bytes_read'] / 1e6:.0f} MB "
               f"of KV = {res['paged_decode_gbps']:.0f} GB/s, {100 * res['paged_decode_hbm_share']:.0f} % of the "

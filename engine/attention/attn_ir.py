@@ -368,9 +368,10 @@ def describe(G: int, D: int) -> str:
     return f"numba's loops ({why})"
 
 
-def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
-    """The kernels' addresses for (G, C), compiled for this CPU (isa "native"), or for it without AVX-512 ("avx2":
-    what a CPU with AVX2 only runs, 16-lane vectors as two 8-lane halves; the tests run both where this CPU can)."""
+def compile_ir(text: str, names: list[str], isa: str = "native") -> list[int]:
+    """The addresses of functions `names` of LLVM IR module `text`, compiled at -O3 for this CPU (isa "native"), or
+    for it without AVX-512 ("avx2": what a CPU with AVX2 only runs, 16-lane vectors as two 8-lane halves). The
+    compiled code lives as long as the process. Raises what LLVM raises for IR it refuses."""
     llvm.initialize_native_target()
     llvm.initialize_native_asmprinter()
     features = llvm.get_host_cpu_features()
@@ -380,7 +381,7 @@ def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
                 features[name] = False
     cpu = llvm.get_host_cpu_name() if isa == "native" else "haswell"
     tm = llvm.Target.from_default_triple().create_target_machine(cpu=cpu, features=features.flatten(), opt=3)
-    mod = llvm.parse_assembly(module_ir(G, C))
+    mod = llvm.parse_assembly(text)
     mod.triple = tm.triple
     mod.data_layout = str(tm.target_data)
     mod.verify()
@@ -389,9 +390,15 @@ def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
     engine = llvm.create_mcjit_compiler(mod, tm)
     engine.finalize_object()
     _engines.append(engine)
-    softmax = engine.get_function_address("softmax")
-    return np.array([[engine.get_function_address(f"kscore_{f}_g{G}_c{C}"),
-                      engine.get_function_address(f"vacc_{f}_g{G}_c{C}"), softmax] for f in FORMATS], dtype=np.int64)
+    return [engine.get_function_address(n) for n in names]
+
+
+def _compile(G: int, C: int, isa: str = "native") -> np.ndarray:
+    """The kernels' addresses for (G, C), compiled for this CPU (isa "native"), or for it without AVX-512 ("avx2";
+    compile_ir; the tests run both where this CPU can)."""
+    names = [f"{k}_{f}_g{G}_c{C}" for f in FORMATS for k in ("kscore", "vacc")] + ["softmax"]
+    a = compile_ir(module_ir(G, C), names, isa)
+    return np.array([[a[2 * i], a[2 * i + 1], a[-1]] for i in range(len(FORMATS))], dtype=np.int64)
 
 
 def status() -> str:

@@ -76,6 +76,100 @@ class StreamRead:
             total.item()
         return self.bytes / (time.perf_counter() - t)
 
+    def rate_with_fma(self, k: int) -> float | None:
+        """Bytes read per second by one pass over the buffer that does k fused multiply-adds of 16 fp32 lanes per 64
+        bytes read beside the read (_stream_fma_ir, every numba thread, a piece each): what a kernel that streams
+        its bytes once with that much arithmetic can reach here. None on CUDA or without llvmlite/numba."""
+        fn = _fma_kernel(k) if self.device.type == "cpu" else None
+        if fn is None:
+            return None
+        import numba
+
+        drive = _fma_driver()
+        base, n = self.buf.data_ptr(), self.buf.numel()
+        drive(fn, base, 1 << 16, numba.get_num_threads())  # compiled and the threads up before the timed pass
+        t = time.perf_counter()
+        drive(fn, base, n, numba.get_num_threads())
+        return self.bytes / (time.perf_counter() - t)
+
+
+def _stream_fma_ir(k: int) -> str:
+    """stream_fma_k{k}(p, n, out): the n floats at p (n in 16s) read 16 at a time, each vector added into one sum and
+    multiplied into k more with fused multiply-adds (spread over 8 sums, each its own constant, so that no FMA waits
+    on the one before it and none repeats another), every sum added into *out: each byte read once, with k FMAs
+    of 16 lanes per 64 bytes."""
+    const = lambda j: "<" + ", ".join([f"float {1.0 + (j + 1) / 1024:.10f}"] * 16) + ">"  # noqa: E731
+    acc = [f"%a{j}" for j in range(9)]
+    L = [f"define void @stream_fma_k{k}(i64 %p.i, i64 %n, i64 %out.i) {{\nentry:\n"
+         "  %p = inttoptr i64 %p.i to ptr\n  %out = inttoptr i64 %out.i to ptr\n"
+         "  %any = icmp sgt i64 %n, 0\n  br i1 %any, label %loop, label %done\nloop:\n"
+         "  %i = phi i64 [0, %entry], [%i1, %loop]\n"]
+    for j in range(9):
+        L.append(f"  {acc[j]} = phi <16 x float> [zeroinitializer, %entry], [%a{j}.e, %loop]\n")
+    L.append("  %va = getelementptr float, ptr %p, i64 %i\n  %v = load <16 x float>, ptr %va, align 4\n"
+             "  %a0.e = fadd <16 x float> %a0, %v\n")
+    cur = {j: acc[j] for j in range(1, 9)}
+    for j in range(k):
+        a = 1 + j % 8
+        L.append(f"  %f{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %v, <16 x float> {const(j % 8)}, "
+                 f"<16 x float> {cur[a]})\n")
+        cur[a] = f"%f{j}"
+    for j in range(1, 9):
+        L.append(f"  %a{j}.e = fadd <16 x float> {cur[j]}, zeroinitializer\n")
+    L.append("  %i1 = add i64 %i, 16\n  %more = icmp slt i64 %i1, %n\n  br i1 %more, label %loop, label %end\nend:\n")
+    prev = "%a0.e"
+    for j in range(1, 9):
+        L.append(f"  %s{j} = fadd <16 x float> {prev}, %a{j}.e\n")
+        prev = f"%s{j}"
+    L.append(f"  %tot = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> {prev})\n"
+             "  store float %tot, ptr %out, align 4\n  br label %done\ndone:\n  ret void\n}\n")
+    return ("declare <16 x float> @llvm.fma.v16f32(<16 x float>, <16 x float>, <16 x float>)\n"
+            "declare float @llvm.vector.reduce.fadd.v16f32(float, <16 x float>)\n" + "".join(L))
+
+
+_fma_kernels: dict[int, int] = {}
+
+
+def _fma_kernel(k: int) -> int | None:
+    """The address of stream_fma_k{k} compiled for this CPU, or None without llvmlite/numba."""
+    from engine.attention import attn_ir
+
+    if attn_ir.llvm is None:
+        return None
+    with _lock:
+        if k not in _fma_kernels:
+            _fma_kernels[k] = attn_ir.compile_ir(_stream_fma_ir(k), [f"stream_fma_k{k}"])[0]
+    return _fma_kernels[k]
+
+
+_driver = None
+
+
+def _fma_driver():
+    """A numba function (fn, address, floats, parts) -> float: the stream_fma kernel at fn over the buffer cut into
+    `parts` equal pieces (in 16s), one a thread (prange), the pieces' sums added."""
+    global _driver
+    if _driver is None:
+        import numpy as np
+        from numba import njit, prange
+
+        from engine.attention import attn_ir
+
+        call = attn_ir.call
+
+        @njit(parallel=True, nogil=True)
+        def drive(fn, base, nfloats, parts):  # pragma: no cover - compiled
+            out = np.zeros(parts, np.float32)
+            per = (nfloats // parts) // 16 * 16
+            for i in prange(parts):
+                lo = i * per
+                n = per if i < parts - 1 else (nfloats - lo) // 16 * 16
+                call(fn, (np.int64(base + lo * 4), np.int64(n), np.int64(out.ctypes.data + i * 4)))
+            return out.sum()
+
+        _driver = drive
+    return _driver
+
 
 def stream_read(device: str | torch.device = "cpu", mib: int = READ_MIB, repeats: int = REPEATS) -> float:
     """The best of `repeats` StreamRead rates of an `mib` MiB buffer, in bytes per second."""

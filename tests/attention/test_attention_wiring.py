@@ -412,6 +412,17 @@ def test_long_bench_reports_step_time_floor_and_top_ops(tiny_llama):
     assert res["serial_floor_ms"] == pytest.approx(m + c)
     assert res["compute_hidden_share"] == pytest.approx((m + c - st) / c)
     assert res["compute_hidden_share_needed"] == pytest.approx(min(1.0, max(0.0, (c - 0.3 * m) / c)))
+    # the attainable yardstick: the step's FLOPs as FMAs of 16 lanes per 64 bytes read, rounded up, and 5 pairs of
+    # the read with them against the read without
+    import numpy as np
+
+    from engine.attention import attn_ir
+
+    lines = (res["weights_bytes"] + res["kv_bytes_read"]) / 64
+    assert res["attainable_fma_per_64_bytes"] == int(np.ceil(want / 32 / lines))
+    if attn_ir.llvm is not None:
+        assert len(res["attainable_over_floor_each"]) == 5 and all(r > 0 for r in res["attainable_over_floor_each"])
+        assert res["attainable_over_floor"] == pytest.approx(sorted(res["attainable_over_floor_each"])[2])
     assert res["outside_torch_ops_ms_per_step"] >= 0
     assert res["profile_top_ops"] and all({"op", "ms_per_step", "share"} <= set(op) for op in res["profile_top_ops"])
     assert build_parser().parse_args(["bench", "--long"]).long == 2048
