@@ -87,7 +87,7 @@ class StreamRead:
 
         drive = _fma_driver()
         base, n = self.buf.data_ptr(), self.buf.numel()
-        drive(fn, base, 1 << 16, numba.get_num_threads())  # compiled and the threads up before the timed pass
+        drive(fn, base, min(n, 1 << 16), numba.get_num_threads())  # compiled, threads up, before the timed pass
         t = time.perf_counter()
         drive(fn, base, n, numba.get_num_threads())
         return self.bytes / (time.perf_counter() - t)
