@@ -302,21 +302,20 @@ def long_context_bench(args: argparse.Namespace, say=print, read_mb: int = 512, 
         assert len(outs) == B, "every sequence decodes each step"
     # What this machine can reach for such a step: the buffer read once with the step's arithmetic beside the read
     # (its FLOPs as FMAs of 16 fp32 lanes, spread evenly: k per 64 bytes, rounded up), each such pass timed against
-    # the same kernel with no FMA (a plain read, on the same threads) just before it. Their ratio is the step at its
-    # floor plus the arithmetic a core could not hide under the stream: the yardstick for where a step over its
-    # floor loses (the machine or the engine's kernels).
+    # the faster of the same kernel's passes with no FMA (a plain read, on the same threads) just before and just
+    # after it, as the steps are. Their ratio is the step at its floor plus the arithmetic a core could not hide
+    # under the stream: the yardstick for where a step over its floor loses (the machine or the engine's kernels).
     ctx_now = [engine.seqs[i].num_cached for i in ids]
     flops = step_flops(engine.model, B, [c + 1 for c in ctx_now])
     bs = engine.config.block_size
     kv_read = sum(blocks_for(c + 1, bs) for c in ctx_now) * engine.pool.block_bytes  # blocks each row attends over
     weights = model_weight_bytes(engine.model)
     fma_k = int(np.ceil(flops / 32 / ((weights + kv_read) / 64)))
-    attainable = []
-    for _ in range(5):
-        plain, with_fma = probe.rate_with_fma(0), probe.rate_with_fma(fma_k)
-        if plain is None or with_fma is None:
-            break
-        attainable.append(plain / with_fma)
+    attainable, plain = [], probe.rate_with_fma(0)
+    for _ in range(5 if plain is not None else 0):
+        with_fma, after = probe.rate_with_fma(fma_k), probe.rate_with_fma(0)
+        attainable.append(max(plain, after) / with_fma)
+        plain = after
     del probe
     rates = [max(a, b) for a, b in zip(reads, reads[1:])]  # each step's: the faster read beside it
     gemm = gemm_rate(args.device)
@@ -420,11 +419,11 @@ def cmd_bench_long(args: argparse.Namespace) -> int:
           f"{res['target_over_floor']}x the memory floor needs {100 * res['compute_hidden_share_needed']:.0f} % hidden")
     if res["attainable_over_floor"] is not None:
         a = res["attainable_over_floor_each"]
-        print(f"attainable: {res['attainable_over_floor']:.2f}x the floor ({min(a):.2f}-{max(a):.2f}, {len(a)} pairs) = "
-              f"the {res['read_mib']} MiB buffer read once with the step's arithmetic beside the read "
+        print(f"attainable: {res['attainable_over_floor']:.2f}x the floor ({min(a):.2f}-{max(a):.2f}, {len(a)} "
+              f"passes) = the {res['read_mib']} MiB buffer read once with the step's arithmetic beside the read "
               f"({res['attainable_fma_per_64_bytes']} FMAs of 16 fp32 lanes per 64 bytes, on every thread) against the "
-              f"same read without them just before it: what a step that streams its bytes once can reach here; the step's "
-              f"{res['step_over_floor']:.2f}x past it is its kernels'")
+              f"faster of the same read without them just before and after it: what a step that streams its bytes "
+              f"once can reach here; the step's {res['step_over_floor']:.2f}x past it is its kernels'")
     else:
         print("attainable: not measured (no llvmlite, or not a CPU)")
     if "paged_decode_gbps" in res:

@@ -8,6 +8,9 @@ Intel Xeon a 512 MiB copy ran at 13.8 GB/s of buffer where a read of it ran at 3
 once per process, when the first engine starts: the model's own weights summed where they are larger than twice the
 last-level cache (a read of what a step reads, and no memory taken beside them), else a buffer four times that
 cache (128 MiB at least) read.
+`StreamRead.rate_with_fma(k)` reads the same buffer with k fused multiply-adds of 16 fp32 lanes per 64 bytes beside
+the read (an LLVM IR kernel on every numba thread): `bench --long`'s attainable line, what a step that streams its
+bytes once with its arithmetic can reach on this machine.
 On CUDA it is the device's peak from NVML (the memory clock's maximum × the bus width × 2 transfers a clock), or a
 streaming read on the device where NVML cannot say.
 """
@@ -99,27 +102,26 @@ def _stream_fma_ir(k: int) -> str:
     on the one before it and none repeats another), every sum added into *out: each byte read once, with k FMAs
     of 16 lanes per 64 bytes."""
     const = lambda j: "<" + ", ".join([f"float {1.0 + (j + 1) / 1024:.10f}"] * 16) + ">"  # noqa: E731
-    acc = [f"%a{j}" for j in range(9)]
-    L = [f"define void @stream_fma_k{k}(i64 %p.i, i64 %n, i64 %out.i) {{\nentry:\n"
-         "  %p = inttoptr i64 %p.i to ptr\n  %out = inttoptr i64 %out.i to ptr\n"
-         "  %any = icmp sgt i64 %n, 0\n  br i1 %any, label %loop, label %done\nloop:\n"
-         "  %i = phi i64 [0, %entry], [%i1, %loop]\n"]
-    for j in range(9):
-        L.append(f"  {acc[j]} = phi <16 x float> [zeroinitializer, %entry], [%a{j}.e, %loop]\n")
-    L.append("  %va = getelementptr float, ptr %p, i64 %i\n  %v = load <16 x float>, ptr %va, align 4\n"
-             "  %a0.e = fadd <16 x float> %a0, %v\n")
-    cur = {j: acc[j] for j in range(1, 9)}
+    head = [f"define void @stream_fma_k{k}(i64 %p.i, i64 %n, i64 %out.i) {{\nentry:\n"
+            "  %p = inttoptr i64 %p.i to ptr\n  %out = inttoptr i64 %out.i to ptr\n"
+            "  %any = icmp sgt i64 %n, 0\n  br i1 %any, label %loop, label %done\nloop:\n"
+            "  %i = phi i64 [0, %entry], [%i1, %loop]\n"]
+    body = ["  %va = getelementptr float, ptr %p, i64 %i\n  %v = load <16 x float>, ptr %va, align 4\n"
+            "  %f0.0 = fadd <16 x float> %a0, %v\n"]
+    cur = {j: f"%a{j}" for j in range(9)}  # each sum's value at the end of the loop body
+    cur[0] = "%f0.0"
     for j in range(k):
         a = 1 + j % 8
-        L.append(f"  %f{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %v, <16 x float> {const(j % 8)}, "
-                 f"<16 x float> {cur[a]})\n")
-        cur[a] = f"%f{j}"
-    for j in range(1, 9):
-        L.append(f"  %a{j}.e = fadd <16 x float> {cur[j]}, zeroinitializer\n")
+        body.append(f"  %f{a}.{j} = call <16 x float> @llvm.fma.v16f32(<16 x float> %v, <16 x float> {const(j % 8)}, "
+                    f"<16 x float> {cur[a]})\n")
+        cur[a] = f"%f{a}.{j}"
+    for j in range(9):  # a sum no FMA touches stays zero: its phi takes itself
+        head.append(f"  %a{j} = phi <16 x float> [zeroinitializer, %entry], [{cur[j]}, %loop]\n")
+    L = head + body
     L.append("  %i1 = add i64 %i, 16\n  %more = icmp slt i64 %i1, %n\n  br i1 %more, label %loop, label %end\nend:\n")
-    prev = "%a0.e"
-    for j in range(1, 9):
-        L.append(f"  %s{j} = fadd <16 x float> {prev}, %a{j}.e\n")
+    prev = cur[0]
+    for j in range(1, 9):  # (the loop is the end block's one way in: its last values are the sums)
+        L.append(f"  %s{j} = fadd <16 x float> {prev}, {cur[j]}\n")
         prev = f"%s{j}"
     L.append(f"  %tot = call reassoc float @llvm.vector.reduce.fadd.v16f32(float -0.0, <16 x float> {prev})\n"
              "  store float %tot, ptr %out, align 4\n  br label %done\ndone:\n  ret void\n}\n")
