@@ -844,7 +844,8 @@ if llvm is not None:
             _quantize_rows(x, xq, dx, xs)
             _drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
         else:
-            _group_sums(x, 32, xs)  # the int4 kernels' zero term (int8 ones read no zeros)
+            if Gw != 0:  # the int4 kernels' zero term (int8 ones read no zeros; fp32 weights, Gw 0, no groups)
+                _group_sums(x, 32, xs)
             _drive(fns, q, s, z, x, np.empty((1, 1), dtype=np.float32), xs, out, gidx, Gw, K, chunk)
 
 
