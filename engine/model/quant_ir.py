@@ -7,7 +7,8 @@ float conversion per weight; written as vector IR the inner step is what llama.c
   int4 weights, int8 activations ("int8", the default; llama.cpp's Q4_x x Q8 dot):
       16 packed bytes -> 32 nibbles (and, shift) -> u8 x s8 products summed in pairs (pmaddubsw), then in fours
       (pmaddwd) -> 8 int32 -> float, times scale[g] * xscale[g] into 8 float accumulators; zero[g] * sum(x[g])
-      added per group.
+      added per group. With AVX-512 VNNI (kernel_ir_vnni4b) 8 groups at a time: their bytes permuted so that one
+      vpdpbusd takes 4 inputs of each, x laid out to match, the groups' integer sums converted and scaled once.
   int8 weights, int8 activations: with groups of 32 or more, 32 bytes a step as llama.cpp's Q8_0 dot does it
       (pmaddubsw(|w|, x * sign(w)), then pmaddwd); groups of 16 (a GGUF's Q6_K) 16 bytes a step, sign-extended to
       int16, products summed in pairs (pmaddwd).
@@ -44,6 +45,7 @@ except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 TILES = (8, 4, 2, 1)  # rows of x one call takes
+XL_PLAIN, XL_Q4B = 0, 1  # the order an operand's kernels read int8 x in: as it is, _interleave_q4b's
 ACT_GROUP = 32  # inputs per activation scale (int8 activations)
 KINDS = ("q4f", "q4i", "q8f", "q8i", "q8w")  # int4 / int8 weights x fp32 / int8 activations; q8w: q8i 32 wide
 
@@ -302,8 +304,9 @@ _DECLARE_VNNI = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
 declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
 declare <16 x float> @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, <16 x float>)
+declare <8 x float> @llvm.masked.load.v8f32.p0(ptr, i32, <8 x i1>, <8 x float>)
 """
-VNNI_KINDS = {"q4v": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
+VNNI_KINDS = {"q4b": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
 
 
 def _prefetch(ptr: str, locality: int) -> str:
@@ -319,163 +322,183 @@ Q4_PREFETCH = 2048
 Q4_LOCALITY = 0  # prefetchnta: over the 120 matmuls 2.69 ms at 1 row against 3.04 with prefetcht1 (8.85 vs 9.29 at 8)
 
 
-def kernel_ir_vnni4(T: int) -> str:
-    """q4i's work with AVX-512 VNNI, a weight row at a time: a step is two activation groups (64 inputs) in one
-    512-bit register; the row's 32 packed bytes and two scales loaded once, and for each x row its 64 bytes, one
-    vpdpbusd (u8 nibbles x s8 x, lanes 0-7 the first group's sums of four, 8-15 the second's), converted to float
-    and added times [s0 d0 x 8, s1 d1 x 8] into a 16-lane sum. An odd last group goes through the same
-    instructions with its upper half zero. The zero term (zero[g] times the sum of x's group g) is added into the
-    same 16-lane sums after the steps, 16 groups at a time (masked loads for the last ones), so each x row ends in
-    one horizontal sum. Same arguments and arithmetic as q4i.
-    Measured over the default model's 120 matmuls (EPYC znver4): the zero term added after the steps (not in 2-lane
-    FMAs each step) and one horizontal sum a row (not three) take 26 % off at 8 rows of x and match at 1 row; two or
-    four weight rows a step, sharing each x load, are slower at every T (6-13 % at two, 10-35 % at four)."""
-    name = f"q4v_t{T}"
+Q4B_GROUPS = 8  # activation groups a block of the blocked int4 VNNI kernel takes (256 inputs, 128 packed bytes)
+Q4B_BLOCK = Q4B_GROUPS * 32  # inputs a block: the interleaved activations' block (_interleave_q4b)
+
+
+def kernel_ir_vnni4b(T: int) -> str:
+    """q4i's work with AVX-512 VNNI over blocks of 8 groups (256 inputs), each group's integer sum kept in integer
+    lanes until its block ends. A block's 128 packed bytes (8 groups of 16; byte k of group i: input k in its low
+    nibble, 16 + k in its high one: the weight's layout as it is) are loaded as two 16-dword registers and
+    permuted (two vpermt2d) so that step j (0-3) holds dword j of every group: its low nibbles (inputs 4j..4j+3 of
+    group i, lane i) and high ones (inputs 16+4j.., lane 8+i) make one 64-byte vpdpbusd operand. The x rows are laid
+    out to match (_interleave_q4b): per block and step 64 bytes, lane i group i's inputs 4j.., lane 8+i its 16+4j...
+    Four vpdpbusd into one integer sum, lanes i and 8+i added, and the block's 8 groups converted to float once,
+    times scale[g] * xscale[g], plus zero[g] * sum(x[g]): 8-lane float work per 8 groups. The groups after the last
+    whole block (K = 576: 2 of 18) go two at a time in one vpdpbusd (lanes 0-7 the first group's sums of four, 8-15
+    the second's; x in its natural order there), converted and scaled 16 lanes a pair, an odd last one with its upper
+    half zero. Same arguments as q4i, x in _interleave_q4b's layout.
+    Measured over the default model's 120 int4 matmuls (EPYC znver4, 2026-12-07), against the kernel it replaced
+    (every two groups one vpdpbusd, then 16 lanes converted, scaled and added): 6.13 vs 8.26 ms at 8 rows of x,
+    2.60 vs 2.85 at 1 (medians of 7, alternating)."""
+    name = f"q4b_t{T}"
+    chains = 2 if T < 4 else 1  # independent integer sums per x row (a chain of 4 dependent vpdpbusd at 1-2 rows)
     L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
     for n in _ARGS[:8]:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
-    L.append("  %steps = udiv i64 %K.i, 32\n  %pairs = lshr i64 %steps, 1\n  %odd = and i64 %steps, 1\n"
-             "  %last = sub i64 %steps, 1\n  %haspair = icmp ne i64 %pairs, 0\n  %isodd = icmp ne i64 %odd, 0\n"
-             "  %zchunks = add i64 %Gw.i, 15\n  %zn = lshr i64 %zchunks, 4\n  %rowq = udiv i64 %K.i, 2\n")
+    L.append("  %nb = lshr i64 %Gw.i, 3\n  %m = and i64 %Gw.i, 7\n  %hasblk = icmp ne i64 %nb, 0\n"
+             "  %np = lshr i64 %m, 1\n  %haspair = icmp ne i64 %np, 0\n  %odd = and i64 %m, 1\n"
+             "  %isodd = icmp ne i64 %odd, 0\n  %rowq = udiv i64 %K.i, 2\n"
+             "  %mt = trunc i64 %m to i32\n  %mi = insertelement <8 x i32> poison, i32 %mt, i64 0\n"
+             "  %ms = shufflevector <8 x i32> %mi, <8 x i32> poison, <8 x i32> zeroinitializer\n"
+             f"  %m8 = icmp ult <8 x i32> <{_seq(0, 8)}>, %ms\n"
+             "  %tailq = shl i64 %nb, 7\n  %tailg = shl i64 %nb, 3\n  %tailx = shl i64 %nb, 8\n"
+             "  %lastg = sub i64 %Gw.i, 1\n  %lastq = shl i64 %lastg, 4\n  %lastx = shl i64 %lastg, 5\n")
     for t in range(T):
         L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
         L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
         L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
         L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
-    L.append("  br label %head\n")
+    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
+    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n"
+             "  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n"
+             "  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
+             "  %zp = getelementptr float, ptr %z, i64 %so\n  br i1 %hasblk, label %blk, label %pend\n")
+
+    def fload(base: str, g0: str, out: str, masked: bool = False) -> str:
+        a = f"  {out}.a = getelementptr float, ptr {base}, i64 {g0}\n"
+        if masked:
+            return a + (f"  {out} = call <8 x float> @llvm.masked.load.v8f32.p0(ptr {out}.a, i32 4, <8 x i1> %m8, "
+                        "<8 x float> zeroinitializer)\n")
+        return a + f"  {out} = load <8 x float>, ptr {out}.a, align 4\n"
+
+    # -- whole blocks of 8 groups
+    L.append("blk:\n  %b = phi i64 [0, %row], [%b1, %blk]\n")
+    L.append("".join(f"  %acc{t} = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n" for t in range(T)))
+    L.append("  %bq = shl i64 %b, 7\n  %bg = shl i64 %b, 3\n  %bx = shl i64 %b, 8\n"
+             "  %qa = getelementptr i8, ptr %qp, i64 %bq\n  %qb = getelementptr i8, ptr %qa, i64 64\n"
+             "  %A = load <16 x i32>, ptr %qa, align 1\n  %B = load <16 x i32>, ptr %qb, align 1\n")
+    if Q4_PREFETCH:  # the block's two lines of weight bytes, and its scales and zeros, that far ahead
+        L.append(f"  %pq = getelementptr i8, ptr %qa, i64 {Q4_PREFETCH}\n" + _prefetch("%pq", Q4_LOCALITY)
+                 + f"  %pq2 = getelementptr i8, ptr %qa, i64 {Q4_PREFETCH + 64}\n" + _prefetch("%pq2", Q4_LOCALITY)
+                 + f"  %pg = add i64 %bg, {Q4_PREFETCH // 16}\n"
+                 "  %ps = getelementptr float, ptr %sp, i64 %pg\n" + _prefetch("%ps", Q4_LOCALITY)
+                 + "  %pz = getelementptr float, ptr %zp, i64 %pg\n" + _prefetch("%pz", Q4_LOCALITY))
+    W = []
+    for h in (0, 1):  # steps 2h and 2h + 1: dwords 2h and 2h + 1 of the 8 groups
+        idx = [4 * i + 2 * h for i in range(8)] + [4 * i + 2 * h + 1 for i in range(8)]
+        L.append(f"  %P{h} = shufflevector <16 x i32> %A, <16 x i32> %B, <16 x i32> <"
+                 + ", ".join(f"i32 {i}" for i in idx) + ">\n"
+                 f"  %Pb{h} = bitcast <16 x i32> %P{h} to <64 x i8>\n"
+                 f"  %lo{h} = and <64 x i8> %Pb{h}, {_splat('i8', 64, 15)}\n"
+                 f"  %hi{h} = lshr <64 x i8> %Pb{h}, {_splat('i8', 64, 4)}\n")
+        for k in (0, 1):
+            j, a = 2 * h + k, 32 * k
+            L.append(f"  %W{j}b = shufflevector <64 x i8> %lo{h}, <64 x i8> %hi{h}, <64 x i32> <"
+                     + ", ".join(f"i32 {i}" for i in list(range(a, a + 32)) + list(range(64 + a, 96 + a))) + ">\n"
+                     f"  %W{j} = bitcast <64 x i8> %W{j}b to <16 x i32>\n")
+            W.append(f"%W{j}")
+    L.append(fload("%sp", "%bg", "%S") + fload("%zp", "%bg", "%Z"))
+    for t in range(T):
+        sums = ["zeroinitializer"] * chains
+        for j in range(4):
+            c = j % chains
+            L.append(f"  %xo{t}.{j} = add i64 %bx, {64 * j}\n"
+                     f"  %xa{t}.{j} = getelementptr i8, ptr %xb{t}, i64 %xo{t}.{j}\n"
+                     f"  %xv{t}.{j} = load <16 x i32>, ptr %xa{t}.{j}, align 1\n"
+                     f"  %ia{t}.{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {sums[c]}, "
+                     f"<16 x i32> {W[j]}, <16 x i32> %xv{t}.{j})\n")
+            sums[c] = f"%ia{t}.{j}"
+        tot = sums[0]
+        if chains == 2:
+            L.append(f"  %ic{t} = add <16 x i32> {sums[0]}, {sums[1]}\n")
+            tot = f"%ic{t}"
+        L.append(f"  %il{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, <8 x i32> <{_seq(0, 8)}>\n"
+                 f"  %ih{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, <8 x i32> <{_seq(8, 16)}>\n"
+                 f"  %is{t} = add <8 x i32> %il{t}, %ih{t}\n  %f{t} = sitofp <8 x i32> %is{t} to <8 x float>\n")
+        L.append(fload(f"%db{t}", "%bg", f"%D{t}") + fload(f"%sb{t}", "%bg", f"%XS{t}"))
+        L.append(f"  %sd{t} = fmul <8 x float> %S, %D{t}\n"
+                 f"  %a{t}.1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sd{t}, <8 x float> %acc{t})\n"
+                 f"  %a{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %Z, <8 x float> %XS{t}, <8 x float> %a{t}.1)\n")
+    L.append("  %b1 = add i64 %b, 1\n  %bmore = icmp ult i64 %b1, %nb\n  br i1 %bmore, label %blk, label %pend\n")
+    L.append("pend:\n" + "".join(f"  %acc{t}.p = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n"
+                                 for t in range(T)))
+    L.append("  br i1 %haspair, label %pair, label %pairend\n")
+
+    # -- the groups after the blocks: two at a time (kernel_ir_vnni4's step), then an odd one, into 16-lane sums
     pick = "<16 x i32> <" + ", ".join(["i32 0"] * 8 + ["i32 1"] * 8) + ">"
     order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
-    lanes = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in range(16)) + ">"
 
-    def row(lab: str) -> str:
-        """Blocks {lab}* for weight row %r, ending in a branch to %head."""
-        P = [f"{lab}:\n"]
-        P.append(f"  %{lab}.qo = mul i64 %r, %rowq\n"
-                 f"  %{lab}.qp = getelementptr i8, ptr %q, i64 %{lab}.qo\n"
-                 f"  %{lab}.so = mul i64 %r, %Gw.i\n"
-                 f"  %{lab}.sp = getelementptr float, ptr %s, i64 %{lab}.so\n"
-                 f"  %{lab}.zp = getelementptr float, ptr %z, i64 %{lab}.so\n")
-        P.append(f"  br i1 %haspair, label %{lab}.step, label %{lab}.pend\n")
-
-        def acc(t, sfx=""):
-            return f"%{lab}.a{t}{sfx}"
-
-        def phis(block: str, sources: list[tuple[str, str]]) -> str:
-            """Phis named acc(t, block's suffix) over sources [(value suffix, from block)]."""
-            return "".join(f"  {acc(t, block)} = phi <16 x float> "
-                           + ", ".join(f"[{'zeroinitializer' if v is None else acc(t, v)}, %{src}]"
-                                       for v, src in sources) + "\n"
-                           for t in range(T))
-
-        def body(sfx: str, g0: str, pair: bool, into: str) -> str:
-            """One step's instructions (suffix sfx): two groups from group %g0 (pair), or the one group %g0 with the
-            upper half zero; adds into the sums of suffix `into`, making those of suffix sfx."""
-            B = []
-            if pair:
-                B.append(f"  %{lab}.qa{sfx} = mul i64 {g0}, 16\n"
-                         + _load("i8", f"%{lab}.qp", f"%{lab}.qa{sfx}", f"%{lab}.qv{sfx}", "<32 x i8>"))
-                B.append(_load("float", f"%{lab}.sp", g0, f"%{lab}.sv{sfx}", "<2 x float>"))
-                if Q4_PREFETCH:  # (a hint: past the weight's end it never faults)
-                    B.append(f"  %{lab}.pq{sfx} = add i64 %{lab}.qa{sfx}, {Q4_PREFETCH}\n"
-                             f"  %{lab}.pqa{sfx} = getelementptr i8, ptr %{lab}.qp, i64 %{lab}.pq{sfx}\n"
-                             + _prefetch(f"%{lab}.pqa{sfx}", Q4_LOCALITY) +
-                             f"  %{lab}.ps{sfx} = add i64 {g0}, {Q4_PREFETCH // 16}\n"
-                             f"  %{lab}.psa{sfx} = getelementptr float, ptr %{lab}.sp, i64 %{lab}.ps{sfx}\n"
-                             + _prefetch(f"%{lab}.psa{sfx}", Q4_LOCALITY) +
-                             f"  %{lab}.pza{sfx} = getelementptr float, ptr %{lab}.zp, i64 %{lab}.ps{sfx}\n"
-                             + _prefetch(f"%{lab}.pza{sfx}", Q4_LOCALITY))
-                B.append(f"  %{lab}.S{sfx} = shufflevector <2 x float> %{lab}.sv{sfx}, <2 x float> poison, "
-                         f"{pick}\n")
+    def pair(sfx: str, qoff: str, g0: str, xoff: str, one: bool, into: str) -> str:
+        """Groups g0, g0 + 1 (one: g0 alone, the upper half zero) at packed byte qoff, x byte xoff."""
+        P = [f"  %tq{sfx} = getelementptr i8, ptr %qp, i64 {qoff}\n"]
+        if one:
+            P.append(f"  %tqh{sfx} = load <16 x i8>, ptr %tq{sfx}, align 1\n"
+                     f"  %tqv{sfx} = shufflevector <16 x i8> %tqh{sfx}, <16 x i8> zeroinitializer, <32 x i32> <{_seq(0, 32)}>\n")
+        else:
+            P.append(f"  %tqv{sfx} = load <32 x i8>, ptr %tq{sfx}, align 1\n")
+        P.append(f"  %tlo{sfx} = and <32 x i8> %tqv{sfx}, {_splat('i8', 32, 15)}\n"
+                 f"  %thi{sfx} = lshr <32 x i8> %tqv{sfx}, {_splat('i8', 32, 4)}\n"
+                 f"  %tw{sfx} = shufflevector <32 x i8> %tlo{sfx}, <32 x i8> %thi{sfx}, <64 x i32> <"
+                 + ", ".join(f"i32 {i}" for i in order) + ">\n"
+                 f"  %twi{sfx} = bitcast <64 x i8> %tw{sfx} to <16 x i32>\n")
+        if one:
+            P.append(f"  %ts1{sfx}.a = getelementptr float, ptr %sp, i64 {g0}\n  %ts1{sfx} = load float, ptr %ts1{sfx}.a\n"
+                     f"  %tsv{sfx} = insertelement <2 x float> zeroinitializer, float %ts1{sfx}, i64 0\n")
+        else:
+            P.append(_load("float", "%sp", g0, f"%tsv{sfx}", "<2 x float>"))
+        for t in range(T):
+            P.append(f"  %tx{t}{sfx}.a = getelementptr i8, ptr %xb{t}, i64 {xoff}\n")
+            if one:
+                P.append(f"  %txh{t}{sfx} = load <32 x i8>, ptr %tx{t}{sfx}.a, align 1\n"
+                         f"  %txv{t}{sfx} = shufflevector <32 x i8> %txh{t}{sfx}, <32 x i8> zeroinitializer, "
+                         f"<64 x i32> <{_seq(0, 64)}>\n"
+                         f"  %td1{t}{sfx}.a = getelementptr float, ptr %db{t}, i64 {g0}\n"
+                         f"  %td1{t}{sfx} = load float, ptr %td1{t}{sfx}.a\n"
+                         f"  %tdv{t}{sfx} = insertelement <2 x float> zeroinitializer, float %td1{t}{sfx}, i64 0\n")
             else:
-                B.append(f"  %{lab}.qa{sfx} = mul i64 {g0}, 16\n"
-                         + _load("i8", f"%{lab}.qp", f"%{lab}.qa{sfx}", f"%{lab}.qh{sfx}", "<16 x i8>"))
-                B.append(f"  %{lab}.qv{sfx} = shufflevector <16 x i8> %{lab}.qh{sfx}, <16 x i8> "
-                         f"zeroinitializer, <32 x i32> <{_seq(0, 32)}>\n")
-                B.append(_load("float", f"%{lab}.sp", g0, f"%{lab}.s1{sfx}"))
-                B.append(f"  %{lab}.sv{sfx} = insertelement <2 x float> zeroinitializer, float "
-                         f"%{lab}.s1{sfx}, i64 0\n"
-                         f"  %{lab}.S{sfx} = shufflevector <2 x float> %{lab}.sv{sfx}, <2 x float> poison, "
-                         f"{pick}\n")
-            B.append(f"  %{lab}.lo{sfx} = and <32 x i8> %{lab}.qv{sfx}, {_splat('i8', 32, 15)}\n"
-                     f"  %{lab}.hi{sfx} = lshr <32 x i8> %{lab}.qv{sfx}, {_splat('i8', 32, 4)}\n"
-                     f"  %{lab}.w{sfx} = shufflevector <32 x i8> %{lab}.lo{sfx}, <32 x i8> %{lab}.hi{sfx}, "
-                     "<64 x i32> <" + ", ".join(f"i32 {i}" for i in order) + ">\n"
-                     f"  %{lab}.wi{sfx} = bitcast <64 x i8> %{lab}.w{sfx} to <16 x i32>\n")
-            B.append(f"  %{lab}.xo{sfx} = mul i64 {g0}, 32\n")
-            for t in range(T):
-                if pair:
-                    B.append(_load("i8", f"%xb{t}", f"%{lab}.xo{sfx}", f"%{lab}.xv{t}{sfx}", "<64 x i8>"))
-                    B.append(_load("float", f"%db{t}", g0, f"%{lab}.dv{t}{sfx}", "<2 x float>"))
-                else:
-                    B.append(_load("i8", f"%xb{t}", f"%{lab}.xo{sfx}", f"%{lab}.xh{t}{sfx}", "<32 x i8>"))
-                    B.append(f"  %{lab}.xv{t}{sfx} = shufflevector <32 x i8> %{lab}.xh{t}{sfx}, <32 x i8> "
-                             f"zeroinitializer, <64 x i32> <{_seq(0, 64)}>\n")
-                    B.append(_load("float", f"%db{t}", g0, f"%{lab}.d1{t}{sfx}"))
-                    B.append(f"  %{lab}.dv{t}{sfx} = insertelement <2 x float> zeroinitializer, float "
-                             f"%{lab}.d1{t}{sfx}, i64 0\n")
-                B.append(f"  %{lab}.xi{t}{sfx} = bitcast <64 x i8> %{lab}.xv{t}{sfx} to <16 x i32>\n"
-                         f"  %{lab}.D{t}{sfx} = shufflevector <2 x float> %{lab}.dv{t}{sfx}, <2 x float> poison, "
-                         f"{pick}\n")
-                p = f"%{lab}.p{t}{sfx}"
-                B.append(f"  {p} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
-                         f"<16 x i32> %{lab}.wi{sfx}, <16 x i32> %{lab}.xi{t}{sfx})\n"
-                         f"  {p}.f = sitofp <16 x i32> {p} to <16 x float>\n"
-                         f"  {p}.sd = fmul <16 x float> %{lab}.S{sfx}, %{lab}.D{t}{sfx}\n"
-                         f"  {acc(t, sfx)} = call <16 x float> @llvm.fma.v16f32(<16 x float> {p}.f, "
-                         f"<16 x float> {p}.sd, <16 x float> {acc(t, into)})\n")
-            return "".join(B)
-
-        # pairs of groups
-        P.append(f"{lab}.step:\n  %{lab}.c = phi i64 [0, %{lab}], [%{lab}.c1, %{lab}.step]\n")
-        P.append(phis("", [(None, lab), (".n", f"{lab}.step")]))
-        P.append(f"  %{lab}.g0 = shl i64 %{lab}.c, 1\n")
-        P.append(body(".n", f"%{lab}.g0", True, ""))
-        P.append(f"  %{lab}.c1 = add i64 %{lab}.c, 1\n  %{lab}.more = icmp ult i64 %{lab}.c1, %pairs\n"
-                 f"  br i1 %{lab}.more, label %{lab}.step, label %{lab}.pend\n")
-        # an odd last group
-        P.append(f"{lab}.pend:\n" + phis(".p", [(None, lab), (".n", f"{lab}.step")]))
-        P.append(f"  br i1 %isodd, label %{lab}.tail, label %{lab}.zh\n")
-        P.append(f"{lab}.tail:\n" + body(".t", "%last", False, ".p") + f"  br label %{lab}.zh\n")
-        # the zero term, 16 groups at a time
-        P.append(f"{lab}.zh:\n" + phis(".q", [(".p", f"{lab}.pend"), (".t", f"{lab}.tail")])
-                 + f"  br label %{lab}.z\n")
-        P.append(f"{lab}.z:\n  %{lab}.zc = phi i64 [0, %{lab}.zh], [%{lab}.zc1, %{lab}.z]\n")
-        P.append(phis(".z", [(".q", f"{lab}.zh"), (".zn", f"{lab}.z")]))
-        P.append(f"  %{lab}.zg = shl i64 %{lab}.zc, 4\n  %{lab}.zl = sub i64 %Gw.i, %{lab}.zg\n"
-                 f"  %{lab}.zl32 = trunc i64 %{lab}.zl to i32\n"
-                 f"  %{lab}.zli = insertelement <16 x i32> poison, i32 %{lab}.zl32, i64 0\n"
-                 f"  %{lab}.zls = shufflevector <16 x i32> %{lab}.zli, <16 x i32> poison, <16 x i32> zeroinitializer\n"
-                 f"  %{lab}.zm = icmp ult {lanes}, %{lab}.zls\n")
-        P.append(f"  %{lab}.za = getelementptr float, ptr %{lab}.zp, i64 %{lab}.zg\n"
-                 f"  %{lab}.zv = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.za, i32 4, "
-                 f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
-        for t in range(T):
-            P.append(f"  %{lab}.xa{t} = getelementptr float, ptr %sb{t}, i64 %{lab}.zg\n"
-                     f"  %{lab}.xsv{t} = call <16 x float> @llvm.masked.load.v16f32.p0(ptr %{lab}.xa{t}, i32 4, "
-                     f"<16 x i1> %{lab}.zm, <16 x float> zeroinitializer)\n")
-            P.append(f"  {acc(t, '.zn')} = call <16 x float> @llvm.fma.v16f32(<16 x float> %{lab}.zv, "
-                     f"<16 x float> %{lab}.xsv{t}, <16 x float> {acc(t, '.z')})\n")
-        P.append(f"  %{lab}.zc1 = add i64 %{lab}.zc, 1\n  %{lab}.zmore = icmp ult i64 %{lab}.zc1, %zn\n"
-                 f"  br i1 %{lab}.zmore, label %{lab}.z, label %{lab}.end\n")
-        P.append(f"{lab}.end:\n")
-        for t in range(T):
-            P.append(f"  %{lab}.tot{t} = call reassoc float @llvm.vector.reduce.fadd.v16f32(float 0.0, "
-                     f"<16 x float> {acc(t, '.zn')})\n"
-                     f"  %{lab}.o{t} = getelementptr float, ptr %ob{t}, i64 %r\n"
-                     f"  store float %{lab}.tot{t}, ptr %{lab}.o{t}, align 4\n")
-        P.append("  br label %head\n")
+                P.append(f"  %txv{t}{sfx} = load <64 x i8>, ptr %tx{t}{sfx}.a, align 1\n"
+                         + _load("float", f"%db{t}", g0, f"%tdv{t}{sfx}", "<2 x float>"))
+            P.append(f"  %txi{t}{sfx} = bitcast <64 x i8> %txv{t}{sfx} to <16 x i32>\n"
+                     f"  %tp{t}{sfx} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                     f"<16 x i32> %twi{sfx}, <16 x i32> %txi{t}{sfx})\n"
+                     f"  %tf{t}{sfx} = sitofp <16 x i32> %tp{t}{sfx} to <16 x float>\n"
+                     f"  %tsd{t}{sfx} = fmul <2 x float> %tsv{sfx}, %tdv{t}{sfx}\n"
+                     f"  %tsdv{t}{sfx} = shufflevector <2 x float> %tsd{t}{sfx}, <2 x float> poison, {pick}\n"
+                     f"  %t{t}{sfx} = call <16 x float> @llvm.fma.v16f32(<16 x float> %tf{t}{sfx}, "
+                     f"<16 x float> %tsdv{t}{sfx}, <16 x float> {into.format(t=t)})\n")
         return "".join(P)
 
-    L.append("head:\n  %r = phi i64 [%n0.i, %entry], [%r1, %one.end]\n  %r1 = add i64 %r, 1\n"
-             "  %any = icmp slt i64 %r, %n1.i\n  br i1 %any, label %one, label %done\n")
-    L.append(row("one"))
+    L.append("pair:\n  %c = phi i64 [0, %pend], [%c1, %pair]\n")
+    L.append("".join(f"  %tacc{t} = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n" for t in range(T)))
+    L.append("  %cq0 = shl i64 %c, 5\n  %cq = add i64 %tailq, %cq0\n  %cg0 = shl i64 %c, 1\n  %cg = add i64 %tailg, %cg0\n"
+             "  %cx0 = shl i64 %c, 6\n  %cx = add i64 %tailx, %cx0\n")
+    L.append(pair(".n", "%cq", "%cg", "%cx", False, "%tacc{t}"))
+    L.append("  %c1 = add i64 %c, 1\n  %cmore = icmp ult i64 %c1, %np\n  br i1 %cmore, label %pair, label %pairend\n")
+    L.append("pairend:\n" + "".join(f"  %tacc{t}.p = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n"
+                                    for t in range(T)))
+    L.append("  br i1 %isodd, label %one, label %rowend\n")
+    L.append("one:\n" + pair(".o", "%lastq", "%lastg", "%lastx", True, "%tacc{t}.p") + "  br label %rowend\n")
+    # -- row end: the tail's zero term (masked: none without a tail), its sums folded in, one horizontal sum
+    L.append("rowend:\n" + "".join(f"  %tacc{t}.r = phi <16 x float> [%tacc{t}.p, %pairend], [%t{t}.o, %one]\n"
+                                   for t in range(T)))
+    L.append(fload("%zp", "%tailg", "%TZ", True))
+    for t in range(T):
+        L.append(fload(f"%sb{t}", "%tailg", f"%TXS{t}", True)
+                 + f"  %e{t}.1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %TZ, <8 x float> %TXS{t}, <8 x float> %acc{t}.p)\n"
+                 f"  %tl{t} = shufflevector <16 x float> %tacc{t}.r, <16 x float> poison, <8 x i32> <{_seq(0, 8)}>\n"
+                 f"  %th{t} = shufflevector <16 x float> %tacc{t}.r, <16 x float> poison, <8 x i32> <{_seq(8, 16)}>\n"
+                 f"  %e{t}.2 = fadd <8 x float> %tl{t}, %th{t}\n  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n"
+                 f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %e{t})\n"
+                 f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
+    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
     L.append("done:\n  ret void\n}\n")
     return "".join(L)
 
 
 def kernel_ir_vnni(kind: str, T: int) -> str:
     """The AVX-512 VNNI kernel `kind` (VNNI_KINDS) for T rows of x."""
-    return kernel_ir_vnni4(T) if kind == "q4v" else kernel_ir_vnni8(T)
+    return kernel_ir_vnni4b(T) if kind == "q4b" else kernel_ir_vnni8(T)
 
 
 def kernel_ir_vnni8(T: int) -> str:
@@ -780,6 +803,23 @@ if llvm is not None:
         _round_rows(x, dx, xq)
 
     @njit(nogil=True, cache=True)
+    def _interleave_q4b(xq, xi):  # pragma: no cover - compiled
+        """xq [B, K] int8 in kernel_ir_vnni4b's order, into xi: each whole block of 8 groups (256 inputs, from input
+        256 b) as 4 steps of 64 bytes, step j holding at bytes 4i..4i+3 inputs 4j..4j+3 of the block's group i and
+        at 32+4i.. its inputs 16+4j..; the groups after the last whole block as they are."""
+        K = xq.shape[1]
+        whole = (K // Q4B_BLOCK) * Q4B_BLOCK
+        for b in range(xq.shape[0]):
+            for g in range(whole // 32):
+                base = (g // 8) * Q4B_BLOCK + 4 * (g % 8)
+                for j in range(4):
+                    for e in range(4):
+                        xi[b, base + 64 * j + e] = xq[b, 32 * g + 4 * j + e]
+                        xi[b, base + 64 * j + 32 + e] = xq[b, 32 * g + 16 + 4 * j + e]
+            for k in range(whole, K):
+                xi[b, k] = xq[b, k]
+
+    @njit(nogil=True, cache=True)
     def _group_sums(x, group, xs):  # pragma: no cover - compiled
         for b in range(x.shape[0]):
             for g in range(x.shape[1] // group):
@@ -810,7 +850,8 @@ _NO_GIDX = np.zeros(1, dtype=np.int32)
 def operand(kind: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int, activations: str,
             lib: "_Library | None" = None) -> tuple | None:
     """How the IR kernels run a packed weight (quant.py's layouts), as the tuple _mm takes: (kernels, q, scale, zero,
-    the weight group of each inner step, groups a row, inputs K, int8 activations?, rows a thread's chunk); None
+    the weight group of each inner step, groups a row, inputs K, int8 activations?, rows a thread's chunk, the order
+    the kernels read int8 x in: XL_PLAIN or XL_Q4B); None
     where they cannot (int8 weights with groups or inputs not in 16s). int8 activations need K in 32s (else fp32
     ones); int8 weights with groups of 32 or more take 32 inputs a step (q8w), else 16. lib: the compiled kernels
     (library() by default)."""
@@ -827,7 +868,8 @@ def operand(kind: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group
         step = 32 if act8 and group % 32 == 0 else 16
         name = "q8w" if step == 32 else "q8i" if act8 else "q8f"
         gidx = (np.arange(K // step, dtype=np.int64) * step // group).astype(np.int32)
-    return (lib.addresses[name], q, scale, zero, gidx, scale.shape[1], K, act8, _chunk(N))
+    layout = XL_Q4B if name == "q4i" and lib.vnni else XL_PLAIN  # the kernel q4i names there: kernel_ir_vnni4b
+    return (lib.addresses[name], q, scale, zero, gidx, scale.shape[1], K, act8, _chunk(N), layout)
 
 
 if llvm is not None:
@@ -835,13 +877,17 @@ if llvm is not None:
     @njit(nogil=True, cache=True)
     def _mm(w, x, out):  # pragma: no cover - compiled
         """out = x @ W.T for an operand() tuple w: x rounded to int8 first where it says so."""
-        fns, q, s, z, gidx, Gw, K, act8, chunk = w
+        fns, q, s, z, gidx, Gw, K, act8, chunk, layout = w
         B = x.shape[0]
         xs = np.empty((B, K // 32), dtype=np.float32)
         if act8:
             xq = np.empty((B, K), dtype=np.int8)
             dx = np.empty((B, K // 32), dtype=np.float32)
             _quantize_rows(x, xq, dx, xs)
+            if layout == XL_Q4B:
+                xi = np.empty((B, K), dtype=np.int8)
+                _interleave_q4b(xq, xi)
+                xq = xi
             _drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
         else:
             if Gw != 0:  # the int4 kernels' zero term (int8 ones read no zeros; fp32 weights, Gw 0, no groups)
@@ -878,7 +924,7 @@ def operand_f32(w: np.ndarray, lib: "_Library | None" = None) -> tuple | None:
     if lib is None or w.dtype != np.float32 or w.ndim != 2 or w.shape[1] % 16 or not w.shape[1] \
             or not w.flags.c_contiguous:
         return None
-    return (lib.addresses["f32"], w, _NO_F32, _NO_F32, _NO_GIDX, 0, w.shape[1], False, _chunk(w.shape[0]))
+    return (lib.addresses["f32"], w, _NO_F32, _NO_F32, _NO_GIDX, 0, w.shape[1], False, _chunk(w.shape[0]), XL_PLAIN)
 
 
 def matmul_f32(x: np.ndarray, w: np.ndarray, lib: "_Library | None" = None) -> np.ndarray | None:

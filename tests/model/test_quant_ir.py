@@ -63,7 +63,9 @@ def _weights(N: int, K: int, seed: int) -> dict[str, QuantWeight]:
 
 @pytest.mark.parametrize("activations", ["fp32", "int8"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 13])  # tiles of 8, 4, 2, 1 rows and their mixes
-@pytest.mark.parametrize("shape", [(96, 576), (200, 1536), (17, 64), (40, 96)])  # 96: an odd group count
+# (K / 32 groups: the VNNI int4 kernel takes whole blocks of 8, then pairs, then an odd one): 18 = 2 blocks + a pair,
+# 48 = 6 blocks, 2 = a pair, 3 = a pair + 1, 8 = one block, 15 = a block + 3 pairs + 1
+@pytest.mark.parametrize("shape", [(96, 576), (200, 1536), (17, 64), (40, 96), (9, 256), (23, 480)])
 def test_kernels_compute_their_arithmetic(lib, activations, rows, shape):
     N, K = shape
     x = np.random.default_rng(rows).standard_normal((rows, K), dtype=np.float32)
