@@ -87,6 +87,16 @@ class ChunkedPagedBackend(DecodeAsPrefill):
             cols = slice(first, last)
             k = read_blocks(paged, "k", batch, cols, lambda p, sl: gather_head_major(p, kfmt, layer, sl), True).view(B, Hkv, n, D)
             v = read_blocks(paged, "v", batch, cols, lambda p, sl: gather_head_major(p, vfmt, layer, sl), True).view(B, Hkv, n, D)
+            if (first == 0 and window is None and batch.key_pos is None and bool((qpos == torch.arange(Q)).all())
+                    and bool((batch.context_lens >= Q).all())):
+                # Every row a prompt's first chunk (query i at position i, key j at j): what it sees is the causal
+                # mask aligned top-left (key j <= query i; the keys past the chunk are none of them), which SDPA's
+                # flash kernel takes as is_causal and skips the blocks above the diagonal: the same sums (the
+                # masked keys add exp(-inf) = 0), 1.32 vs 1.56 ms at 275 queries, 12.1 vs 18.2 at 1024 (9 heads,
+                # 3 KV heads, D 64; EPYC znver4, 2026-12-07).
+                o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, is_causal=True, scale=scale,
+                                                   enable_gqa=H != Hkv)  # [B, H, Q, D]
+                return o.transpose(1, 2).to(q.dtype)
             mask = visible[:, None, :, first * bs : last * bs]  # [B, 1, Q, n]
             o = F.scaled_dot_product_attention(q.float().transpose(1, 2), k, v, attn_mask=mask, scale=scale,
                                                enable_gqa=H != Hkv)  # [B, H, Q, D]

@@ -269,6 +269,52 @@ def test_cpu_prefill_matches_reference(case):
         assert_close(want, naive(q, kv, pre, window, scale), "reference prefill vs the rule")
 
 
+@dataclass(frozen=True)
+class FirstChunk(Case):
+    """Rows that are each a prompt's first chunk: Q queries at positions 0..Q-1 over their own Q keys."""
+
+    q_len: int = 1
+
+    @property
+    def lens(self) -> list[int]:
+        return [self.q_len] * 3
+
+
+@pytest.mark.parametrize("dtype", [KVDtype.FP32, KVDtype.FP16, KVDtype.INT8_DELTA], ids=lambda d: d.label)
+@pytest.mark.parametrize("bs,q_len", [(1, 5), (7, 7), (7, 16), (16, 9)])
+def test_cpu_prefill_of_first_chunks_is_causal_sdpa(monkeypatch, dtype, bs, q_len):
+    """Every row a first chunk: the dense path hands SDPA is_causal (its flash kernel skips the blocks above the
+    diagonal) and gets what the reference and the rule get; a batch with one row further on keeps the mask."""
+    case = FirstChunk(dtype, bs, "causal", q_len=q_len)
+    _, kv, batch, _, scale = build(case)
+    H, _ = case.heads
+    q = torch.randn(3, q_len, H, D, generator=torch.Generator().manual_seed(q_len))
+    pos = torch.arange(q_len).expand(3, q_len).contiguous()
+    first = PagedBatch(batch.block_table, batch.context_lens, pos, None)
+    later = pos.clone()  # row 1 a later chunk: its queries at 1.., the last one twice
+    later[1] = (torch.arange(q_len) + 1).clamp_max(q_len - 1)
+    later = PagedBatch(batch.block_table, batch.context_lens, later, None)
+    want = {name: make_backend("reference").prefill(q, 1, kv, b, scale=scale) for name, b in (("first", first),
+                                                                                               ("later", later))}
+    calls = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(*a, **k):
+        calls.append(bool(k.get("is_causal")))
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got = make_backend("chunked").prefill(q, 1, kv, first, scale=scale)
+    assert calls == [True]
+    assert_close(got, want["first"], case.id)
+    got = make_backend("chunked").prefill(q, 1, kv, later, scale=scale)
+    assert calls == [True, False]
+    assert_close(got, want["later"], case.id + " later")
+    monkeypatch.undo()
+    for name, b in (("first", first), ("later", later)):
+        assert_close(want[name], naive(q, kv, b, None, scale), f"{name} chunks: the reference vs the rule")
+
+
 @pytest.mark.parametrize("name", ["chunked", "cpu"])
 def test_cpu_keeps_the_query_dtype(name):
     q, kv, batch, window, scale = build(Case(KVDtype.FP16, 16, "causal"))
