@@ -11,7 +11,8 @@ float conversion per weight; written as vector IR the inner step is what llama.c
       vpdpbusd takes 4 inputs of each, x laid out to match, the groups' integer sums converted and scaled once.
   int8 weights, int8 activations: with groups of 32 or more, 32 bytes a step as llama.cpp's Q8_0 dot does it
       (pmaddubsw(|w|, x * sign(w)), then pmaddwd); groups of 16 (a GGUF's Q6_K) 16 bytes a step, sign-extended to
-      int16, products summed in pairs (pmaddwd).
+      int16, products summed in pairs (pmaddwd). With AVX-512 VNNI, groups of exactly 32 (Q8_0) 8 groups at a time
+      (kernel_ir_vnni8b, w + 128 as the unsigned operand, 128 * sum(x) taken away per group).
   fp32 activations ("fp32", exact: equal to the dequantized weight's matmul up to float rounding): nibbles / bytes
       converted to float and multiplied by x, four 8-lane products per group folded, times scale[g].
 
@@ -45,7 +46,8 @@ except Exception as e:  # pragma: no cover - numba/llvmlite missing or broken
     _IMPORT_ERROR = f"{type(e).__name__}: {e}"
 
 TILES = (8, 4, 2, 1)  # rows of x one call takes
-XL_PLAIN, XL_Q4B = 0, 1  # the order an operand's kernels read int8 x in: as it is, _interleave_q4b's
+XL_PLAIN, XL_Q4B, XL_Q8B = 0, 1, 2  # the order an operand's kernels read int8 x in: as it is, _interleave_q4b's,
+# _interleave_q8b's
 ACT_GROUP = 32  # inputs per activation scale (int8 activations)
 KINDS = ("q4f", "q4i", "q8f", "q8i", "q8w")  # int4 / int8 weights x fp32 / int8 activations; q8w: q8i 32 wide
 
@@ -496,6 +498,132 @@ def kernel_ir_vnni4b(T: int) -> str:
     return "".join(L)
 
 
+def kernel_ir_vnni8b(T: int) -> str:
+    """q8w's work for groups of exactly 32 (a GGUF's Q8_0) with AVX-512 VNNI over blocks of 8 groups (256 inputs),
+    as kernel_ir_vnni4b: a block's 256 bytes loaded as four 16-dword registers and permuted (vpermt2d, then
+    vshufi64x2) so that step j (0-3) holds dwords j and 4 + j of every group (lanes 0-3: groups 0-3's dword j, 4-7
+    their dword 4 + j, 8-15 the same of groups 4-7), flipped to unsigned (w + 128: vpdpbusd multiplies u8 by s8),
+    and four vpdpbusd into one integer sum; x laid out to match (_interleave_q8b). At the block's end each group's
+    two lanes are added, 128 * sum(x[g]) (exact, in integers: _interleave_q8b's sums) taken away, and the 8 groups
+    converted and scaled once. Groups after the last whole block: two at a time as kernel_ir_vnni8 takes them
+    (|w| x (x * sign(w)), lanes 0-7 / 8-15 a group each), an odd last one through AVX2's step. Same arguments as
+    q8w, x in _interleave_q8b's layout and xs the int32 sums 128 * sum(x[g])."""
+    name = f"q8b_t{T}"
+    chains = 2 if T < 4 else 1
+    counts = ("  %nb = lshr i64 %Gw.i, 3\n  %m = and i64 %Gw.i, 7\n  %hasblk = icmp ne i64 %nb, 0\n"
+              "  %np = lshr i64 %m, 1\n  %haspair = icmp ne i64 %np, 0\n  %odd = and i64 %m, 1\n"
+              "  %isodd = icmp ne i64 %odd, 0\n  %tailg = shl i64 %nb, 3\n  %tailx = shl i64 %nb, 8\n"
+              "  %last = sub i64 %Gw.i, 1\n")
+    L = [f"define void @{name}(" + ", ".join(f"i64 %{n}.i" for n in _ARGS) + ") {\nentry:\n"]
+    for n in _ARGS[:8]:
+        L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
+    L.append(counts)
+    for t in range(T):
+        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
+        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
+        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr i32, ptr %xs, i64 %so{t}\n")
+        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
+    L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n"
+             "  %qo = mul i64 %r, %K.i\n  %qp = getelementptr i8, ptr %q, i64 %qo\n"
+             "  %so = mul i64 %r, %Gw.i\n  %sp = getelementptr float, ptr %s, i64 %so\n"
+             "  br i1 %hasblk, label %blk, label %pend\n")
+    # -- whole blocks of 8 groups
+    L.append("blk:\n  %b = phi i64 [0, %row], [%b1, %blk]\n")
+    L.append("".join(f"  %acc{t} = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n" for t in range(T)))
+    L.append("  %bq = shl i64 %b, 8\n  %bg = shl i64 %b, 3\n")
+    for i in range(4):
+        L.append(f"  %qa{i} = getelementptr i8, ptr %qp, i64 %bq\n  %qa{i}.o = getelementptr i8, ptr %qa{i}, i64 {64 * i}\n"
+                 f"  %R{i} = load <16 x i32>, ptr %qa{i}.o, align 1\n")
+    if Q4_PREFETCH:
+        for i in range(4):
+            L.append(f"  %pq{i} = getelementptr i8, ptr %qa0, i64 {2 * Q4_PREFETCH + 64 * i}\n" + _prefetch(f"%pq{i}", Q4_LOCALITY))
+        L.append(f"  %pg = add i64 %bg, {2 * Q4_PREFETCH // 32}\n  %ps = getelementptr float, ptr %sp, i64 %pg\n"
+                 + _prefetch("%ps", Q4_LOCALITY))
+    W = []
+    flip = _splat("i32", 16, -2139062144)  # 0x80808080: every byte + 128 (mod 256)
+    for h in (0, 1):  # steps 2h and 2h + 1
+        idx = [k for j in (2 * h, 2 * h + 1) for k in [8 * i + j for i in range(4)] + [8 * i + 4 + j for i in range(4)]]
+        ids = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in idx) + ">"
+        L.append(f"  %PA{h} = shufflevector <16 x i32> %R0, <16 x i32> %R1, {ids}\n"
+                 f"  %PC{h} = shufflevector <16 x i32> %R2, <16 x i32> %R3, {ids}\n")
+        for k, (a, c) in enumerate(((0, 16), (8, 24))):
+            j = 2 * h + k
+            L.append(f"  %W{j}s = shufflevector <16 x i32> %PA{h}, <16 x i32> %PC{h}, <16 x i32> <"
+                     + ", ".join(f"i32 {i}" for i in list(range(a, a + 8)) + list(range(c, c + 8))) + ">\n"
+                     f"  %W{j} = xor <16 x i32> %W{j}s, {flip}\n")
+            W.append(f"%W{j}")
+    L.append("  %Sa = getelementptr float, ptr %sp, i64 %bg\n  %S = load <8 x float>, ptr %Sa, align 4\n")
+    swap = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in (4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)) + ">"
+    for t in range(T):
+        sums = ["zeroinitializer"] * chains
+        for j in range(4):
+            c = j % chains
+            L.append(f"  %xo{t}.{j} = add i64 %bq, {64 * j}\n"
+                     f"  %xa{t}.{j} = getelementptr i8, ptr %xb{t}, i64 %xo{t}.{j}\n"
+                     f"  %xv{t}.{j} = load <16 x i32>, ptr %xa{t}.{j}, align 1\n"
+                     f"  %ia{t}.{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {sums[c]}, "
+                     f"<16 x i32> {W[j]}, <16 x i32> %xv{t}.{j})\n")
+            sums[c] = f"%ia{t}.{j}"
+        tot = sums[0]
+        if chains == 2:
+            L.append(f"  %ic{t} = add <16 x i32> {sums[0]}, {sums[1]}\n")
+            tot = f"%ic{t}"
+        L.append(f"  %iw{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, {swap}\n"
+                 f"  %it{t} = add <16 x i32> {tot}, %iw{t}\n"
+                 f"  %ig{t} = shufflevector <16 x i32> %it{t}, <16 x i32> poison, <8 x i32> <i32 0, i32 1, i32 2, "
+                 "i32 3, i32 8, i32 9, i32 10, i32 11>\n"
+                 f"  %cs{t}.a = getelementptr i32, ptr %sb{t}, i64 %bg\n  %cs{t} = load <8 x i32>, ptr %cs{t}.a, align 4\n"
+                 f"  %is{t} = sub <8 x i32> %ig{t}, %cs{t}\n  %f{t} = sitofp <8 x i32> %is{t} to <8 x float>\n"
+                 f"  %D{t}.a = getelementptr float, ptr %db{t}, i64 %bg\n  %D{t} = load <8 x float>, ptr %D{t}.a, align 4\n"
+                 f"  %sd{t} = fmul <8 x float> %S, %D{t}\n"
+                 f"  %a{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sd{t}, <8 x float> %acc{t})\n")
+    L.append("  %b1 = add i64 %b, 1\n  %bmore = icmp ult i64 %b1, %nb\n  br i1 %bmore, label %blk, label %pend\n")
+    L.append("pend:\n" + "".join(f"  %acc{t}.p = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n"
+                                 for t in range(T)))
+    L.append("  br i1 %haspair, label %pair, label %pairend\n")
+    # -- pairs after the blocks (kernel_ir_vnni8's step, x natural there)
+    pick = "<16 x i32> <" + ", ".join(["i32 0"] * 8 + ["i32 1"] * 8) + ">"
+    L.append("pair:\n  %c = phi i64 [0, %pend], [%c1, %pair]\n")
+    L.append("".join(f"  %tacc{t} = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n" for t in range(T)))
+    L.append("  %cg0 = shl i64 %c, 1\n  %g0 = add i64 %tailg, %cg0\n  %tq = shl i64 %g0, 5\n"
+             + _load("i8", "%qp", "%tq", "%tqv", "<64 x i8>")
+             + "  %neg = icmp slt <64 x i8> %tqv, zeroinitializer\n"
+             "  %aw = call <64 x i8> @llvm.abs.v64i8(<64 x i8> %tqv, i1 false)\n  %awi = bitcast <64 x i8> %aw to <16 x i32>\n"
+             + _load("float", "%sp", "%g0", "%tsv", "<2 x float>"))
+    for t in range(T):
+        L.append(_load("i8", f"%xb{t}", "%tq", f"%txv{t}", "<64 x i8>")
+                 + f"  %tnx{t} = sub <64 x i8> zeroinitializer, %txv{t}\n"
+                 f"  %tsx{t} = select <64 x i1> %neg, <64 x i8> %tnx{t}, <64 x i8> %txv{t}\n"
+                 f"  %txi{t} = bitcast <64 x i8> %tsx{t} to <16 x i32>\n"
+                 f"  %tp{t} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> zeroinitializer, "
+                 f"<16 x i32> %awi, <16 x i32> %txi{t})\n  %tf{t} = sitofp <16 x i32> %tp{t} to <16 x float>\n"
+                 + _load("float", f"%db{t}", "%g0", f"%tdv{t}", "<2 x float>")
+                 + f"  %tsd{t} = fmul <2 x float> %tsv, %tdv{t}\n"
+                 f"  %tsdv{t} = shufflevector <2 x float> %tsd{t}, <2 x float> poison, {pick}\n"
+                 f"  %t{t}.n = call <16 x float> @llvm.fma.v16f32(<16 x float> %tf{t}, <16 x float> %tsdv{t}, "
+                 f"<16 x float> %tacc{t})\n")
+    L.append("  %c1 = add i64 %c, 1\n  %cmore = icmp ult i64 %c1, %np\n  br i1 %cmore, label %pair, label %pairend\n")
+    L.append("pairend:\n" + "".join(f"  %tacc{t}.p = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n"
+                                    for t in range(T)))
+    L.append("  br i1 %isodd, label %tail, label %rowend\n")
+    L.append("tail:\n" + _step(False, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=True)
+             + "  br label %rowend\n")
+    L.append("rowend:\n")
+    for t in range(T):
+        L.append(f"  %oacc{t} = phi <8 x float> [zeroinitializer, %pairend], [%acc{t}.T, %tail]\n")
+    for t in range(T):
+        L.append(f"  %tl{t} = shufflevector <16 x float> %tacc{t}.p, <16 x float> poison, <8 x i32> <{_seq(0, 8)}>\n"
+                 f"  %th{t} = shufflevector <16 x float> %tacc{t}.p, <16 x float> poison, <8 x i32> <{_seq(8, 16)}>\n"
+                 f"  %e{t}.1 = fadd <8 x float> %tl{t}, %th{t}\n  %e{t}.2 = fadd <8 x float> %acc{t}.p, %oacc{t}\n"
+                 f"  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n"
+                 f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %e{t})\n"
+                 f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
+    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
+    L.append("done:\n  ret void\n}\n")
+    return "".join(L)
+
+
 def kernel_ir_vnni(kind: str, T: int) -> str:
     """The AVX-512 VNNI kernel `kind` (VNNI_KINDS) for T rows of x."""
     return kernel_ir_vnni4b(T) if kind == "q4b" else kernel_ir_vnni8(T)
@@ -667,6 +795,7 @@ def module_ir(x86: bool, vnni: bool = False) -> str:
     ir_ += _DECLARE_F32 + "".join(kernel_ir_f32(t) for t in TILES)  # (the VNNI kernels use its declarations)
     if vnni:
         ir_ += _DECLARE_VNNI + "".join(kernel_ir_vnni(k, t) for k in VNNI_KINDS for t in TILES)
+        ir_ += "".join(kernel_ir_vnni8b(t) for t in TILES)
     return ir_
 
 
@@ -710,6 +839,10 @@ class _Library:
                 for t in TILES:
                     table[t] = self._engine.get_function_address(f"{kind}_t{t}")
                 self.addresses[replaces] = table
+            table = np.zeros(max(TILES) + 1, dtype=np.int64)
+            for t in TILES:
+                table[t] = self._engine.get_function_address(f"q8b_t{t}")
+            self.addresses["q8b"] = table  # q8w's work for groups of 32
         self.isa = ("avx512-vnni (vpdpbusd) + avx2" if self.vnni else "avx2 (pmaddubsw/pmaddwd)" if self.x86
                     else "portable vector IR")
 
@@ -820,6 +953,30 @@ if llvm is not None:
                 xi[b, k] = xq[b, k]
 
     @njit(nogil=True, cache=True)
+    def _interleave_q8b(xq, xi, x128):  # pragma: no cover - compiled
+        """xq [B, K] int8 in kernel_ir_vnni8b's order, into xi: each whole block of 8 groups as 4 steps of 64 bytes,
+        step j holding in its 16-byte quarter k (of lanes 4k..4k+3) at bytes 4i.. the inputs 16 (k % 2) + 4j.. of
+        the block's group i + 4 (k // 2); the groups after the last whole block as they are. x128[b, g] = 128 times
+        the sum of group g's int8 values (what the kernel's w + 128 adds)."""
+        K = xq.shape[1]
+        whole = (K // Q4B_BLOCK) * Q4B_BLOCK
+        for b in range(xq.shape[0]):
+            for g in range(K // 32):
+                t = np.int32(0)
+                for k in range(32):
+                    t += np.int32(xq[b, 32 * g + k])
+                x128[b, g] = t * np.int32(128)
+            for g in range(whole // 32):
+                i, blk = g % 8, g // 8
+                for half in range(2):  # inputs 0-15, 16-31 of the group
+                    base = blk * Q4B_BLOCK + 16 * (2 * (i // 4) + half) + 4 * (i % 4)
+                    for j in range(4):
+                        for e in range(4):
+                            xi[b, base + 64 * j + e] = xq[b, 32 * g + 16 * half + 4 * j + e]
+            for k in range(whole, K):
+                xi[b, k] = xq[b, k]
+
+    @njit(nogil=True, cache=True)
     def _group_sums(x, group, xs):  # pragma: no cover - compiled
         for b in range(x.shape[0]):
             for g in range(x.shape[1] // group):
@@ -868,7 +1025,11 @@ def operand(kind: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group
         step = 32 if act8 and group % 32 == 0 else 16
         name = "q8w" if step == 32 else "q8i" if act8 else "q8f"
         gidx = (np.arange(K // step, dtype=np.int64) * step // group).astype(np.int32)
-    layout = XL_Q4B if name == "q4i" and lib.vnni else XL_PLAIN  # the kernel q4i names there: kernel_ir_vnni4b
+    layout = XL_PLAIN
+    if lib.vnni and name == "q4i":  # the kernel q4i names there: kernel_ir_vnni4b
+        layout = XL_Q4B
+    elif lib.vnni and name == "q8w" and group == 32:
+        name, layout = "q8b", XL_Q8B
     return (lib.addresses[name], q, scale, zero, gidx, scale.shape[1], K, act8, _chunk(N), layout)
 
 
@@ -888,6 +1049,12 @@ if llvm is not None:
                 xi = np.empty((B, K), dtype=np.int8)
                 _interleave_q4b(xq, xi)
                 xq = xi
+            elif layout == XL_Q8B:
+                xi = np.empty((B, K), dtype=np.int8)
+                x128 = np.empty((B, K // 32), dtype=np.int32)
+                _interleave_q8b(xq, xi, x128)
+                _drive(fns, q, s, z, xi, dx, x128, out, gidx, Gw, K, chunk)
+                return
             _drive(fns, q, s, z, xq, dx, xs, out, gidx, Gw, K, chunk)
         else:
             if Gw != 0:  # the int4 kernels' zero term (int8 ones read no zeros; fp32 weights, Gw 0, no groups)
