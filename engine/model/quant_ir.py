@@ -224,6 +224,52 @@ def _step(int4: bool, integer: bool, T: int, x86: bool, c: str, sx: str, acc: li
     return "".join(L)
 
 
+def _row_bases(T: int, x_type: str, xs_type: str = "float") -> str:
+    """Each x row's base pointers, %xb{t} (x), %db{t} (dx), %sb{t} (xs) and %ob{t} (out), from the row strides."""
+    return "".join(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {x_type}, ptr %x, i64 %xo{t}\n"
+                   f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n"
+                   f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr {xs_type}, ptr %xs, i64 %so{t}\n"
+                   f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n"
+                   for t in range(T))
+
+
+def _block_sums(t: int, W: list[str], off: str, chains: int) -> tuple[str, str]:
+    """x row t's four vpdpbusd of a block (the step operands W, x's 64 bytes at byte off + 64 j) into `chains`
+    independent integer sums, added: (the IR, the name of the 16-lane sum)."""
+    L, sums = [], ["zeroinitializer"] * chains
+    for j in range(4):
+        c = j % chains
+        L.append(f"  %xo{t}.{j} = add i64 {off}, {64 * j}\n"
+                 f"  %xa{t}.{j} = getelementptr i8, ptr %xb{t}, i64 %xo{t}.{j}\n"
+                 f"  %xv{t}.{j} = load <16 x i32>, ptr %xa{t}.{j}, align 1\n"
+                 f"  %ia{t}.{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {sums[c]}, "
+                 f"<16 x i32> {W[j]}, <16 x i32> %xv{t}.{j})\n")
+        sums[c] = f"%ia{t}.{j}"
+    if chains == 1:
+        return "".join(L), sums[0]
+    L.append(f"  %ic{t} = add <16 x i32> {sums[0]}, {sums[1]}\n")
+    return "".join(L), f"%ic{t}"
+
+
+def _row_store(T: int, sums: str) -> str:
+    """Each x row's 8-lane sum `sums` ({t} formatted) added across its lanes and stored at out[t, r]; then the next
+    weight row, or %done."""
+    return "".join(f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> "
+                   f"{sums.format(t=t)})\n"
+                   f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n"
+                   for t in range(T)) + ("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n"
+                                         "  br i1 %rc, label %row, label %done\ndone:\n  ret void\n}\n")
+
+
+def _loop_exit(var: str, bound: str, loop: str, exit_: str, entry: str, ty: str, name: str, val: str, T: int) -> str:
+    """The back edge of loop block %loop (counter %var, while below bound) and its exit block %exit_, which starts
+    with each x row's phi `name` ({t} formatted): zero from %entry (the loop not run), `val` from the loop."""
+    return (f"  %{var}1 = add i64 %{var}, 1\n  %{var}more = icmp ult i64 %{var}1, {bound}\n"
+            f"  br i1 %{var}more, label %{loop}, label %{exit_}\n{exit_}:\n"
+            + "".join(f"  {name.format(t=t)} = phi {ty} [zeroinitializer, %{entry}], [{val.format(t=t)}, %{loop}]\n"
+                      for t in range(T)))
+
+
 def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str) -> str:
     """A kernel's entry block (arguments as pointers, the step counts `counts` defines, each x row's base
     pointers) and the head of its row loop (the row's weight, scale and zero pointers), ending in a branch to
@@ -233,11 +279,7 @@ def _prologue(name: str, T: int, int4: bool, x_type: str, counts: str) -> str:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append(counts)
     L.append("  %rowq = " + ("udiv i64 %K.i, 2\n" if int4 else "add i64 %K.i, 0\n"))
-    for t in range(T):  # each x row's base pointers
-        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr {x_type}, ptr %x, i64 %xo{t}\n")
-        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
-        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
-        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append(_row_bases(T, x_type))  # each x row's base pointers
     L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
     L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n")
     L.append("  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n")
@@ -356,11 +398,7 @@ def kernel_ir_vnni4b(T: int) -> str:
              f"  %m8 = icmp ult <8 x i32> <{_seq(0, 8)}>, %ms\n"
              "  %tailq = shl i64 %nb, 7\n  %tailg = shl i64 %nb, 3\n  %tailx = shl i64 %nb, 8\n"
              "  %lastg = sub i64 %Gw.i, 1\n  %lastq = shl i64 %lastg, 4\n  %lastx = shl i64 %lastg, 5\n")
-    for t in range(T):
-        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
-        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
-        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr float, ptr %xs, i64 %so{t}\n")
-        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append(_row_bases(T, "i8"))
     L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
     L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n"
              "  %qo = mul i64 %r, %rowq\n  %qp = getelementptr i8, ptr %q, i64 %qo\n"
@@ -402,19 +440,8 @@ def kernel_ir_vnni4b(T: int) -> str:
             W.append(f"%W{j}")
     L.append(fload("%sp", "%bg", "%S") + fload("%zp", "%bg", "%Z"))
     for t in range(T):
-        sums = ["zeroinitializer"] * chains
-        for j in range(4):
-            c = j % chains
-            L.append(f"  %xo{t}.{j} = add i64 %bx, {64 * j}\n"
-                     f"  %xa{t}.{j} = getelementptr i8, ptr %xb{t}, i64 %xo{t}.{j}\n"
-                     f"  %xv{t}.{j} = load <16 x i32>, ptr %xa{t}.{j}, align 1\n"
-                     f"  %ia{t}.{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {sums[c]}, "
-                     f"<16 x i32> {W[j]}, <16 x i32> %xv{t}.{j})\n")
-            sums[c] = f"%ia{t}.{j}"
-        tot = sums[0]
-        if chains == 2:
-            L.append(f"  %ic{t} = add <16 x i32> {sums[0]}, {sums[1]}\n")
-            tot = f"%ic{t}"
+        ir_, tot = _block_sums(t, W, "%bx", chains)
+        L.append(ir_)
         L.append(f"  %il{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, <8 x i32> <{_seq(0, 8)}>\n"
                  f"  %ih{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, <8 x i32> <{_seq(8, 16)}>\n"
                  f"  %is{t} = add <8 x i32> %il{t}, %ih{t}\n  %f{t} = sitofp <8 x i32> %is{t} to <8 x float>\n")
@@ -422,9 +449,7 @@ def kernel_ir_vnni4b(T: int) -> str:
         L.append(f"  %sd{t} = fmul <8 x float> %S, %D{t}\n"
                  f"  %a{t}.1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sd{t}, <8 x float> %acc{t})\n"
                  f"  %a{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %Z, <8 x float> %XS{t}, <8 x float> %a{t}.1)\n")
-    L.append("  %b1 = add i64 %b, 1\n  %bmore = icmp ult i64 %b1, %nb\n  br i1 %bmore, label %blk, label %pend\n")
-    L.append("pend:\n" + "".join(f"  %acc{t}.p = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n"
-                                 for t in range(T)))
+    L.append(_loop_exit("b", "%nb", "blk", "pend", "row", "<8 x float>", "%acc{t}.p", "%a{t}.n", T))
     L.append("  br i1 %haspair, label %pair, label %pairend\n")
 
     # -- the groups after the blocks: two at a time (kernel_ir_vnni4's step), then an odd one, into 16-lane sums
@@ -476,9 +501,7 @@ def kernel_ir_vnni4b(T: int) -> str:
     L.append("  %cq0 = shl i64 %c, 5\n  %cq = add i64 %tailq, %cq0\n  %cg0 = shl i64 %c, 1\n  %cg = add i64 %tailg, %cg0\n"
              "  %cx0 = shl i64 %c, 6\n  %cx = add i64 %tailx, %cx0\n")
     L.append(pair(".n", "%cq", "%cg", "%cx", False, "%tacc{t}"))
-    L.append("  %c1 = add i64 %c, 1\n  %cmore = icmp ult i64 %c1, %np\n  br i1 %cmore, label %pair, label %pairend\n")
-    L.append("pairend:\n" + "".join(f"  %tacc{t}.p = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n"
-                                    for t in range(T)))
+    L.append(_loop_exit("c", "%np", "pair", "pairend", "pend", "<16 x float>", "%tacc{t}.p", "%t{t}.n", T))
     L.append("  br i1 %isodd, label %one, label %rowend\n")
     L.append("one:\n" + pair(".o", "%lastq", "%lastg", "%lastx", True, "%tacc{t}.p") + "  br label %rowend\n")
     # -- row end: the tail's zero term (masked: none without a tail), its sums folded in, one horizontal sum
@@ -490,11 +513,8 @@ def kernel_ir_vnni4b(T: int) -> str:
                  + f"  %e{t}.1 = call <8 x float> @llvm.fma.v8f32(<8 x float> %TZ, <8 x float> %TXS{t}, <8 x float> %acc{t}.p)\n"
                  f"  %tl{t} = shufflevector <16 x float> %tacc{t}.r, <16 x float> poison, <8 x i32> <{_seq(0, 8)}>\n"
                  f"  %th{t} = shufflevector <16 x float> %tacc{t}.r, <16 x float> poison, <8 x i32> <{_seq(8, 16)}>\n"
-                 f"  %e{t}.2 = fadd <8 x float> %tl{t}, %th{t}\n  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n"
-                 f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %e{t})\n"
-                 f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
-    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
-    L.append("done:\n  ret void\n}\n")
+                 f"  %e{t}.2 = fadd <8 x float> %tl{t}, %th{t}\n  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n")
+    L.append(_row_store(T, "%e{t}"))
     return "".join(L)
 
 
@@ -518,11 +538,7 @@ def kernel_ir_vnni8b(T: int) -> str:
     for n in _ARGS[:8]:
         L.append(f"  %{n} = inttoptr i64 %{n}.i to ptr\n")
     L.append(counts)
-    for t in range(T):
-        L.append(f"  %xo{t} = mul i64 %xst.i, {t}\n  %xb{t} = getelementptr i8, ptr %x, i64 %xo{t}\n")
-        L.append(f"  %do{t} = mul i64 %dst.i, {t}\n  %db{t} = getelementptr float, ptr %dx, i64 %do{t}\n")
-        L.append(f"  %so{t} = mul i64 %sst.i, {t}\n  %sb{t} = getelementptr i32, ptr %xs, i64 %so{t}\n")
-        L.append(f"  %oo{t} = mul i64 %ost.i, {t}\n  %ob{t} = getelementptr float, ptr %out, i64 %oo{t}\n")
+    L.append(_row_bases(T, "i8", "i32"))
     L.append("  %empty = icmp sge i64 %n0.i, %n1.i\n  br i1 %empty, label %done, label %row\n")
     L.append("row:\n  %r = phi i64 [%n0.i, %entry], [%r1, %rowend]\n"
              "  %qo = mul i64 %r, %K.i\n  %qp = getelementptr i8, ptr %q, i64 %qo\n"
@@ -556,19 +572,8 @@ def kernel_ir_vnni8b(T: int) -> str:
     L.append("  %Sa = getelementptr float, ptr %sp, i64 %bg\n  %S = load <8 x float>, ptr %Sa, align 4\n")
     swap = "<16 x i32> <" + ", ".join(f"i32 {i}" for i in (4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11)) + ">"
     for t in range(T):
-        sums = ["zeroinitializer"] * chains
-        for j in range(4):
-            c = j % chains
-            L.append(f"  %xo{t}.{j} = add i64 %bq, {64 * j}\n"
-                     f"  %xa{t}.{j} = getelementptr i8, ptr %xb{t}, i64 %xo{t}.{j}\n"
-                     f"  %xv{t}.{j} = load <16 x i32>, ptr %xa{t}.{j}, align 1\n"
-                     f"  %ia{t}.{j} = call <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32> {sums[c]}, "
-                     f"<16 x i32> {W[j]}, <16 x i32> %xv{t}.{j})\n")
-            sums[c] = f"%ia{t}.{j}"
-        tot = sums[0]
-        if chains == 2:
-            L.append(f"  %ic{t} = add <16 x i32> {sums[0]}, {sums[1]}\n")
-            tot = f"%ic{t}"
+        ir_, tot = _block_sums(t, W, "%bq", chains)
+        L.append(ir_)
         L.append(f"  %iw{t} = shufflevector <16 x i32> {tot}, <16 x i32> poison, {swap}\n"
                  f"  %it{t} = add <16 x i32> {tot}, %iw{t}\n"
                  f"  %ig{t} = shufflevector <16 x i32> %it{t}, <16 x i32> poison, <8 x i32> <i32 0, i32 1, i32 2, "
@@ -578,9 +583,7 @@ def kernel_ir_vnni8b(T: int) -> str:
                  f"  %D{t}.a = getelementptr float, ptr %db{t}, i64 %bg\n  %D{t} = load <8 x float>, ptr %D{t}.a, align 4\n"
                  f"  %sd{t} = fmul <8 x float> %S, %D{t}\n"
                  f"  %a{t}.n = call <8 x float> @llvm.fma.v8f32(<8 x float> %f{t}, <8 x float> %sd{t}, <8 x float> %acc{t})\n")
-    L.append("  %b1 = add i64 %b, 1\n  %bmore = icmp ult i64 %b1, %nb\n  br i1 %bmore, label %blk, label %pend\n")
-    L.append("pend:\n" + "".join(f"  %acc{t}.p = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n"
-                                 for t in range(T)))
+    L.append(_loop_exit("b", "%nb", "blk", "pend", "row", "<8 x float>", "%acc{t}.p", "%a{t}.n", T))
     L.append("  br i1 %haspair, label %pair, label %pairend\n")
     # -- pairs after the blocks (kernel_ir_vnni8's step, x natural there)
     pick = "<16 x i32> <" + ", ".join(["i32 0"] * 8 + ["i32 1"] * 8) + ">"
@@ -603,9 +606,7 @@ def kernel_ir_vnni8b(T: int) -> str:
                  f"  %tsdv{t} = shufflevector <2 x float> %tsd{t}, <2 x float> poison, {pick}\n"
                  f"  %t{t}.n = call <16 x float> @llvm.fma.v16f32(<16 x float> %tf{t}, <16 x float> %tsdv{t}, "
                  f"<16 x float> %tacc{t})\n")
-    L.append("  %c1 = add i64 %c, 1\n  %cmore = icmp ult i64 %c1, %np\n  br i1 %cmore, label %pair, label %pairend\n")
-    L.append("pairend:\n" + "".join(f"  %tacc{t}.p = phi <16 x float> [zeroinitializer, %pend], [%t{t}.n, %pair]\n"
-                                    for t in range(T)))
+    L.append(_loop_exit("c", "%np", "pair", "pairend", "pend", "<16 x float>", "%tacc{t}.p", "%t{t}.n", T))
     L.append("  br i1 %isodd, label %tail, label %rowend\n")
     L.append("tail:\n" + _step(False, True, T, True, "%last", ".T", ["zeroinitializer"] * T, ["0.0"] * T, wide=True)
              + "  br label %rowend\n")
@@ -616,11 +617,8 @@ def kernel_ir_vnni8b(T: int) -> str:
         L.append(f"  %tl{t} = shufflevector <16 x float> %tacc{t}.p, <16 x float> poison, <8 x i32> <{_seq(0, 8)}>\n"
                  f"  %th{t} = shufflevector <16 x float> %tacc{t}.p, <16 x float> poison, <8 x i32> <{_seq(8, 16)}>\n"
                  f"  %e{t}.1 = fadd <8 x float> %tl{t}, %th{t}\n  %e{t}.2 = fadd <8 x float> %acc{t}.p, %oacc{t}\n"
-                 f"  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n"
-                 f"  %tot{t} = call reassoc float @llvm.vector.reduce.fadd.v8f32(float 0.0, <8 x float> %e{t})\n"
-                 f"  %oa{t} = getelementptr float, ptr %ob{t}, i64 %r\n  store float %tot{t}, ptr %oa{t}, align 4\n")
-    L.append("  %r1 = add i64 %r, 1\n  %rc = icmp slt i64 %r1, %n1.i\n  br i1 %rc, label %row, label %done\n")
-    L.append("done:\n  ret void\n}\n")
+                 f"  %e{t} = fadd <8 x float> %e{t}.1, %e{t}.2\n")
+    L.append(_row_store(T, "%e{t}"))
     return "".join(L)
 
 
