@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rounds", type=_count(1, 1000), default=1, metavar="N",
                    help="with --compare llamacpp: N rounds, llama.cpp and KV Scope alternating (each round's ratios "
                         "printed, and each goal's median over the rounds with its verdict; the lines below are the "
-                        "round with the median batch-1 decode ratio)")
+                        "round with the median batch-1 decode ratio; a round's prefill time on each side is the "
+                        "median of 3 prefills of the prompt, back to back)")
     b.add_argument("--ui", action="store_true",
                    help="instead: the window's frame costs at 1M / 100k blocks and event-loop stalls while decoding")
     b.add_argument("--snapshot-blocks", type=_count(1, 100_000_000), metavar="N",
