@@ -38,9 +38,9 @@ GOALS = {"batch1_decode_vs_llamacpp": ("batch-1 decode", 1.2),
          "batch_decode_vs_llamacpp_batched_decode": ("batch-{B} decode vs llama.cpp batched", 2.0),
          "prefill_speedup_vs_llamacpp": ("prefill speed-up", 3.0)}
 # Prefills each side runs in a round (the first the batch-1 run's own, the rest a prompt and one token each, back to
-# back): the round's prefill time is their median. One prefill of KV Scope's is ~0.3 s, so a burst of the shared
-# machine's load in it moves that round's ratio by up to a third (2.4-3.5 within one run of 5 rounds); llama.cpp's
-# ~1 s absorbs more of the same burst.
+# back): the round's prefill time is their median, printed with the three. One burst of another load in a ~0.3 s
+# prefill does not move the round's ratio, and the three show whether a round's ratio moved with the machine's state
+# instead (they agree): on EPYC-z4 they agreed to 3-9 % in every round while the ratio ran 2.5-3.8 between rounds.
 PREFILL_REPEATS = 3
 DEFAULT_KV = "fp16"  # this comparison's KV format when --kv-dtype is not given: llama.cpp's default (f16), both sides
 
