@@ -359,11 +359,14 @@ def _prefetch(ptr: str, locality: int) -> str:
     return f"  call void @llvm.prefetch.p0(ptr {ptr}, i32 0, i32 {locality}, i32 1)\n"
 
 
-# Bytes of packed weights ahead of each step that the int4 VNNI kernel prefetches (scales and zeros: the same
-# groups ahead, 16 bytes of weights a group): 2 KiB takes 13 % off at 1 row of x, 2 % at 8, over the default model's
-# 120 matmuls (which do not fit the cache); 4 and 8 KiB measure the same, 512 B and 1 KiB less.
+# Bytes of packed weights ahead of each block that the int4 VNNI kernel prefetches (scales and zeros: the same
+# groups ahead, 16 bytes of weights a group; the Q8_0 kernel twice as far, 32 a group). Over the default model's 120
+# int4 matmuls (which do not fit the cache), through _mm: 4.29 ms at 1 row of x and 7.64 at 8 with 2 KiB, against
+# 4.58 / 8.65 with none, 4.41 / 7.75 with 1 KiB and 4.70 / 7.82 with 4 KiB (EPYC znver4, 2026-12-07, medians of 9
+# alternating).
 Q4_PREFETCH = 2048
-Q4_LOCALITY = 0  # prefetchnta: over the 120 matmuls 2.69 ms at 1 row against 3.04 with prefetcht1 (8.85 vs 9.29 at 8)
+Q4_LOCALITY = 0  # prefetchnta (measured with the kernel before the block ones: 2.69 ms at 1 row against 3.04 with
+# prefetcht1, 8.85 vs 9.29 at 8)
 
 
 Q4B_GROUPS = 8  # activation groups a block of the blocked int4 VNNI kernel takes (256 inputs, 128 packed bytes)
