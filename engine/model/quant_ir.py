@@ -347,7 +347,6 @@ def kernel_ir(kind: str, T: int, x86: bool) -> str:
 _DECLARE_VNNI = """
 declare <16 x i32> @llvm.x86.avx512.vpdpbusd.512(<16 x i32>, <16 x i32>, <16 x i32>)
 declare <64 x i8> @llvm.abs.v64i8(<64 x i8>, i1)
-declare <16 x float> @llvm.masked.load.v16f32.p0(ptr, i32, <16 x i1>, <16 x float>)
 declare <8 x float> @llvm.masked.load.v8f32.p0(ptr, i32, <8 x i1>, <8 x float>)
 """
 VNNI_KINDS = {"q4b": "q4i", "q8v": "q8w"}  # AVX-512 VNNI kernel -> the kind whose work it does
@@ -455,7 +454,8 @@ def kernel_ir_vnni4b(T: int) -> str:
     L.append(_loop_exit("b", "%nb", "blk", "pend", "row", "<8 x float>", "%acc{t}.p", "%a{t}.n", T))
     L.append("  br i1 %haspair, label %pair, label %pairend\n")
 
-    # -- the groups after the blocks: two at a time (kernel_ir_vnni4's step), then an odd one, into 16-lane sums
+    # -- the groups after the blocks: two at a time (one vpdpbusd, lanes 0-7 / 8-15 a group each), then an odd one,
+    # into 16-lane sums
     pick = "<16 x i32> <" + ", ".join(["i32 0"] * 8 + ["i32 1"] * 8) + ">"
     order = list(range(0, 16)) + list(range(32, 48)) + list(range(16, 32)) + list(range(48, 64))
 
@@ -551,12 +551,12 @@ def kernel_ir_vnni8b(T: int) -> str:
     L.append("blk:\n  %b = phi i64 [0, %row], [%b1, %blk]\n")
     L.append("".join(f"  %acc{t} = phi <8 x float> [zeroinitializer, %row], [%a{t}.n, %blk]\n" for t in range(T)))
     L.append("  %bq = shl i64 %b, 8\n  %bg = shl i64 %b, 3\n")
+    L.append("  %qa = getelementptr i8, ptr %qp, i64 %bq\n")
     for i in range(4):
-        L.append(f"  %qa{i} = getelementptr i8, ptr %qp, i64 %bq\n  %qa{i}.o = getelementptr i8, ptr %qa{i}, i64 {64 * i}\n"
-                 f"  %R{i} = load <16 x i32>, ptr %qa{i}.o, align 1\n")
+        L.append(f"  %qa{i} = getelementptr i8, ptr %qa, i64 {64 * i}\n  %R{i} = load <16 x i32>, ptr %qa{i}, align 1\n")
     if Q4_PREFETCH:
         for i in range(4):
-            L.append(f"  %pq{i} = getelementptr i8, ptr %qa0, i64 {2 * Q4_PREFETCH + 64 * i}\n" + _prefetch(f"%pq{i}", Q4_LOCALITY))
+            L.append(f"  %pq{i} = getelementptr i8, ptr %qa, i64 {2 * Q4_PREFETCH + 64 * i}\n" + _prefetch(f"%pq{i}", Q4_LOCALITY))
         L.append(f"  %pg = add i64 %bg, {2 * Q4_PREFETCH // 32}\n  %ps = getelementptr float, ptr %sp, i64 %pg\n"
                  + _prefetch("%ps", Q4_LOCALITY))
     W = []
@@ -1009,10 +1009,10 @@ def operand(kind: str, q: np.ndarray, scale: np.ndarray, zero: np.ndarray, group
             lib: "_Library | None" = None) -> tuple | None:
     """How the IR kernels run a packed weight (quant.py's layouts), as the tuple _mm takes: (kernels, q, scale, zero,
     the weight group of each inner step, groups a row, inputs K, int8 activations?, rows a thread's chunk, the order
-    the kernels read int8 x in: XL_PLAIN or XL_Q4B); None
-    where they cannot (int8 weights with groups or inputs not in 16s). int8 activations need K in 32s (else fp32
-    ones); int8 weights with groups of 32 or more take 32 inputs a step (q8w), else 16. lib: the compiled kernels
-    (library() by default)."""
+    the kernels read int8 x in: XL_PLAIN, XL_Q4B or XL_Q8B); None where they cannot (int8 weights with groups or
+    inputs not in 16s). int8 activations need K in 32s (else fp32 ones); int8 weights with groups of 32 or more take
+    32 inputs a step (q8w; with AVX-512 VNNI, groups of exactly 32 the block kernel q8b), else 16. lib: the compiled
+    kernels (library() by default)."""
     lib = lib or library()
     N = q.shape[0]
     K = q.shape[1] * (2 if kind == "int4" else 1)
